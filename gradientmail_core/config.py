@@ -1,0 +1,169 @@
+"""The algorithm's configuration: frozen, keyword-only, validated at construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import RunConfigMismatch
+
+DELTA_DTYPES = ("F32", "F16", "BF16", "F8_E4M3", "F4")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightedMean:
+    """Merge deltas by their weighted mean."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "weighted_mean"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RDA:
+    """Radial-directional averaging (Decoupled DiLoCo); names containing ``direct_pattern``
+    (embeddings) use the weighted mean."""
+
+    direct_pattern: str = "embed"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "rda", "direct_pattern": self.direct_pattern}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Balanced:
+    """Default partition: tensors largest first, each to the lightest fragment so far."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "balanced"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Strided:
+    """Streaming DiLoCo partition: transformer blocks dealt round-robin to fragments."""
+
+    block_pattern: str = r"\.(\d+)\."
+
+    def __post_init__(self) -> None:
+        try:
+            pattern = re.compile(self.block_pattern)
+        except re.error as e:
+            raise ValueError(f"Strided(block_pattern={self.block_pattern!r}) is not a regex: {e}") from None
+        if pattern.groups < 1:
+            raise ValueError(f"Strided(block_pattern={self.block_pattern!r}) needs one group capturing the block index")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "strided", "block_pattern": self.block_pattern}
+
+
+Merge = WeightedMean | RDA
+Partition = Balanced | Strided
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiLoCo:
+    """Decoupled / Streaming DiLoCo. See SPEC section 2 for every field."""
+
+    sync_every: int
+    fragments: int
+    in_flight: int | None = None  # None: min(2, fragments)
+    overlap_steps: int | None = None
+    mixing: float = 0.0
+    quorum_size: int = 1
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    merge: Merge = field(default_factory=RDA)
+    partition: Partition = field(default_factory=Balanced)
+    global_batch_size: int | None = None
+    delta_dtype: str | None = None
+    commit_dtype: str | None = None
+    flush_on_close: bool = False
+
+    def __post_init__(self) -> None:
+        def bad(what: str) -> ValueError:
+            return ValueError(f"DiLoCo({what}) is invalid")
+
+        for name in ("sync_every", "fragments", "quorum_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise bad(f"{name}={v!r}: expected an integer >= 1")
+        if self.in_flight is None:
+            object.__setattr__(self, "in_flight", min(2, self.fragments))
+        inf = self.in_flight
+        if not isinstance(inf, int) or isinstance(inf, bool):
+            raise bad(f"in_flight={inf!r}: expected an integer")
+        if not 1 <= inf <= self.fragments <= self.sync_every:
+            raise bad(
+                f"in_flight={inf}, fragments={self.fragments}, sync_every={self.sync_every}: "
+                "expected 1 <= in_flight <= fragments <= sync_every"
+            )
+        if self.overlap_steps is not None and (
+            not isinstance(self.overlap_steps, int) or isinstance(self.overlap_steps, bool) or self.overlap_steps < 0
+        ):
+            raise bad(f"overlap_steps={self.overlap_steps!r}: expected None or an integer >= 0")
+        if not isinstance(self.mixing, int | float) or not 0.0 <= self.mixing < 1.0:
+            raise bad(f"mixing={self.mixing!r}: expected a number in [0, 1)")
+        if not isinstance(self.outer_lr, int | float) or not self.outer_lr > 0:
+            raise bad(f"outer_lr={self.outer_lr!r}: expected a number > 0")
+        if not isinstance(self.outer_momentum, int | float) or not 0 <= self.outer_momentum < 1:
+            raise bad(f"outer_momentum={self.outer_momentum!r}: expected a number in [0, 1)")
+        if not isinstance(self.merge, WeightedMean | RDA):
+            raise bad(f"merge={self.merge!r}: expected gm.RDA() or gm.WeightedMean()")
+        if not isinstance(self.partition, Balanced | Strided):
+            raise bad(f"partition={self.partition!r}: expected gm.Balanced() or gm.Strided()")
+        if self.global_batch_size is not None and (
+            not isinstance(self.global_batch_size, int) or self.global_batch_size < 1
+        ):
+            raise bad(f"global_batch_size={self.global_batch_size!r}: expected None or an integer >= 1")
+        for name in ("delta_dtype", "commit_dtype"):
+            v = getattr(self, name)
+            if v is not None and v not in DELTA_DTYPES:
+                raise bad(f"{name}={v!r}: expected None or one of {DELTA_DTYPES}")
+        object.__setattr__(self, "mixing", float(self.mixing))
+        object.__setattr__(self, "outer_lr", float(self.outer_lr))
+        object.__setattr__(self, "outer_momentum", float(self.outer_momentum))
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            d[f.name] = v.to_dict() if hasattr(v, "to_dict") else v
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DiLoCo:
+        d = dict(d)
+        d["merge"] = _merge_from(d.get("merge", {}))
+        d["partition"] = _partition_from(d.get("partition", {}))
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown DiLoCo field(s) {sorted(unknown)}")
+        return cls(**d)
+
+    def check_matches(self, run_config: dict[str, Any]) -> None:
+        """Raise ``RunConfigMismatch`` naming every field that differs from the run's."""
+        mine = self.to_dict()
+        diffs = {k: (run_config.get(k), mine.get(k)) for k in sorted(set(mine) | set(run_config))
+                 if run_config.get(k) != mine.get(k)}
+        if diffs:
+            raise RunConfigMismatch(diffs)
+
+
+def _merge_from(d: dict[str, Any]) -> Merge:
+    kind = d.get("kind")
+    if kind == "weighted_mean":
+        return WeightedMean()
+    if kind == "rda":
+        return RDA(direct_pattern=str(d.get("direct_pattern", "embed")))
+    raise ValueError(f"unknown merge {d!r}")
+
+
+def _partition_from(d: dict[str, Any]) -> Partition:
+    kind = d.get("kind")
+    if kind == "balanced":
+        return Balanced()
+    if kind == "strided":
+        return Strided(block_pattern=str(d.get("block_pattern", r"\.(\d+)\.")))
+    raise ValueError(f"unknown partition {d!r}")

@@ -1,0 +1,217 @@
+"""Every storage key of the protocol, formatted and parsed here and nowhere else.
+
+Numbers are zero-padded to a fixed width so that byte order is numeric order; a
+property test holds us to that. All keys are relative to the mailbox prefix.
+
+    manifest.json
+    claims/{round:010d}/{n:03d}.json
+    rounds/{round:010d}.json
+    snapshots/{round:010d}/{learner}.json
+    leases/{learner}/{seq:010d}.json
+    blobs/init/{fragment:03d}-{sha256}.safetensors[.zst]
+    blobs/rounds/{round:010d}/{kind}-{sha256}.safetensors[.zst]
+    blobs/snapshots/{round:010d}/{learner}/{sha256}.safetensors[.zst]
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+MAX_ROUND = 10**10 - 1
+MAX_CLAIM = 999
+MAX_SEQ = 10**10 - 1
+MAX_FRAGMENT = 999
+
+LEARNER_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
+_KEY_CHARS = re.compile(r"[A-Za-z0-9._/-]+")
+MAX_KEY_BYTES = 512
+
+MANIFEST = "manifest.json"
+CLAIMS = "claims/"
+ROUNDS = "rounds/"
+SNAPSHOTS = "snapshots/"
+LEASES = "leases/"
+BLOBS = "blobs/"
+INIT_BLOBS = "blobs/init/"
+ROUND_BLOBS = "blobs/rounds/"
+SNAPSHOT_BLOBS = "blobs/snapshots/"
+
+EXTENSIONS = {"": ".safetensors", "zstd": ".safetensors.zst"}
+ROUND_BLOB_KINDS = ("theta", "outer", "change")
+
+_SHA = r"[0-9a-f]{64}"
+_EXT = r"\.safetensors(?:\.zst)?"
+_LEARNER = r"[a-z0-9][a-z0-9-]{0,63}"
+_CLAIM_RE = re.compile(r"claims/(\d{10})/(\d{3})\.json")
+_ROUND_RE = re.compile(r"rounds/(\d{10})\.json")
+_SNAPSHOT_RE = re.compile(rf"snapshots/(\d{{10}})/({_LEARNER})\.json")
+_LEASE_RE = re.compile(rf"leases/({_LEARNER})/(\d{{10}})\.json")
+_INIT_BLOB_RE = re.compile(rf"blobs/init/(\d{{3}})-({_SHA})({_EXT})")
+_ROUND_BLOB_RE = re.compile(rf"blobs/rounds/(\d{{10}})/(theta|outer|change)-({_SHA})({_EXT})")
+_SNAPSHOT_BLOB_RE = re.compile(rf"blobs/snapshots/(\d{{10}})/({_LEARNER})/({_SHA})({_EXT})")
+
+
+def validate_learner_id(learner: str) -> str:
+    if not isinstance(learner, str) or not LEARNER_ID.fullmatch(learner):
+        raise ValueError(
+            f"learner id {learner!r} is invalid: it must match [a-z0-9][a-z0-9-]{{0,63}} "
+            "(lowercase letters, digits and '-', starting with a letter or digit)"
+        )
+    return learner
+
+
+def validate_key(key: str) -> str:
+    """Refuse keys that could escape the prefix or confuse a backend, before any I/O."""
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"invalid mailbox key {key!r}: empty or not a string")
+    if len(key.encode()) > MAX_KEY_BYTES:
+        raise ValueError(f"invalid mailbox key {key[:40]!r}...: longer than {MAX_KEY_BYTES} bytes")
+    if key.startswith("/") or "\\" in key or "\x00" in key or "//" in key:
+        raise ValueError(f"invalid mailbox key {key!r}: leading '/', '//', backslash or NUL")
+    if any(part in ("", ".", "..") for part in key.rstrip("/").split("/")):
+        raise ValueError(f"invalid mailbox key {key!r}: '.' or '..' path segment")
+    if not _KEY_CHARS.fullmatch(key):
+        raise ValueError(f"invalid mailbox key {key!r}: only A-Z a-z 0-9 . _ / - are allowed")
+    return key
+
+
+def validate_prefix(prefix: str) -> str:
+    """A listing prefix: empty, or a key-like string (may end with '/')."""
+    if prefix == "":
+        return prefix
+    return validate_key(prefix)
+
+
+def _round(r: int) -> str:
+    if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r <= MAX_ROUND:
+        raise ValueError(f"round {r!r} out of range 0..{MAX_ROUND}")
+    return f"{r:010d}"
+
+
+def _ext(compression: str) -> str:
+    try:
+        return EXTENSIONS[compression]
+    except KeyError:
+        raise ValueError(f"unknown compression {compression!r}; expected one of {sorted(EXTENSIONS)}") from None
+
+
+def compression_of(key: str) -> str:
+    """The codec a payload was written with, from its key's extension."""
+    if key.endswith(".safetensors.zst"):
+        return "zstd"
+    if key.endswith(".safetensors"):
+        return ""
+    raise ValueError(f"key {key!r} is not a payload key")
+
+
+# ---- formatting -------------------------------------------------------------------------
+
+
+def claims_prefix(r: int) -> str:
+    return f"{CLAIMS}{_round(r)}/"
+
+
+def claim_key(r: int, n: int) -> str:
+    if not 1 <= n <= MAX_CLAIM:
+        raise ValueError(f"claim number {n} out of range 1..{MAX_CLAIM}")
+    return f"{claims_prefix(r)}{n:03d}.json"
+
+
+def round_key(r: int) -> str:
+    return f"{ROUNDS}{_round(r)}.json"
+
+
+def snapshots_prefix(r: int) -> str:
+    return f"{SNAPSHOTS}{_round(r)}/"
+
+
+def snapshot_key(r: int, learner: str) -> str:
+    return f"{snapshots_prefix(r)}{validate_learner_id(learner)}.json"
+
+
+def lease_prefix(learner: str) -> str:
+    return f"{LEASES}{validate_learner_id(learner)}/"
+
+
+def lease_key(learner: str, seq: int) -> str:
+    if not 0 <= seq <= MAX_SEQ:
+        raise ValueError(f"lease sequence {seq} out of range")
+    return f"{lease_prefix(learner)}{seq:010d}.json"
+
+
+def init_blob_key(fragment: int, sha: str, compression: str = "") -> str:
+    if not 0 <= fragment <= MAX_FRAGMENT:
+        raise ValueError(f"fragment {fragment} out of range 0..{MAX_FRAGMENT}")
+    _check_sha(sha)
+    return f"{INIT_BLOBS}{fragment:03d}-{sha}{_ext(compression)}"
+
+
+def round_blobs_prefix(r: int) -> str:
+    return f"{ROUND_BLOBS}{_round(r)}/"
+
+
+def round_blob_key(r: int, kind: str, sha: str, compression: str = "") -> str:
+    if kind not in ROUND_BLOB_KINDS:
+        raise ValueError(f"round blob kind {kind!r} not in {ROUND_BLOB_KINDS}")
+    _check_sha(sha)
+    return f"{round_blobs_prefix(r)}{kind}-{sha}{_ext(compression)}"
+
+
+def snapshot_blobs_prefix(r: int) -> str:
+    return f"{SNAPSHOT_BLOBS}{_round(r)}/"
+
+
+def snapshot_blob_key(r: int, learner: str, sha: str, compression: str = "") -> str:
+    _check_sha(sha)
+    return f"{snapshot_blobs_prefix(r)}{validate_learner_id(learner)}/{sha}{_ext(compression)}"
+
+
+def _check_sha(sha: str) -> None:
+    if not re.fullmatch(_SHA, sha):
+        raise ValueError(f"{sha!r} is not a lowercase hex sha256")
+
+
+# ---- parsing (None for anything that is not a key of that kind) -------------------------
+
+
+def parse_claim_key(key: str) -> tuple[int, int] | None:
+    m = _CLAIM_RE.fullmatch(key)
+    if not m or int(m[2]) < 1:
+        return None
+    return int(m[1]), int(m[2])
+
+
+def parse_round_key(key: str) -> int | None:
+    m = _ROUND_RE.fullmatch(key)
+    return int(m[1]) if m else None
+
+
+def parse_snapshot_key(key: str) -> tuple[int, str] | None:
+    m = _SNAPSHOT_RE.fullmatch(key)
+    return (int(m[1]), m[2]) if m else None
+
+
+def parse_lease_key(key: str) -> tuple[str, int] | None:
+    m = _LEASE_RE.fullmatch(key)
+    return (m[1], int(m[2])) if m else None
+
+
+@dataclass(frozen=True)
+class BlobKey:
+    kind: str  # "init", "theta", "outer", "change", "snapshot"
+    sha: str
+    compression: str
+    round: int | None = None
+    fragment: int | None = None
+    learner: str | None = None
+
+
+def parse_blob_key(key: str) -> BlobKey | None:
+    if m := _INIT_BLOB_RE.fullmatch(key):
+        return BlobKey("init", m[2], compression_of(key), fragment=int(m[1]))
+    if m := _ROUND_BLOB_RE.fullmatch(key):
+        return BlobKey(m[2], m[3], compression_of(key), round=int(m[1]))
+    if m := _SNAPSHOT_BLOB_RE.fullmatch(key):
+        return BlobKey("snapshot", m[3], compression_of(key), round=int(m[1]), learner=m[2])
+    return None

@@ -1,0 +1,282 @@
+"""The records of the protocol: frozen dataclasses and one codec to canonical JSON.
+
+Every field is type- and range-checked on the way in; a record that fails is a
+``RecordInvalid`` (a ``ProtocolError``), never a ``KeyError`` from deep inside.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from .errors import RecordInvalid
+
+FORMAT = 1
+MAX_RECORD_BYTES = 1 << 20
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_LIST = 100_000
+MAX_INT = 2**63 - 1
+
+_SHA = re.compile(r"[0-9a-f]{64}")
+_LEARNER = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
+_NONCE = re.compile(r"[0-9a-f]{8,64}")
+_MAC = re.compile(r"[0-9a-f]{64}")
+_KEY = re.compile(r"[A-Za-z0-9._/-]{1,512}")
+
+REJECT_REASONS = ("zero_steps", "schema", "stale", "missing", "corrupt", "nonfinite", "outlier", "late")
+
+
+def _meta(**kw: Any) -> dict[str, Any]:
+    return {"check": kw}
+
+
+def sha(**kw: Any) -> Any:
+    return field(metadata=_meta(pattern=_SHA), **kw)
+
+
+def learner_field(**kw: Any) -> Any:
+    return field(metadata=_meta(pattern=_LEARNER), **kw)
+
+
+def nonneg(**kw: Any) -> Any:
+    return field(metadata=_meta(min=0), **kw)
+
+
+@dataclass(frozen=True)
+class PayloadRef:
+    key: str = field(metadata=_meta(pattern=_KEY))
+    sha256: str = sha()
+    size: int = nonneg()
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str = field(metadata=_meta(max_len=1024, min_len=1))
+    dtype: str = field(metadata=_meta(choices=("F32", "F16", "BF16")))
+    shape: list[int] = field(metadata=_meta(min=0, max_len=16))
+
+
+@dataclass(frozen=True)
+class Manifest:
+    run_id: str = field(metadata=_meta(pattern=_NONCE))
+    created_by: str = learner_field()
+    schema: list[TensorSpec] = field(metadata=_meta(min_len=1))
+    schema_digest: str = sha()
+    fragments: list[list[str]] = field(metadata=_meta(min_len=1))
+    config: dict[str, Any] = field(default_factory=dict)
+    init: list[PayloadRef] = field(default_factory=list)
+    format: int = FORMAT
+    mac: str | None = field(default=None, metadata=_meta(pattern=_MAC))
+
+
+@dataclass(frozen=True)
+class Claim:
+    round: int = nonneg()
+    n: int = field(metadata=_meta(min=1, max=999))
+    learner: str = learner_field()
+    nonce: str = field(metadata=_meta(pattern=_NONCE))
+    format: int = FORMAT
+    mac: str | None = field(default=None, metadata=_meta(pattern=_MAC))
+
+
+@dataclass(frozen=True)
+class Lease:
+    learner: str = learner_field()
+    nonce: str = field(metadata=_meta(pattern=_NONCE))
+    seq: int = nonneg()
+    local_step: int = nonneg()
+    tokens: int = nonneg()
+    format: int = FORMAT
+    mac: str | None = field(default=None, metadata=_meta(pattern=_MAC))
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    learner: str = learner_field()
+    round: int = nonneg()
+    local_step: int = nonneg()
+    steps: int = nonneg()
+    tokens: int = nonneg()
+    base_version: int = nonneg()
+    step_seconds: float = nonneg()
+    schema_digest: str = sha()
+    payload: PayloadRef = field(metadata=_meta())
+    final: bool = False
+    nonce: str = field(default="00000000", metadata=_meta(pattern=_NONCE))
+    format: int = FORMAT
+    mac: str | None = field(default=None, metadata=_meta(pattern=_MAC))
+
+
+@dataclass(frozen=True)
+class Participant:
+    learner: str = learner_field()
+    weight: float = nonneg()
+    steps: int = nonneg()
+    tokens: int = nonneg()
+    payload_sha256: str = sha()
+    final: bool = False
+
+
+@dataclass(frozen=True)
+class Rejection:
+    learner: str = learner_field()
+    reason: str = field(metadata=_meta(choices=REJECT_REASONS))
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    round: int = nonneg()
+    step: int = nonneg()
+    fragment: int = nonneg()
+    version: int = field(metadata=_meta(min=1))
+    closer: str = learner_field()
+    participants: list[Participant] = field(metadata=_meta(min_len=1))
+    rejected: list[Rejection] = field(default_factory=list)
+    theta: PayloadRef | None = None
+    theta_digest: str = sha(default="0" * 64)
+    outer: PayloadRef | None = None
+    change: PayloadRef | None = None
+    cosine: float | None = None
+    final: bool = False
+    live: int = nonneg(default=0)
+    quorum_seconds: float = nonneg(default=0.0)
+    grace_seconds: float = nonneg(default=0.0)
+    x_step: float | None = field(default=None, metadata=_meta(min=0))
+    x_quorum: float | None = field(default=None, metadata=_meta(min=0))
+    x_sync: float | None = field(default=None, metadata=_meta(min=0))
+    format: int = FORMAT
+    mac: str | None = field(default=None, metadata=_meta(pattern=_MAC))
+
+
+R = TypeVar("R")
+
+_LIMITS = {Manifest: MAX_MANIFEST_BYTES}
+
+
+def to_dict(record: Any) -> dict[str, Any]:
+    return dataclasses.asdict(record)
+
+
+def canonical_json(obj: Any) -> bytes:
+    """Sorted keys, no whitespace, no NaN: the same object always gives the same bytes."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False, ensure_ascii=True).encode()
+
+
+def encode(record: Any) -> bytes:
+    data = canonical_json(to_dict(record))
+    limit = _LIMITS.get(type(record), MAX_RECORD_BYTES)
+    assert len(data) <= limit, f"{type(record).__name__} of {len(data)} bytes exceeds {limit}"
+    return data
+
+
+def signing_bytes(record: Any) -> bytes:
+    """Canonical bytes of a record without its ``mac`` field (what an HMAC covers)."""
+    d = to_dict(record)
+    d.pop("mac", None)
+    return canonical_json(d)
+
+
+def decode(data: bytes | None, cls: type[R], *, key: str = "?") -> R:
+    """Parse and validate a record. Raises ``RecordInvalid`` naming the key and the field."""
+    if data is None:
+        raise RecordInvalid(f"{key}: record is missing")
+    limit = _LIMITS.get(cls, MAX_RECORD_BYTES)
+    if len(data) > limit:
+        raise RecordInvalid(f"{key}: record of {len(data)} bytes exceeds the {limit}-byte cap")
+    try:
+        raw = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise RecordInvalid(f"{key}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise RecordInvalid(f"{key}: expected a JSON object, found {type(raw).__name__}")
+    fmt = raw.get("format")
+    if fmt != FORMAT:
+        raise RecordInvalid(
+            f"{key}: format version {fmt!r}, this gradientmail reads version {FORMAT}; "
+            "upgrade gradientmail on every node of the run"
+        )
+    return _build(cls, raw, key)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed")
+
+
+def _build(cls: type[R], raw: Any, where: str) -> R:
+    if not isinstance(raw, dict):
+        raise RecordInvalid(f"{where}: expected an object for {cls.__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = set(raw) - set(fields)
+    if unknown:
+        raise RecordInvalid(f"{where}: unknown field(s) {sorted(unknown)[:5]} in {cls.__name__}")
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for name, f in fields.items():
+        if name not in raw:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise RecordInvalid(f"{where}: missing field {name!r} in {cls.__name__}")
+            continue
+        values[name] = _check(hints[name], raw[name], f.metadata.get("check", {}), f"{where}.{name}")
+    return cls(**values)
+
+
+def _check(tp: Any, v: Any, check: dict[str, Any], where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if v is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _check(inner, v, check, where)
+    if tp is bool:
+        if not isinstance(v, bool):
+            raise RecordInvalid(f"{where}: expected a boolean, found {type(v).__name__}")
+        return v
+    if tp is int:
+        if not isinstance(v, int) or isinstance(v, bool) or not -MAX_INT <= v <= MAX_INT:
+            raise RecordInvalid(f"{where}: expected an integer, found {v!r:.40}")
+        _range(v, check, where)
+        return v
+    if tp is float:
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            raise RecordInvalid(f"{where}: expected a finite number, found {v!r:.40}")
+        _range(v, check, where)
+        return float(v)
+    if tp is str:
+        if not isinstance(v, str):
+            raise RecordInvalid(f"{where}: expected a string, found {type(v).__name__}")
+        if "pattern" in check and not check["pattern"].fullmatch(v):
+            raise RecordInvalid(f"{where}: {v[:80]!r} does not match {check['pattern'].pattern}")
+        if "choices" in check and v not in check["choices"]:
+            raise RecordInvalid(f"{where}: {v[:80]!r} is not one of {check['choices']}")
+        if len(v) > check.get("max_len", 4096) or len(v) < check.get("min_len", 0):
+            raise RecordInvalid(f"{where}: string length {len(v)} out of range")
+        return v
+    if origin is list:
+        if not isinstance(v, list):
+            raise RecordInvalid(f"{where}: expected a list, found {type(v).__name__}")
+        if len(v) > check.get("max_len", MAX_LIST) or len(v) < check.get("min_len", 0):
+            raise RecordInvalid(f"{where}: list of length {len(v)} out of range")
+        (inner,) = typing.get_args(tp)
+        elem_check = {k: c for k, c in check.items() if k in ("min", "max", "pattern", "choices")}
+        return [_check(inner, x, elem_check, f"{where}[{i}]") for i, x in enumerate(v)]
+    if origin is dict:
+        if not isinstance(v, dict):
+            raise RecordInvalid(f"{where}: expected an object, found {type(v).__name__}")
+        return v
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, v, where)  # type: ignore[arg-type]
+    raise AssertionError(f"unsupported record field type {tp!r}")
+
+
+def _range(v: float, check: dict[str, Any], where: str) -> None:
+    if "min" in check and v < check["min"]:
+        raise RecordInvalid(f"{where}: {v} is below the minimum {check['min']}")
+    if "max" in check and v > check["max"]:
+        raise RecordInvalid(f"{where}: {v} is above the maximum {check['max']}")

@@ -1,0 +1,1 @@
+"""Trainer integrations for gradientmail: Lightning and Accelerate."""

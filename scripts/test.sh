@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Sets up .venv (torch CPU first, then the project with every extra) and runs
+# ruff (lint + format check), mypy over gradientmail_core, and the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+# torch 2.13.0 first and explicitly: on these machines it is a CPU build on local disk.
+.venv/bin/python -m pip install -q torch==2.13.0
+.venv/bin/python -m pip install -q -e ".[s3,torch,lightning,accelerate,mlx,zstd,cli,dev]"
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+.venv/bin/mypy gradientmail_core
+.venv/bin/python -m pytest -q "$@"
