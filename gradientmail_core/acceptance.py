@@ -1,0 +1,55 @@
+"""Whether a snapshot's delta enters a round (SPEC 3.6), over facts the engine already fetched."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+import numpy as np
+
+PayloadStatus = Literal["ok", "missing", "corrupt"]
+
+
+def judge(
+    snapshot_steps: int,
+    schema_digest_ok: bool,
+    base_version: int,
+    current_version: int,
+    payload: Mapping[str, np.ndarray] | None,
+    payload_status: PayloadStatus,
+    *,
+    expected_shapes: Mapping[str, Sequence[int]] | None = None,
+) -> str | None:
+    """``None`` if the snapshot is accepted, else the first failing reason, checked in this order:
+
+    - ``zero_steps``: ``snapshot_steps <= 0`` (its weight would divide by zero);
+    - ``schema``: its schema digest is not the run's (``schema_digest_ok`` is False);
+    - ``stale``: ``base_version != current_version`` (a delta against another version of the fragment);
+    - ``missing``: ``payload_status == "missing"`` (no payload at the ref's key);
+    - ``corrupt``: ``payload_status == "corrupt"`` (bytes do not hash to the ref, or do not decode),
+      or, given ``expected_shapes`` (the fragment's delta layout), the payload's tensor names or
+      shapes differ from it;
+    - ``nonfinite``: any value is NaN or infinite.
+
+    The cheap record checks come first so a stale snapshot's payload never needs fetching: the
+    engine may pass ``payload=None`` with any status once an earlier check fails.
+    """
+    if snapshot_steps <= 0:
+        return "zero_steps"
+    if not schema_digest_ok:
+        return "schema"
+    if base_version != current_version:
+        return "stale"
+    if payload_status == "missing":
+        return "missing"
+    if payload_status == "corrupt":
+        return "corrupt"
+    assert payload_status == "ok" and payload is not None, payload_status
+    if expected_shapes is not None:
+        if set(payload) != set(expected_shapes):
+            return "corrupt"
+        if any(tuple(np.shape(payload[k])) != tuple(expected_shapes[k]) for k in expected_shapes):
+            return "corrupt"
+    if not all(np.isfinite(a).all() for a in payload.values()):
+        return "nonfinite"
+    return None

@@ -1,0 +1,63 @@
+"""The round schedule (SPEC 3.4): which fragment each round syncs, and at which global step.
+
+Round r targets fragment ``r % P`` at nominal global step
+``floor(r/P)*H + floor(((r % P) + 1)*H/P)``, so each fragment is synced once per H steps and the
+P fragments are staggered evenly across those H steps. Every round commits exactly once and in
+order, so a fragment's version is simply the number of its rounds already committed.
+"""
+
+from __future__ import annotations
+
+
+def fragment_of(r: int, P: int) -> int:
+    """The fragment round ``r`` syncs."""
+    assert r >= 0 and P >= 1, (r, P)
+    return r % P
+
+
+def nominal_step(r: int, H: int, P: int) -> int:
+    """Global step at which round ``r`` is due. ``nominal_step(-1) == 0`` (the start of training).
+
+    Python's floor division makes the formula itself give 0 at r = -1 (``-H + P*H//P``), so the
+    start of training needs no special case.
+    """
+    assert r >= -1 and 1 <= P <= H, (r, H, P)
+    return (r // P) * H + ((r % P) + 1) * H // P
+
+
+def gap(r: int, H: int, P: int) -> int:
+    """Local steps a learner trains for round ``r`` since its contribution to round ``r - 1``.
+
+    Gaps are ``floor(H/P)`` or ``ceil(H/P)`` and any P consecutive gaps sum to H.
+    """
+    return nominal_step(r, H, P) - nominal_step(r - 1, H, P)
+
+
+def version_before(r: int, P: int) -> int:
+    """The fragment version a round-``r`` delta is relative to (its ``base_version``).
+
+    Rounds ``fragment_of(r), fragment_of(r) + P, ...`` before r each committed the fragment once.
+    """
+    assert r >= 0 and P >= 1, (r, P)
+    return r // P
+
+
+def version_after(r: int, P: int) -> int:
+    """The fragment version round ``r`` commits."""
+    return version_before(r, P) + 1
+
+
+def first_round_at_or_after(step: int, H: int, P: int) -> int:
+    """The smallest round whose nominal step is ``>= step`` (round 0 for any ``step <= 0``).
+
+    Useful for a learner joining at global step ``step``: it contributes from this round on.
+    """
+    assert 1 <= P <= H, (H, P)
+    if step <= 0:
+        return 0
+    # Rounds (k-1)*P .. k*P-1 end the block of H steps that finishes at k*H; start one round before
+    # the block holding ``step`` and walk forward: at most P + 1 iterations.
+    r = max(0, (step // H) * P - 1)
+    while nominal_step(r, H, P) < step:
+        r += 1
+    return r

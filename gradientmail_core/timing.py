@@ -1,0 +1,40 @@
+"""Time estimates carried in round records, and the grace window they give (SPEC 3.6).
+
+Every input is a duration measured on one node's own monotonic clock; wall clocks are never
+compared across machines.
+"""
+
+from __future__ import annotations
+
+
+def ema(prev: float | None, x: float, decay: float = 0.1) -> float:
+    """Exponential moving average; the first sample seeds it."""
+    if prev is None:
+        return float(x)
+    return (1.0 - decay) * prev + decay * x
+
+
+def grace_seconds(
+    *,
+    x_step: float | None,
+    x_quorum: float | None,
+    x_sync: float | None,
+    gap: int,
+    in_flight: int,
+    overlap_steps: int | None,
+) -> float:
+    """Seconds the closer keeps collecting after quorum:
+    ``min(0.5 * max(ahead*x_step - (x_quorum + x_sync), 0), gap*x_step)``.
+
+    ``ahead = in_flight * gap`` steps (or ``overlap_steps`` if smaller) is how long learners can
+    train before they need this round's commit; waiting half the slack left after the expected
+    quorum and commit times lets stragglers in without stalling anyone, and never longer than one
+    round's worth of steps. Zero while any estimate is missing (the first rounds).
+    """
+    if x_step is None or x_quorum is None or x_sync is None:
+        return 0.0
+    ahead = in_flight * gap
+    if overlap_steps is not None and overlap_steps < ahead:
+        ahead = overlap_steps
+    slack = ahead * x_step - (x_quorum + x_sync)
+    return float(min(0.5 * max(slack, 0.0), gap * x_step))
