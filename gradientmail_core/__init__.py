@@ -1,5 +1,22 @@
-"""gradientmail: Decoupled DiLoCo over a shared object store."""
+"""gradientmail: Decoupled DiLoCo over a shared object store.
 
+    import gradientmail_core as gm
+
+    with gm.Session(model, algorithm=gm.DiLoCo(sync_every=100, fragments=8),
+                    mailbox=gm.FileMailbox("/shared/run-1")) as session:
+        for batch in loader:
+            train_step(model, optimizer, batch)
+            session.step(samples=len(batch))
+
+Importing this package imports neither torch, MLX, Lightning, Accelerate nor boto3.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import events
+from .clock import Clock, FakeClock, SystemClock
 from .config import RDA, Balanced, DiLoCo, Strided, WeightedMean
 from .errors import (
     DuplicateLearner,
@@ -13,21 +30,56 @@ from .errors import (
     SessionFailed,
     StoreUnsupported,
 )
+from .events import log_events
+try:
+    from .file_mailbox import FileMailbox
+except ImportError:  # TEMP while the backend is written
+    FileMailbox = None  # type: ignore
+from .mailbox import CountingMailbox, Mailbox, open_mailbox
+from .memory_mailbox import MemoryMailbox
+from .session import Progress, Session, align
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # S3Mailbox's module is cheap to import (boto3 loads on first use), but keep the door
+    # open for heavier backends by resolving them lazily.
+    if name == "S3Mailbox":
+        from .s3_mailbox import S3Mailbox
+
+        return S3Mailbox
+    raise AttributeError(f"module 'gradientmail_core' has no attribute {name!r}")
+
 
 __all__ = [
     "RDA",
     "Balanced",
+    "Clock",
+    "CountingMailbox",
     "DiLoCo",
     "DuplicateLearner",
+    "FakeClock",
+    "FileMailbox",
     "GradientMailError",
+    "Mailbox",
     "MailboxUnavailable",
+    "MemoryMailbox",
     "MissingExtra",
     "PayloadCorrupt",
+    "Progress",
     "ProtocolError",
     "RunConfigMismatch",
+    "S3Mailbox",
     "SchemaMismatch",
+    "Session",
     "SessionFailed",
     "StoreUnsupported",
     "Strided",
+    "SystemClock",
     "WeightedMean",
+    "align",
+    "events",
+    "log_events",
+    "open_mailbox",
 ]

@@ -1,0 +1,73 @@
+"""Where the training thread and the background node meet: two queues and a small view.
+
+The training thread never does I/O; it reads the view (under a lock), pushes
+contributions to the outbox and drains commits from the inbox between steps.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Publish:
+    """A contribution the training thread handed over: the fragment's parameters now, and
+    the anchor they are relative to. The node computes ``anchor - local`` off-thread."""
+
+    round: int
+    fragment: int
+    base_version: int
+    anchor: Mapping[str, np.ndarray]
+    local: Mapping[str, np.ndarray]
+    steps: int
+    tokens: int
+    local_step: int
+    step_seconds: float
+    final: bool = False
+
+
+@dataclass(frozen=True)
+class CommitNotice:
+    """A committed round's new parameters, for the training thread to align with."""
+
+    round: int
+    fragment: int
+    version: int
+    theta: Mapping[str, np.ndarray]
+    nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class View:
+    head: int = -1
+    others_published: frozenset[int] = frozenset()
+    live: int = 1
+    rounds_seen: int = 0
+    closer_of: int | None = None
+
+
+class Bridge:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.outbox: deque[Publish] = deque()
+        self.inbox: queue.Queue[CommitNotice] = queue.Queue()
+        self.view = View()
+        self.failure: BaseException | None = None
+        self.wake = threading.Event()
+        self.local_step = 0
+        self.tokens = 0
+
+    def publish(self, p: Publish) -> None:
+        with self.lock:
+            self.outbox.append(p)
+        self.wake.set()
+
+    def pending_publishes(self) -> int:
+        with self.lock:
+            return len(self.outbox)

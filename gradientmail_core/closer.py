@@ -1,0 +1,235 @@
+"""The closer's arithmetic and bookkeeping for one round: judge snapshots, decide when the
+round may close, and compute the commit (merge, outer step, payloads). No I/O here except
+through the ``RunStore`` handed in; the node orchestrates when each step happens."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import keys
+from .acceptance import judge
+from .errors import PayloadCorrupt, RecordInvalid
+from .merge import contribution_weight, mean_pairwise_cosine, merge
+from .outer import final_step, outer_step
+from .payload import encode_payload, sha256_hex
+from .quant import dequantize, quantize
+from .records import Participant, PayloadRef, Rejection, RoundRecord, Snapshot
+from .run import RunInfo, payload_cap
+from .schedule import nominal_step, version_before
+from .store import RunStore
+from .timing import ema, grace_seconds
+
+
+def cast(values: Mapping[str, np.ndarray], dtypes: Mapping[str, str]) -> dict[str, np.ndarray]:
+    """Round float32 values to what the given storage dtype can hold (RNE), back in float32."""
+    return {n: dequantize(quantize(v, dtypes[n])) for n, v in values.items()}
+
+
+@dataclass
+class FragmentState:
+    """What a closer needs of one fragment: the version, the published parameters, and the
+    fp32 outer state (master parameters and Nesterov momentum)."""
+
+    version: int
+    theta: dict[str, np.ndarray]
+    master: dict[str, np.ndarray]
+    momentum: dict[str, np.ndarray]
+
+    @classmethod
+    def initial(cls, theta: dict[str, np.ndarray]) -> FragmentState:
+        return cls(0, theta, {n: v.astype(np.float32) for n, v in theta.items()},
+                   {n: np.zeros_like(v, dtype=np.float32) for n, v in theta.items()})
+
+
+@dataclass
+class Judged:
+    learner: str
+    reason: str | None
+    snapshot: Snapshot | None = None
+    delta: dict[str, np.ndarray] | None = None
+    weight: float = 0.0
+
+
+@dataclass
+class Estimates:
+    x_step: float | None = None
+    x_quorum: float | None = None
+    x_sync: float | None = None
+
+    @classmethod
+    def from_record(cls, rec: RoundRecord | None) -> Estimates:
+        return cls() if rec is None else cls(rec.x_step, rec.x_quorum, rec.x_sync)
+
+
+@dataclass
+class Collector:
+    """The closer's view of one open round."""
+
+    round: int
+    run: RunInfo
+    state: FragmentState
+    opened_at: float
+    estimates: Estimates
+    judged: dict[str, Judged] = field(default_factory=dict)
+    quorum_at: float | None = None
+    grace: float = 0.0
+
+    @property
+    def fragment(self) -> int:
+        return self.round % self.run.P
+
+    def accepted(self) -> list[Judged]:
+        return [j for j in self.judged.values() if j.reason is None]
+
+    def judge_snapshot(self, store: RunStore, learner: str) -> Judged:
+        """Fetch and judge ``learner``'s snapshot for this round (SPEC 3.6)."""
+        key = keys.snapshot_key(self.round, learner)
+        try:
+            snap = store.read_record(key, Snapshot)
+        except RecordInvalid:
+            return self._record(Judged(learner, "corrupt"))
+        if snap is None:
+            return self._record(Judged(learner, "missing"))
+        if snap.learner != learner or snap.round != self.round:
+            return self._record(Judged(learner, "corrupt", snap))
+        expected = self.run.shapes[self.fragment]
+        base = version_before(self.round, self.run.P)
+        payload, status = None, "ok"
+        if snap.steps > 0 and snap.schema_digest == self.run.digest and snap.base_version == base:
+            try:
+                payload = store.get_payload(snap.payload, expected, max_bytes=payload_cap(self.run, self.fragment))
+                status = "ok" if payload is not None else "missing"
+            except PayloadCorrupt:
+                status = "corrupt"
+            if status == "ok" and not _in_snapshot_blobs(snap, self.round, learner):
+                status = "corrupt"
+        reason = judge(snap.steps, snap.schema_digest == self.run.digest, snap.base_version, base, payload, status)
+        weight = contribution_weight(snap.tokens, snap.steps) if reason is None and snap.steps else 0.0
+        if reason is None and not weight > 0:
+            reason = "zero_steps"
+        return self._record(Judged(learner, reason, snap, payload if reason is None else None, weight))
+
+    def _record(self, j: Judged) -> Judged:
+        self.judged[j.learner] = j
+        return j
+
+    def update(self, live: set[str], now: float, *, quorum_size: int, gap: int, in_flight: int,
+               overlap_steps: int | None) -> bool:
+        """Advance the quorum and grace state; True when the round should close now."""
+        n_ok = len(self.accepted())
+        all_reported = live <= set(self.judged)
+        if self.quorum_at is None and (n_ok >= quorum_size or (all_reported and n_ok >= 1)):
+            self.quorum_at = now
+            e = self.estimates
+            self.grace = grace_seconds(x_step=e.x_step, x_quorum=e.x_quorum, x_sync=e.x_sync, gap=gap,
+                                       in_flight=in_flight, overlap_steps=overlap_steps)
+        if self.quorum_at is None:
+            return False
+        return all_reported or now - self.quorum_at >= self.grace
+
+
+@dataclass
+class Commit:
+    record: RoundRecord
+    state: FragmentState
+    payloads: dict[str, bytes]  # key -> bytes, written before the record
+
+
+def compute_commit(c: Collector, *, closer: str, live: int, compression: str, sync_seconds: float | None,
+                   now: float) -> Commit:
+    """Merge the accepted deltas, take the outer step, and build the payloads and record.
+
+    Deterministic: contributions are merged in learner-id order, so a closer that
+    recomputes the round after a crash writes the same parameter bytes.
+    """
+    run, cfg, f = c.run, c.run.cfg, c.fragment
+    accepted = sorted(c.accepted(), key=lambda j: j.learner)
+    assert accepted, "a round closes with at least one accepted snapshot"
+    deltas = [j.delta for j in accepted if j.delta is not None]
+    weights = [j.weight for j in accepted]
+    merged = merge(deltas, weights, cfg.merge)
+    st = c.state
+    final = all(j.snapshot is not None and j.snapshot.final for j in accepted)
+    if final:
+        master, momentum = final_step(st.master, merged), st.momentum
+    else:
+        master, momentum = outer_step(st.master, st.momentum, merged, lr=cfg.outer_lr, beta=cfg.outer_momentum)
+    dtypes = run.fragment_dtypes(f)
+    payloads: dict[str, bytes] = {}
+    change_ref_data = None
+    if cfg.commit_dtype is not None:
+        diff = {n: (master[n] - st.theta[n]).astype(np.float32) for n in master}
+        change_ref_data = encode_payload(diff, cfg.commit_dtype, kind="change", compression=compression)
+        # Publish exactly what a learner rebuilds from the change; the fp32 master keeps the
+        # rounding error, so it is fed back into the next round's change.
+        theta = rebuild_theta(run, f, st.theta, cast(diff, dict.fromkeys(diff, cfg.commit_dtype)))
+    else:
+        theta = cast(master, dtypes)
+    theta_plain = encode_payload(theta, dtypes, kind="theta", compression="")
+    theta_data = theta_plain if compression == "" else encode_payload(theta, dtypes, kind="theta",
+                                                                        compression=compression)
+    outer = {**{f"momentum/{n}": v for n, v in momentum.items()}, **{f"master/{n}": v for n, v in master.items()}}
+    outer_data = encode_payload(outer, "F32", kind="outer", compression=compression)
+
+    def ref(kind: str, data: bytes) -> tuple[str, bytes]:
+        return keys.round_blob_key(c.round, kind, sha256_hex(data), compression), data
+
+    refs = {}
+    for kind, data in (("theta", theta_data), ("outer", outer_data), ("change", change_ref_data)):
+        if data is not None:
+            k, d = ref(kind, data)
+            payloads[k] = d
+            refs[kind] = PayloadRef(key=k, sha256=sha256_hex(d), size=len(d))
+    e = c.estimates
+    steps_seconds = [j.snapshot.step_seconds for j in accepted if j.snapshot is not None and j.snapshot.step_seconds > 0]
+    x_step = ema(e.x_step, float(np.mean(steps_seconds))) if steps_seconds else e.x_step
+    assert c.quorum_at is not None
+    x_quorum = ema(e.x_quorum, max(c.quorum_at - c.opened_at, 0.0))
+    x_sync = ema(e.x_sync, sync_seconds) if sync_seconds is not None else e.x_sync
+    record = RoundRecord(
+        round=c.round,
+        step=nominal_step(c.round, cfg.sync_every, run.P),
+        fragment=f,
+        version=st.version + 1,
+        closer=closer,
+        participants=[
+            Participant(learner=j.learner, weight=j.weight, steps=j.snapshot.steps, tokens=j.snapshot.tokens,
+                        payload_sha256=j.snapshot.payload.sha256, final=j.snapshot.final)
+            for j in accepted if j.snapshot is not None
+        ],
+        rejected=[Rejection(learner=j.learner, reason=j.reason) for j in sorted(c.judged.values(),
+                  key=lambda j: j.learner) if j.reason is not None],
+        theta=refs["theta"],
+        theta_digest=sha256_hex(theta_plain),
+        outer=refs["outer"],
+        change=refs.get("change"),
+        cosine=mean_pairwise_cosine(deltas),
+        final=final,
+        live=live,
+        quorum_seconds=round(max(c.quorum_at - c.opened_at, 0.0), 6),
+        grace_seconds=round(c.grace, 6),
+        x_step=x_step,
+        x_quorum=x_quorum,
+        x_sync=x_sync,
+    )
+    return Commit(record, FragmentState(st.version + 1, theta, master, momentum), payloads)
+
+
+def _in_snapshot_blobs(snap: Snapshot, r: int, learner: str) -> bool:
+    """A snapshot may only point into its own blob folder (so GC can find it, and nobody can
+    make a closer read another learner's or a round's payload)."""
+    parsed = keys.parse_blob_key(snap.payload.key)
+    return parsed is not None and parsed.kind == "snapshot" and parsed.round == r and parsed.learner == learner
+
+
+def rebuild_theta(run: RunInfo, f: int, prev: Mapping[str, np.ndarray], change: Mapping[str, np.ndarray]
+                  ) -> dict[str, np.ndarray]:
+    """A learner holding the previous version rebuilds the new parameters from the change."""
+    return cast({n: prev[n] + change[n] for n in prev}, run.fragment_dtypes(f))
+
+
+def theta_digest(run: RunInfo, f: int, theta: Mapping[str, np.ndarray]) -> str:
+    return sha256_hex(encode_payload(theta, run.fragment_dtypes(f), kind="theta", compression=""))

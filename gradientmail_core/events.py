@@ -1,0 +1,151 @@
+"""A closed set of typed events, delivered to ``Session(callbacks=...)``.
+
+Events are facts about the run as one node saw them. ``log_events`` writes one line
+each to the ``gradientmail.events`` logger; tests and integrations subscribe with their
+own callables.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, fields
+from typing import Protocol
+
+_log = logging.getLogger("gradientmail.events")
+
+
+@dataclass(frozen=True)
+class Event:
+    learner: str
+
+    def describe(self) -> str:
+        parts = " ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.name != "learner")
+        return f"[{self.learner}] {type(self).__name__} {parts}".rstrip()
+
+
+@dataclass(frozen=True)
+class Joined(Event):
+    round: int
+    created_run: bool
+    live: int
+
+
+@dataclass(frozen=True)
+class Left(Event):
+    round: int
+
+
+@dataclass(frozen=True)
+class RoundClaimed(Event):
+    round: int
+    claim: int
+
+
+@dataclass(frozen=True)
+class TookOver(Event):
+    round: int
+    previous: str
+    reason: str  # "lease_lost", "timeout" or "unclaimed"
+
+
+@dataclass(frozen=True)
+class QuorumReached(Event):
+    round: int
+    accepted: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class RoundClosed(Event):
+    round: int
+    fragment: int
+    participants: tuple[str, ...]
+    rejected: tuple[tuple[str, str], ...]
+    cosine: float | None
+    grace_seconds: float
+
+
+@dataclass(frozen=True)
+class Committed(Event):
+    round: int
+    fragment: int
+    version: int
+    bytes_written: int
+
+
+@dataclass(frozen=True)
+class Superseded(Event):
+    round: int
+    by: str
+
+
+@dataclass(frozen=True)
+class Published(Event):
+    round: int
+    fragment: int
+    steps: int
+    tokens: int
+    bytes: int
+    final: bool
+
+
+@dataclass(frozen=True)
+class Skipped(Event):
+    """A contribution was not sent because its round had already committed."""
+
+    round: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Aligned(Event):
+    round: int
+    fragment: int
+    version: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class ContributionRejected(Event):
+    round: int
+    contributor: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class IgnoredObject(Event):
+    """An object in the mailbox failed validation or authentication and was ignored."""
+
+    key: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class GaveUp(Event):
+    round: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class StoreFailure(Event):
+    """A transient store error; the node retries on its next poll."""
+
+    error: str
+
+
+@dataclass(frozen=True)
+class BackgroundFailed(Event):
+    error: str
+
+
+class Callback(Protocol):
+    def __call__(self, event: Event) -> None: ...
+
+
+_QUIET = (StoreFailure, IgnoredObject)
+
+
+def log_events(event: Event) -> None:
+    """Log one line per event through ``logging`` (INFO; transient failures at WARNING)."""
+    level = logging.WARNING if isinstance(event, _QUIET + (GaveUp, BackgroundFailed, Superseded)) else logging.INFO
+    _log.log(level, event.describe())

@@ -1,0 +1,162 @@
+"""The training-thread half of a learner: counts steps, decides when a fragment is due,
+hands contributions to the node, and aligns with commits in place between steps.
+
+Nothing here does I/O. The only blocking is ``overlap_steps`` (and ``close``), which wait
+on the commit queue the node fills.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import events as ev
+from .adapters.base import Adapter
+from .bridge import Bridge, CommitNotice, Publish
+from .clock import Clock
+from .run import RunInfo
+from .schedule import nominal_step
+
+
+@dataclass
+class _Pending:
+    round: int
+    local_step: int
+
+
+class Learner:
+    def __init__(
+        self,
+        adapter: Adapter,
+        run: RunInfo,
+        bridge: Bridge,
+        clock: Clock,
+        *,
+        learner: str,
+        emit: Callable[[ev.Event], None],
+    ) -> None:
+        self.adapter, self.run, self.bridge, self.clock, self.me, self.emit = adapter, run, bridge, clock, learner, emit
+        self.cfg = run.cfg
+        self.local_step = 0
+        self.tokens = 0
+        self.next_round = 0
+        self.aligned = -1
+        self.anchors: dict[int, Mapping[str, np.ndarray]] = {}
+        self.versions: dict[int, int] = {}
+        self.steps_since_any = 0
+        self.steps_since = [0] * run.P
+        self.tokens_since = [0] * run.P
+        self.seconds_since = [0.0] * run.P
+        self.published: deque[_Pending] = deque()
+        self._last_step_at: float | None = None
+        self._nominal0 = 0
+
+    # ---- start and align ----------------------------------------------------------------
+
+    def start(self, head: int, thetas: Mapping[int, Mapping[str, np.ndarray]], versions: Mapping[int, int]) -> None:
+        """Load the newest committed parameters into the model before the first step."""
+        for f, theta in thetas.items():
+            self.adapter.write(theta)
+            self.anchors[f] = theta
+            self.versions[f] = versions[f]
+        self.aligned = head
+        self.next_round = head + 1
+        # The schedule is anchored where this learner joined: round r is due once it has
+        # trained nominal_step(r) - nominal_step(head) steps. Early contributions (into a
+        # round others already published to) do not shift it, so learners that train the
+        # same number of steps contribute to the same rounds.
+        self._nominal0 = nominal_step(head, self.cfg.sync_every, self.run.P)
+
+    def apply(self, c: CommitNotice) -> None:
+        """Align fragment ``c.fragment`` with a commit, in place (blending with ``mixing``)."""
+        if c.version <= self.versions.get(c.fragment, -1):
+            return
+        self.adapter.write(c.theta, self.cfg.mixing)
+        self.anchors[c.fragment] = c.theta
+        self.versions[c.fragment] = c.version
+        self.aligned = max(self.aligned, c.round)
+        while self.published and self.published[0].round <= self.aligned:
+            self.published.popleft()
+        self.emit(ev.Aligned(self.me, c.round, c.fragment, c.version, c.nbytes))
+
+    def drain(self) -> int:
+        n = 0
+        while True:
+            try:
+                c = self.bridge.inbox.get_nowait()
+            except queue.Empty:
+                return n
+            self.apply(c)
+            n += 1
+
+    # ---- stepping -----------------------------------------------------------------------
+
+    def step(self, samples: int, *, wait: Callable[[], CommitNotice | None] | None = None) -> None:
+        now = self.clock.now()
+        elapsed = 0.0 if self._last_step_at is None else now - self._last_step_at
+        self._last_step_at = now
+        self.local_step += 1
+        self.tokens += samples
+        self.steps_since_any += 1
+        for f in range(self.run.P):
+            self.steps_since[f] += 1
+            self.tokens_since[f] += samples
+            self.seconds_since[f] += elapsed
+        self.bridge.local_step, self.bridge.tokens = self.local_step, self.tokens
+        self.drain()
+        self.maybe_publish()
+        if self.cfg.overlap_steps is not None and wait is not None:
+            while self.published and self.local_step - self.published[0].local_step >= self.cfg.overlap_steps:
+                c = wait()
+                if c is not None:
+                    self.apply(c)
+                    self.drain()
+
+    def maybe_publish(self, *, final: bool = False) -> bool:
+        view = self.bridge.view
+        self.next_round = max(self.next_round, view.head + 1)
+        r = self.next_round
+        assert self.cfg.in_flight is not None
+        if r - self.aligned > self.cfg.in_flight:
+            return False
+        if not final:
+            due = self.local_step >= nominal_step(r, self.cfg.sync_every, self.run.P) - self._nominal0
+            early = self.steps_since_any > 0 and r in view.others_published
+            if not (due or early):
+                return False
+        self.publish(r, final=final)
+        return True
+
+    def publish(self, r: int, *, final: bool = False) -> None:
+        f = r % self.run.P
+        steps = self.steps_since[f]
+        if steps > 0:
+            local = self.adapter.read(self.run.fragments[f])
+            self.bridge.publish(
+                Publish(
+                    round=r,
+                    fragment=f,
+                    base_version=self.versions[f],
+                    anchor=self.anchors[f],
+                    local=local,
+                    steps=steps,
+                    tokens=self.tokens_since[f],
+                    local_step=self.local_step,
+                    step_seconds=self.seconds_since[f] / steps,
+                    final=final,
+                )
+            )
+            self.published.append(_Pending(r, self.local_step))
+        self.steps_since[f] = self.tokens_since[f] = 0
+        self.seconds_since[f] = 0.0
+        self.steps_since_any = 0
+        self.next_round = r + 1
+
+    def write_newest(self) -> None:
+        """Set the whole model to the newest committed parameters this learner holds."""
+        for theta in self.anchors.values():
+            self.adapter.write(theta)

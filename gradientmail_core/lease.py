@@ -1,0 +1,116 @@
+"""Leases: each live learner keeps renewing a create-once heartbeat key, and observers
+judge liveness by whether that key *changed* on their own monotonic clock.
+
+Wall clocks are never compared across machines: a lease holds no timestamp anyone trusts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import keys
+from .clock import Clock
+from .errors import DuplicateLearner
+from .records import Lease
+from .store import RunStore
+
+
+class LeaseWriter:
+    """This node's own lease: ``leases/{learner}/{seq}.json``, rewritten every ``interval``."""
+
+    def __init__(self, store: RunStore, clock: Clock, learner: str, nonce: str, interval: float) -> None:
+        self.store, self.clock, self.learner, self.nonce, self.interval = store, clock, learner, nonce, interval
+        self.seq = 0
+        self.key: str | None = None
+        self.renewed_at = float("-inf")
+
+    def acquire(self, *, poll: float) -> None:
+        """Write the first lease. Refuses when another live process holds this learner id.
+
+        A lease left by a crashed process with our id is taken over once it has not changed
+        for 1.5 renewal intervals; one that changes meanwhile belongs to a live process.
+        """
+        existing = self.store.mailbox.list(keys.lease_prefix(self.learner))
+        if existing:
+            first = existing[-1]
+            deadline = self.clock.now() + 1.5 * self.interval
+            while self.clock.now() < deadline:
+                self.clock.sleep(poll)
+                now = self.store.mailbox.list(keys.lease_prefix(self.learner))
+                if now and now[-1] != first:
+                    raise DuplicateLearner(
+                        f"learner id {self.learner!r} is already used by a live process (its lease {now[-1]} "
+                        "keeps changing); give this process a different learner_id"
+                    )
+            parsed = keys.parse_lease_key(first)
+            self.seq = parsed[1] + 1 if parsed else 0
+            self.store.mailbox.delete(existing)
+        self.renew(local_step=0, tokens=0, force=True)
+
+    def due(self) -> bool:
+        return self.clock.now() - self.renewed_at >= self.interval
+
+    def renew(self, *, local_step: int, tokens: int, force: bool = False) -> None:
+        if not force and not self.due():
+            return
+        key = keys.lease_key(self.learner, self.seq)
+        lease = Lease(learner=self.learner, nonce=self.nonce, seq=self.seq, local_step=local_step, tokens=tokens)
+        self.store.put_record(key, lease)
+        old, self.key = self.key, key
+        self.seq += 1
+        self.renewed_at = self.clock.now()
+        if old is not None:
+            self.store.mailbox.delete([old])
+
+    def release(self) -> None:
+        if self.key is not None:
+            self.store.mailbox.delete([self.key])
+            self.key = None
+
+
+@dataclass
+class _Seen:
+    key: str
+    changed_at: float
+
+
+class Liveness:
+    """Who is live, from listings of ``leases/``, judged on this node's own clock."""
+
+    def __init__(self, clock: Clock, timeout: float, me: str | None) -> None:
+        self.clock, self.timeout, self.me = clock, timeout, me
+        self.seen: dict[str, _Seen] = {}
+        self.listed_at = float("-inf")
+
+    def observe(self, lease_keys: list[str]) -> None:
+        now = self.clock.now()
+        newest: dict[str, str] = {}
+        for k in lease_keys:
+            parsed = keys.parse_lease_key(k)
+            if parsed:
+                newest[parsed[0]] = k  # keys are listed in order: the last one is the newest
+        for learner, k in newest.items():
+            prev = self.seen.get(learner)
+            if prev is None or prev.key != k:
+                self.seen[learner] = _Seen(k, now)
+        for gone in set(self.seen) - set(newest):
+            del self.seen[gone]
+        self.listed_at = now
+
+    def is_live(self, learner: str) -> bool:
+        if learner == self.me:
+            return True
+        s = self.seen.get(learner)
+        return s is not None and self.clock.now() - s.changed_at < self.timeout
+
+    def live(self) -> set[str]:
+        out = {n for n in self.seen if self.is_live(n)}
+        if self.me is not None:
+            out.add(self.me)
+        return out
+
+    def abandoned(self, factor: float = 10.0) -> list[str]:
+        """Lease keys unchanged for ``factor`` timeouts: their owners are long gone."""
+        now = self.clock.now()
+        return [s.key for n, s in self.seen.items() if n != self.me and now - s.changed_at > factor * self.timeout]
+

@@ -1,0 +1,183 @@
+"""Creating and joining a run: the manifest, the initial parameters, the checks a node
+passes before it trains (config and schema), and loading the newest committed state."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import keys
+from .adapters.base import Adapter
+from .config import DiLoCo
+from .errors import ProtocolError, SchemaMismatch
+from .mailbox import CreateOutcome
+from .partition import plan
+from .payload import encode_payload, schema_digest
+from .records import Manifest, PayloadRef, RoundRecord, TensorSpec, decode
+from .store import RunStore
+
+
+@dataclass
+class RunInfo:
+    """What every node derives from the manifest."""
+
+    manifest: Manifest
+    cfg: DiLoCo
+    schema: list[TensorSpec]
+    digest: str
+    fragments: list[list[str]]
+    dtypes: dict[str, str] = field(init=False)
+    shapes: list[dict[str, tuple[int, ...]]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.dtypes = {s.name: s.dtype for s in self.schema}
+        by_name = {s.name: tuple(s.shape) for s in self.schema}
+        self.shapes = [{n: by_name[n] for n in names} for names in self.fragments]
+
+    @property
+    def P(self) -> int:
+        return self.cfg.fragments
+
+    @property
+    def H(self) -> int:
+        return self.cfg.sync_every
+
+    def fragment_dtypes(self, f: int) -> dict[str, str]:
+        return {n: self.dtypes[n] for n in self.fragments[f]}
+
+    def fragment_bytes(self, f: int) -> int:
+        return sum(int(np.prod(s, dtype=np.int64)) * 4 for s in self.shapes[f].values())
+
+    @classmethod
+    def from_manifest(cls, m: Manifest) -> RunInfo:
+        try:
+            cfg = DiLoCo.from_dict(m.config)
+        except (TypeError, ValueError) as e:
+            raise ProtocolError(f"{keys.MANIFEST}: the run's config is invalid ({e})") from None
+        if schema_digest(m.schema) != m.schema_digest:
+            raise ProtocolError(f"{keys.MANIFEST}: schema digest does not match its schema")
+        names = [s.name for s in m.schema]
+        if len(set(names)) != len(names) or sorted(n for f in m.fragments for n in f) != sorted(names):
+            raise ProtocolError(f"{keys.MANIFEST}: fragment plan does not cover the schema exactly once")
+        if len(m.fragments) != cfg.fragments or len(m.init) != cfg.fragments:
+            raise ProtocolError(f"{keys.MANIFEST}: {len(m.fragments)} fragments listed, config says {cfg.fragments}")
+        return cls(manifest=m, cfg=cfg, schema=list(m.schema), digest=m.schema_digest, fragments=m.fragments)
+
+
+def schema_differences(run: list[TensorSpec], mine: list[TensorSpec]) -> list[str]:
+    theirs = {s.name: s for s in run}
+    ours = {s.name: s for s in mine}
+    out = [f"{n}: in the run, missing from this model" for n in theirs if n not in ours]
+    out += [f"{n}: in this model, not in the run" for n in ours if n not in theirs]
+    for n in theirs.keys() & ours.keys():
+        a, b = theirs[n], ours[n]
+        if (a.dtype, list(a.shape)) != (b.dtype, list(b.shape)):
+            out.append(f"{n}: run has {a.dtype}{list(a.shape)}, this model has {b.dtype}{list(b.shape)}")
+    if not out and [s.name for s in run] != [s.name for s in mine]:
+        out.append("parameters are the same but in a different order")
+    return sorted(out)
+
+
+def open_run(
+    store: RunStore,
+    adapter: Adapter,
+    cfg: DiLoCo,
+    *,
+    learner: str,
+    compression: str,
+    rng: random.Random,
+    create: bool = True,
+) -> tuple[RunInfo, bool]:
+    """Join the run in the mailbox, creating it (manifest + initial parameters) if absent.
+
+    Returns the run and whether this call created it. Raises ``RunConfigMismatch`` or
+    ``SchemaMismatch`` before anything is trained.
+    """
+    manifest = store.read_record(keys.MANIFEST, Manifest)
+    created = False
+    if manifest is None:
+        if not create:
+            raise ProtocolError(f"no run in this mailbox ({keys.MANIFEST} is missing)")
+        manifest, created = _create(store, adapter, cfg, learner=learner, compression=compression, rng=rng)
+    schema = adapter.schema()
+    diffs = schema_differences(manifest.schema, schema)
+    if diffs:
+        raise SchemaMismatch(diffs)
+    cfg.check_matches(manifest.config)
+    return RunInfo.from_manifest(manifest), created
+
+
+def _create(
+    store: RunStore, adapter: Adapter, cfg: DiLoCo, *, learner: str, compression: str, rng: random.Random
+) -> tuple[Manifest, bool]:
+    schema = adapter.schema()
+    fragments = plan(schema, cfg.fragments, cfg.partition)
+    dtypes = {s.name: s.dtype for s in schema}
+    refs: list[PayloadRef] = []
+    for f, names in enumerate(fragments):
+        values = adapter.read(names)
+        data = encode_payload(values, {n: dtypes[n] for n in names}, kind="init", compression=compression)
+        refs.append(store.put_payload(lambda sha, f=f: keys.init_blob_key(f, sha, compression), data))
+    manifest = Manifest(
+        run_id=f"{rng.getrandbits(64):016x}",
+        created_by=learner,
+        schema=schema,
+        schema_digest=schema_digest(schema),
+        fragments=fragments,
+        config=cfg.to_dict(),
+        init=refs,
+    )
+    outcome, existing = store.put_record(keys.MANIFEST, manifest)
+    if outcome is CreateOutcome.TAKEN:
+        # Another node created the run first: drop our initial payloads, join theirs.
+        store.mailbox.delete([r.key for r in refs])
+        return store.decode_record(existing, Manifest, keys.MANIFEST), False
+    return manifest, True
+
+
+def newest_records(store: RunStore, run: RunInfo, round_keys: list[str]) -> dict[int, RoundRecord]:
+    """The newest record of every fragment among the listed round keys (the last P)."""
+    out: dict[int, RoundRecord] = {}
+    for k in round_keys[-run.P :]:
+        rec = store.read_record(k, RoundRecord)
+        if rec is not None:
+            out[rec.fragment] = rec
+    return out
+
+
+def fetch_theta(store: RunStore, run: RunInfo, f: int, record: RoundRecord | None) -> dict[str, np.ndarray] | None:
+    """Published parameters of fragment ``f`` at ``record`` (or the initial ones)."""
+    ref = run.manifest.init[f] if record is None else record.theta
+    assert ref is not None
+    return store.get_payload(ref, run.shapes[f], max_bytes=payload_cap(run, f))
+
+
+def payload_cap(run: RunInfo, f: int) -> int:
+    # Every payload of a fragment is at most fp32-sized plus scales and a header.
+    return 2 * run.fragment_bytes(f) + (1 << 20)
+
+
+def load_newest(
+    store: RunStore, adapter: Adapter
+) -> tuple[RunInfo, int, dict[int, dict[str, np.ndarray]]]:
+    """Read the manifest and the newest committed parameters of every fragment."""
+    data = store.mailbox.get(keys.MANIFEST)
+    if data is None:
+        raise ProtocolError(f"no run in this mailbox ({keys.MANIFEST} is missing); start a Session first")
+    run = RunInfo.from_manifest(decode(data, Manifest, key=keys.MANIFEST))
+    diffs = schema_differences(run.schema, adapter.schema())
+    if diffs:
+        raise SchemaMismatch(diffs)
+    round_keys = [k for k in store.mailbox.list(keys.ROUNDS) if keys.parse_round_key(k) is not None]
+    head = keys.parse_round_key(round_keys[-1]) if round_keys else -1
+    assert head is not None
+    recs = newest_records(store, run, round_keys)
+    thetas: dict[int, dict[str, np.ndarray]] = {}
+    for f in range(run.P):
+        theta = fetch_theta(store, run, f, recs.get(f))
+        if theta is None:
+            raise ProtocolError(f"the newest parameters of fragment {f} are missing from the mailbox")
+        thetas[f] = theta
+    return run, head, thetas

@@ -1,0 +1,288 @@
+"""``gm.Session``: the user's handle on a run, used inside their own training loop."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import queue
+import random
+import re
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from . import events as ev
+from . import keys
+from .adapters import adapter_for
+from .bridge import Bridge, CommitNotice
+from .clock import Clock, SystemClock
+from .config import DiLoCo
+from .errors import MailboxUnavailable, SessionFailed
+from .learner import Learner
+from .mailbox import Mailbox
+from .node import Node, NodeOptions
+from .run import load_newest, open_run
+from .store import RunStore
+
+_log = logging.getLogger(__name__)
+_COMPRESSION = {"off": "", "none": "", "": "", "zstd": "zstd"}
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A read-only view of the run as this session sees it."""
+
+    round: int
+    versions: tuple[int, ...]
+    live_learners: int
+    local_step: int
+    tokens: int
+    rounds_seen: int
+    closing_round: int | None
+
+
+def default_learner_id() -> str:
+    host = re.sub(r"[^a-z0-9-]+", "-", socket.gethostname().lower()).strip("-") or "node"
+    return f"{host[:48].strip('-') or 'node'}-{os.getpid()}"
+
+
+class Session:
+    def __init__(
+        self,
+        model: Any,
+        *,
+        algorithm: DiLoCo,
+        mailbox: Mailbox,
+        learner_id: str | None = None,
+        poll_interval: float = 1.0,
+        lease_timeout: float = 120.0,
+        round_timeout: float | None = None,
+        close_timeout: float | None = None,
+        compression: str = "off",
+        callbacks: Sequence[Callable[[ev.Event], None]] = (ev.log_events,),
+        clock: Clock | None = None,
+        seed: int | None = None,
+    ) -> None:
+        self.learner_id = keys.validate_learner_id(learner_id if learner_id is not None else default_learner_id())
+        if not isinstance(algorithm, DiLoCo):
+            raise TypeError(f"algorithm must be a gm.DiLoCo(...), found {type(algorithm).__name__}")
+        if compression not in _COMPRESSION:
+            raise ValueError(f"compression={compression!r}: expected 'off' or 'zstd'")
+        if not poll_interval > 0 or not lease_timeout > poll_interval:
+            raise ValueError(f"need 0 < poll_interval ({poll_interval}) < lease_timeout ({lease_timeout})")
+        self.model = model
+        self.adapter = adapter_for(model)
+        self.algorithm = algorithm
+        self.mailbox = mailbox
+        self.clock = clock or SystemClock()
+        self.callbacks = list(callbacks)
+        self.options = NodeOptions(
+            poll_interval=poll_interval,
+            lease_timeout=lease_timeout,
+            round_timeout=round_timeout if round_timeout is not None else max(30.0, 10 * poll_interval),
+            compression=_COMPRESSION[compression],
+        )
+        self.close_timeout = close_timeout if close_timeout is not None else lease_timeout + 2 * self.options.round_timeout
+        self._rng = random.Random(seed if seed is not None else int.from_bytes(os.urandom(8), "big"))
+        self.nonce = f"{self._rng.getrandbits(64):016x}"
+        self.bridge = Bridge()
+        self.node: Node | None = None
+        self.learner: Learner | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._closed = False
+
+    # ---- lifecycle --------------------------------------------------------------------
+
+    def __enter__(self) -> Session:
+        self.open()
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        if et is None:
+            self.close()
+        else:
+            self._shutdown()  # the loop failed: leave without waiting for rounds
+
+    def emit(self, event: ev.Event) -> None:
+        for cb in self.callbacks:
+            try:
+                cb(event)
+            except Exception:  # a broken logger must not kill training
+                _log.exception("event callback %r failed on %s", cb, type(event).__name__)
+
+    def open(self) -> None:
+        """Join the run (creating it if the mailbox is empty) and start the background work."""
+        if self.node is not None:
+            return
+        store = RunStore(self.mailbox, on_ignored=lambda k, why: self.emit(ev.IgnoredObject(self.learner_id, k, why)))
+        run, created = open_run(
+            store, self.adapter, self.algorithm, learner=self.learner_id,
+            compression=self.options.compression, rng=self._rng,
+        )
+        node = Node(store, self.clock, run, learner=self.learner_id, nonce=self.nonce, emit=self.emit,
+                    options=self.options, bridge=self.bridge, rng=self._rng)
+        thetas = node.join(created=created)
+        learner = Learner(self.adapter, run, self.bridge, self.clock, learner=self.learner_id, emit=self.emit)
+        learner.start(node.head, thetas, {f: v for f, (v, _) in node.thetas.items()})
+        self.node, self.learner = node, learner
+        self._thread = threading.Thread(target=self._background, name=f"gradientmail-{self.learner_id}", daemon=True)
+        self._thread.start()
+
+    def _background(self) -> None:
+        assert self.node is not None
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                self.node.tick()
+                failures = 0
+            except MailboxUnavailable as e:
+                failures += 1
+                self.emit(ev.StoreFailure(self.learner_id, str(e)))
+            except BaseException as e:  # re-raised on the training thread, never swallowed
+                self.bridge.failure = e
+                self.emit(ev.BackgroundFailed(self.learner_id, f"{type(e).__name__}: {e}"))
+                return
+            delay = self.options.poll_interval * min(2**failures, 16)
+            self.bridge.wake.wait(delay)
+            self.bridge.wake.clear()
+
+    def _check(self) -> None:
+        if self.bridge.failure is not None:
+            raise SessionFailed(f"the background work of learner {self.learner_id!r} failed: "
+                                f"{self.bridge.failure}") from self.bridge.failure
+        if self.learner is None:
+            raise RuntimeError("the session is not open: use `with gm.Session(...) as session:` or call open()")
+
+    # ---- the training loop ------------------------------------------------------------
+
+    def step(self, samples: int = 1) -> None:
+        """Call once per optimizer step, with the samples (or tokens) that step processed."""
+        self._check()
+        assert self.learner is not None
+        self.learner.step(int(samples), wait=self._wait_commit)
+
+    def _wait_commit(self, timeout: float | None = None) -> CommitNotice | None:
+        self._check()
+        try:
+            return self.bridge.inbox.get(timeout=timeout or self.options.poll_interval)
+        except queue.Empty:
+            return None
+
+    @property
+    def batch_size(self) -> int | None:
+        g = self.algorithm.global_batch_size
+        return None if g is None else math.ceil(g / max(self.bridge.view.live, 1))
+
+    @property
+    def rounds_seen(self) -> int:
+        return self.bridge.view.rounds_seen
+
+    @property
+    def progress(self) -> Progress:
+        v = self.bridge.view
+        lr = self.learner
+        return Progress(
+            round=v.head,
+            versions=tuple(lr.versions[f] for f in sorted(lr.versions)) if lr else (),
+            live_learners=v.live,
+            local_step=lr.local_step if lr else 0,
+            tokens=lr.tokens if lr else 0,
+            rounds_seen=v.rounds_seen,
+            closing_round=v.closer_of,
+        )
+
+    def wait_for(self, learners: int, timeout: float | None = None) -> None:
+        """Block until ``learners`` learners are live (this one included)."""
+        self._check()
+        deadline = None if timeout is None else self.clock.now() + timeout
+        while self.bridge.view.live < learners:
+            if deadline is not None and self.clock.now() >= deadline:
+                raise TimeoutError(f"only {self.bridge.view.live} of {learners} learners live after {timeout} s")
+            self._check()
+            self._stop.wait(min(self.options.poll_interval, 0.2))
+
+    # ---- leaving ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for this node's rounds in flight, then load the newest committed parameters."""
+        if self._closed or self.learner is None:
+            return
+        lr = self.learner
+        try:
+            self._check()
+            if self.algorithm.flush_on_close:
+                self._flush()
+            self._wait_in_flight()
+        finally:
+            self._shutdown()
+        self._check()
+
+    def _flush(self) -> None:
+        lr = self.learner
+        assert lr is not None and lr.cfg.in_flight is not None
+        for _ in range(lr.run.P):
+            if not self._wait_until(lambda: lr.next_round - lr.aligned <= lr.cfg.in_flight or
+                                    lr.next_round <= self.bridge.view.head, "flush"):
+                return
+            lr.maybe_publish(final=True)
+
+    def _wait_in_flight(self) -> None:
+        lr = self.learner
+        assert lr is not None
+        self._wait_until(lambda: not lr.published, "close")
+
+    def _wait_until(self, done: Callable[[], bool], what: str) -> bool:
+        lr = self.learner
+        assert lr is not None
+        last_head, since = self.bridge.view.head, self.clock.now()
+        while True:
+            lr.drain()
+            # A round that committed without this node's contribution no longer waits on us.
+            while lr.published and lr.published[0].round <= self.bridge.view.head:
+                lr.published.popleft()
+            if done():
+                return True
+            c = self._wait_commit()
+            if c is not None:
+                lr.apply(c)
+            head = self.bridge.view.head
+            if head != last_head:
+                last_head, since = head, self.clock.now()
+            elif self.clock.now() - since > self.close_timeout:
+                self.emit(ev.GaveUp(self.learner_id, head, f"no round committed for {self.close_timeout:.0f} s "
+                                    f"while waiting to {what}"))
+                return False
+
+    def _shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self.bridge.wake.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self.learner is not None:
+            self.learner.drain()
+            self.learner.write_newest()
+        if self.node is not None:
+            try:
+                self.node.leave()
+            except MailboxUnavailable as e:
+                self.emit(ev.StoreFailure(self.learner_id, f"could not release the lease: {e}"))
+
+
+def align(model: Any, *, mailbox: Mailbox) -> int:
+    """Load the newest committed parameters into ``model`` without joining the run.
+
+    Returns the newest committed round, or -1 if none has committed yet.
+    """
+    adapter = adapter_for(model)
+    _, head, thetas = load_newest(RunStore(mailbox), adapter)
+    for theta in thetas.values():
+        adapter.write(theta)
+    return head

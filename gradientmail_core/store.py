@@ -1,0 +1,95 @@
+"""Typed access to a run's mailbox: records in, records out, payloads by reference.
+
+Everything the engine reads or writes goes through here, so validation (and, with a run
+secret, authentication) happens in one place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import numpy as np
+
+from . import keys
+from .errors import PayloadCorrupt, RecordInvalid
+from .mailbox import CreateOutcome, Mailbox, create_once
+from .payload import decode_payload, sha256_hex
+from .records import PayloadRef, decode, encode
+
+R = TypeVar("R")
+
+
+class RunStore:
+    def __init__(self, mailbox: Mailbox, *, auth: Any = None, on_ignored: Callable[[str, str], None] | None = None):
+        self.mailbox = mailbox
+        self.auth = auth  # optional signer/verifier (run secret); None = unauthenticated run
+        self.on_ignored = on_ignored or (lambda key, reason: None)
+        self.bytes_up = 0
+        self.bytes_down = 0
+
+    # ---- records ----------------------------------------------------------------------
+    def encode_record(self, record: Any) -> bytes:
+        if self.auth is not None:
+            record = self.auth.sign(record)
+        return encode(record)
+
+    def put_record(self, key: str, record: Any) -> tuple[CreateOutcome, bytes | None]:
+        data = self.encode_record(record)
+        self.bytes_up += len(data)
+        return create_once(self.mailbox, key, data)
+
+    def decode_record(self, data: bytes | None, cls: type[R], key: str) -> R:
+        record = decode(data, cls, key=key)
+        if self.auth is not None:
+            self.auth.verify(record, key)
+        return record
+
+    def read_record(self, key: str, cls: type[R]) -> R | None:
+        """The record at ``key``; None if it is missing. Raises ``RecordInvalid`` if corrupt."""
+        data = self.mailbox.get(key)
+        if data is None:
+            return None
+        self.bytes_down += len(data)
+        return self.decode_record(data, cls, key)
+
+    def try_record(self, key: str, cls: type[R]) -> R | None:
+        """Like ``read_record`` but a corrupt or forged record is reported and skipped."""
+        try:
+            return self.read_record(key, cls)
+        except RecordInvalid as e:
+            self.on_ignored(key, str(e))
+            return None
+
+    # ---- payloads ---------------------------------------------------------------------
+    def put_payload(self, key_for_sha: Callable[[str], str], data: bytes) -> PayloadRef:
+        """Write a content-addressed payload. Re-putting one that exists is harmless."""
+        sha = sha256_hex(data)
+        key = key_for_sha(sha)
+        outcome, _ = create_once(self.mailbox, key, data)
+        if outcome is CreateOutcome.TAKEN:
+            # Same name means same sha256; different bytes under it means the store is lying.
+            raise PayloadCorrupt(f"{key}: holds different bytes than its sha256 name says")
+        self.bytes_up += len(data)
+        return PayloadRef(key=key, sha256=sha, size=len(data))
+
+    def get_payload(
+        self, ref: PayloadRef, expected: Mapping[str, tuple[int, ...]], *, max_bytes: int | None = None
+    ) -> dict[str, np.ndarray] | None:
+        """Fetch, verify and decode a payload. None if it is gone; ``PayloadCorrupt`` if bad."""
+        if max_bytes is not None and ref.size > max_bytes:
+            raise PayloadCorrupt(f"{ref.key}: declared size {ref.size} exceeds the cap of {max_bytes} bytes")
+        data = self.mailbox.get(ref.key)
+        if data is None:
+            return None
+        self.bytes_down += len(data)
+        if len(data) != ref.size or sha256_hex(data) != ref.sha256:
+            raise PayloadCorrupt(
+                f"{ref.key}: expected {ref.size} bytes with sha256 {ref.sha256[:12]}..., "
+                f"found {len(data)} bytes with sha256 {sha256_hex(data)[:12]}..."
+            )
+        try:
+            compression = keys.compression_of(ref.key)
+        except ValueError as e:
+            raise PayloadCorrupt(str(e)) from None
+        return decode_payload(data, expected, compression=compression, max_bytes=max_bytes)
