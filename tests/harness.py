@@ -1,0 +1,124 @@
+"""A small deterministic cluster for engine tests: N learners with numpy models over one
+MemoryMailbox and one FakeClock, driven single-threaded (train step, tick, advance)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gradientmail_core import events as ev
+from gradientmail_core.adapters.base import NumpyAdapter
+from gradientmail_core.bridge import Bridge
+from gradientmail_core.clock import FakeClock
+from gradientmail_core.config import DiLoCo
+from gradientmail_core.learner import Learner
+from gradientmail_core.mailbox import Mailbox
+from gradientmail_core.memory_mailbox import MemoryMailbox
+from gradientmail_core.node import Node, NodeOptions
+from gradientmail_core.run import open_run
+from gradientmail_core.store import RunStore
+
+SHAPES = {"embed.weight": (6, 4), "layers.0.w": (4, 4), "layers.1.w": (4, 4), "head.b": (4,)}
+
+
+def make_params(seed: int = 0, shapes: dict[str, tuple[int, ...]] = SHAPES) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+
+
+@dataclass
+class Member:
+    name: str
+    params: dict[str, np.ndarray]
+    node: Node
+    learner: Learner
+    events: list[ev.Event]
+    rng: np.random.Generator
+    target: dict[str, np.ndarray]
+    alive: bool = True
+
+    def train(self, samples: int = 4) -> None:
+        """A deterministic 'optimizer step': move toward a target, plus seeded noise."""
+        for n, p in self.params.items():
+            p -= np.float32(0.1) * (p - self.target[n]) + np.float32(0.01) * self.rng.standard_normal(p.shape).astype(
+                np.float32
+            )
+        self.learner.step(samples)
+
+    def of(self, kind: type) -> list:
+        return [e for e in self.events if isinstance(e, kind)]
+
+
+@dataclass
+class Cluster:
+    cfg: DiLoCo
+    mailbox: Mailbox = field(default_factory=MemoryMailbox)
+    clock: FakeClock = field(default_factory=FakeClock)
+    options: NodeOptions = field(default_factory=lambda: NodeOptions(poll_interval=0.1, lease_timeout=2.0,
+                                                                     round_timeout=1.0))
+    compression: str = ""
+    members: dict[str, Member] = field(default_factory=dict)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=lambda: dict(SHAPES))
+
+    def join(self, name: str, seed: int | None = None, compression: str | None = None) -> Member:
+        seed = len(self.members) if seed is None else seed
+        params = make_params(100 + seed, self.shapes)
+        adapter = NumpyAdapter(params)
+        store = RunStore(self.mailbox)
+        events: list[ev.Event] = []
+        comp = self.compression if compression is None else compression
+        run, created = open_run(store, adapter, self.cfg, learner=name, compression=comp, rng=random.Random(seed))
+        opts = NodeOptions(self.options.poll_interval, self.options.lease_timeout, self.options.round_timeout, comp)
+        bridge = Bridge()
+        node = Node(store, self.clock, run, learner=name, nonce=f"{seed + 1:08x}", emit=events.append,
+                    options=opts, bridge=bridge)
+        thetas = node.join(created=created)
+        learner = Learner(adapter, run, bridge, self.clock, learner=name, emit=events.append)
+        learner.start(node.head, thetas, {f: v for f, (v, _) in node.thetas.items()})
+        target = make_params(7, self.shapes)
+        m = Member(name, params, node, learner, events, np.random.default_rng(seed), target)
+        self.members[name] = m
+        return m
+
+    def join_all(self, names: str | list[str]) -> list[Member]:
+        """Join several learners, then let every node see every lease (like ``wait_for``)."""
+        ms = [self.join(n) for n in names]
+        for m in self.live():
+            m.node._list_leases()
+        return ms
+
+    def live(self) -> list[Member]:
+        return [m for m in self.members.values() if m.alive]
+
+    def tick_all(self) -> None:
+        for m in self.live():
+            m.node.tick()
+            m.learner.drain()
+
+    def run(self, steps: int, *, ticks_per_step: int = 1, dt: float = 0.05, samples: int = 4) -> None:
+        for _ in range(steps):
+            for m in self.live():
+                m.train(samples)
+            for _ in range(ticks_per_step):
+                self.tick_all()
+                self.clock.advance(dt)
+
+    def settle(self, ticks: int = 40, dt: float = 0.05) -> None:
+        for _ in range(ticks):
+            self.tick_all()
+            self.clock.advance(dt)
+
+    def close(self, m: Member) -> None:
+        m.learner.drain()
+        m.learner.write_newest()
+        m.node.leave()
+        m.alive = False
+
+    def crash(self, m: Member) -> None:
+        m.alive = False
+
+    def head(self) -> int:
+        rounds = self.mailbox.list("rounds/")
+        return len(rounds) - 1
