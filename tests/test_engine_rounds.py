@@ -243,7 +243,7 @@ def test_flush_on_close_publishes_final_contributions_committed_without_momentum
 
 
 def test_zstd_payloads_interoperate_with_uncompressed_nodes():
-    c = Cluster(gm.DiLoCo(sync_every=4, fragments=2))
+    c = Cluster(gm.DiLoCo(sync_every=4, fragments=2, quorum_size=2))
     a = c.join("a", compression="zstd")
     b = c.join("b", compression="")
     for m in (a, b):
