@@ -28,6 +28,45 @@ def make_params(seed: int = 0, shapes: dict[str, tuple[int, ...]] = SHAPES) -> d
     return {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
 
 
+class Crash(Exception):
+    """The process died inside a store call."""
+
+
+class CrashingMailbox:
+    """Wraps a mailbox; raises ``Crash`` when ``when(op, key)`` is true, before or after the
+    call lands (``after=True``: the write happened, the reply was lost with the process)."""
+
+    def __init__(self, inner: Mailbox, when, *, after: bool = False) -> None:
+        self.inner, self.when, self.after = inner, when, after
+        self.armed = True
+        self.log: list[tuple[str, str]] = []
+
+    def _maybe(self, op: str, key: str, call):
+        hit = self.armed and self.when(op, key)
+        if hit and not self.after:
+            self.armed = False
+            raise Crash(f"{op} {key}")
+        out = call()
+        self.log.append((op, key))
+        if hit:
+            self.armed = False
+            raise Crash(f"after {op} {key}")
+        return out
+
+    def put_if_absent(self, key, data):
+        return self._maybe("put", key, lambda: self.inner.put_if_absent(key, data))
+
+    def get(self, key):
+        return self._maybe("get", key, lambda: self.inner.get(key))
+
+    def list(self, prefix, after=""):
+        return self._maybe("list", prefix, lambda: self.inner.list(prefix, after))
+
+    def delete(self, keys):
+        keys = list(keys)
+        return self._maybe("delete", ",".join(keys), lambda: self.inner.delete(keys))
+
+
 @dataclass
 class Member:
     name: str
@@ -62,11 +101,13 @@ class Cluster:
     members: dict[str, Member] = field(default_factory=dict)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=lambda: dict(SHAPES))
 
-    def join(self, name: str, seed: int | None = None, compression: str | None = None) -> Member:
+    def join(
+        self, name: str, seed: int | None = None, compression: str | None = None, mailbox: Mailbox | None = None
+    ) -> Member:
         seed = len(self.members) if seed is None else seed
         params = make_params(100 + seed, self.shapes)
         adapter = NumpyAdapter(params)
-        store = RunStore(self.mailbox)
+        store = RunStore(mailbox or self.mailbox)
         events: list[ev.Event] = []
         comp = self.compression if compression is None else compression
         run, created = open_run(store, adapter, self.cfg, learner=name, compression=comp, rng=random.Random(seed))
@@ -94,7 +135,11 @@ class Cluster:
 
     def tick_all(self) -> None:
         for m in self.live():
-            m.node.tick()
+            try:
+                m.node.tick()
+            except Crash:
+                m.alive = False
+                continue
             m.learner.drain()
 
     def run(self, steps: int, *, ticks_per_step: int = 1, dt: float = 0.05, samples: int = 4) -> None:

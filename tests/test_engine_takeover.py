@@ -1,0 +1,143 @@
+"""Election, takeover and recovery on a deterministic cluster (fake clock, one thread)."""
+
+from __future__ import annotations
+
+import numpy as np
+from harness import Cluster, CrashingMailbox
+from test_engine_rounds import assert_identical, assert_tape_contiguous, finish, records
+
+import gradientmail_core as gm
+from gradientmail_core import events as ev
+from gradientmail_core import keys
+
+
+def took_over(c: Cluster) -> list[ev.TookOver]:
+    return [e for m in c.members.values() for e in m.of(ev.TookOver)]
+
+
+def test_closer_that_dies_is_taken_over_when_its_lease_is_lost():
+    c = Cluster(gm.DiLoCo(sync_every=4, fragments=2))
+    a, b, cc = c.join_all("abc")
+    c.run(12)
+    assert {r.closer for r in records(c)} == {"a"}
+    c.crash(a)  # SIGKILL: no more ticks, the lease stays behind unchanged
+    c.run(60)
+    finish(c)
+    recs = assert_tape_contiguous(c)
+    new = {r.closer for r in recs} - {"a"}
+    assert len(new) == 1
+    events = took_over(c)
+    assert events and events[0].previous == "a" and events[0].reason in ("lease_lost", "timeout")
+    assert_identical([b, cc])
+
+
+def test_stalled_closer_is_taken_over_by_timeout_and_superseded_when_it_resumes():
+    c = Cluster(gm.DiLoCo(sync_every=4, fragments=1))
+    from gradientmail_core.node import NodeOptions
+
+    c.options = NodeOptions(poll_interval=0.1, lease_timeout=5.0, round_timeout=0.5)
+    a, b = c.join_all("ab")
+    c.run(4)
+    c.settle(4)
+    head = c.head()
+    # a holds the claim of the open round; it stops (SIGSTOP) right after b publishes
+    for _ in range(4):
+        b.train()
+    for _ in range(30):  # 1.5 s: past round_timeout, well within lease_timeout
+        b.node.tick()
+        b.learner.drain()
+        c.clock.advance(0.05)
+    assert c.head() == head + 1
+    tk = b.of(ev.TookOver)
+    assert tk and tk[0].reason == "timeout" and tk[0].previous == "a"
+    # a resumes (SIGCONT): it sees the record and steps down
+    a.node.tick()
+    assert a.of(ev.Superseded) and a.of(ev.Superseded)[0].by == "b"
+    assert a.node.collector is None or a.node.collector.round > head + 1
+    c.run(8)
+    finish(c)
+    assert_tape_contiguous(c)
+    assert_identical([a, b])
+
+
+def test_closer_crash_between_payload_and_record_is_recomputed_with_the_same_bytes():
+    c = Cluster(gm.DiLoCo(sync_every=4, fragments=1, quorum_size=3))
+    crashing = CrashingMailbox(c.mailbox, lambda op, key: op == "put" and key == keys.round_key(1))
+    a = c.join("a", mailbox=crashing)
+    b, cc = c.join("b"), c.join("c")
+    for m in c.live():
+        m.node._list_leases()
+    c.run(8)
+    c.settle(5)
+    assert not a.alive  # died writing rounds/1
+    written = [k for op, k in crashing.log if op == "put" and k.startswith(keys.round_blobs_prefix(1))]
+    assert any("/theta-" in k for k in written)
+    c.run(60)
+    finish(c)
+    recs = assert_tape_contiguous(c)
+    assert recs[1].closer != "a"
+    assert recs[1].theta.key in written and recs[1].outer.key in written
+    assert_identical([b, cc])
+
+
+def test_closer_crash_after_commit_leaves_the_next_round_unclaimed_and_it_is_claimed():
+    c = Cluster(gm.DiLoCo(sync_every=4, fragments=1))
+    crashing = CrashingMailbox(c.mailbox, lambda op, key: op == "put" and key == keys.claim_key(1, 1))
+    a = c.join("a", mailbox=crashing)
+    b = c.join("b")
+    for m in c.live():
+        m.node._list_leases()
+    c.run(60)
+    assert not a.alive
+    finish(c)
+    recs = assert_tape_contiguous(c)
+    assert recs[0].closer == "a" and recs[1].closer == "b"
+    assert b.of(ev.TookOver)[0].reason in ("unclaimed", "lease_lost")
+
+
+def test_restarted_learner_continues_from_the_store():
+    c = Cluster(gm.DiLoCo(sync_every=4, fragments=2))
+    a, b = c.join_all("ab")
+    c.run(20)
+    c.crash(b)
+    c.run(8)
+    # restart b with the same id: it waits out its own stale lease, then loads the newest commit
+    b2 = c.join("b", seed=1)
+    expected = {n: np.array(p) for n, p in a.learner.anchors[0].items()} | {
+        n: np.array(p) for n, p in a.learner.anchors[1].items()}
+    for n in expected:
+        assert np.array_equal(b2.params[n], expected[n]) or c.head() > a.node.head
+    c.run(20)
+    finish(c)
+    recs = assert_tape_contiguous(c)
+    late = [r for r in recs if r.round > recs[-1].round - 4]
+    assert any("b" in {p.learner for p in r.participants} for r in late)
+    assert_identical([a, b2])
+
+
+def test_learner_that_leaves_is_not_waited_for_and_a_joiner_starts_from_committed_parameters():
+    c = Cluster(gm.DiLoCo(sync_every=4, fragments=1, quorum_size=2))
+    a, b = c.join_all("ab")
+    c.run(8)
+    c.close(b)  # deletes its lease: not waited for any more
+    c.settle(12)
+    c.run(8)
+    assert c.head() >= 3
+    d = c.join("d", seed=9)
+    # the joiner holds exactly the newest committed parameters before its first step
+    assert all(np.array_equal(d.params[n], a.learner.anchors[0][n]) for n in d.params)
+    c.run(8)
+    finish(c)
+    assert_tape_contiguous(c)
+
+
+def test_killed_learner_stops_being_waited_for_after_lease_timeout():
+    c = Cluster(gm.DiLoCo(sync_every=4, fragments=1, quorum_size=2))
+    a, b = c.join_all("ab")
+    c.run(8)
+    c.crash(b)
+    head = c.head()
+    c.run(4)
+    c.settle(100)  # 5 s > lease_timeout: b's lease is stale, a closes alone
+    assert c.head() > head
+    assert a.node.liveness.live() == {"a"}
