@@ -41,6 +41,8 @@ class CommitNotice:
     version: int
     theta: Mapping[str, np.ndarray]
     nbytes: int = 0
+    participants: tuple[str, ...] = ()
+    cosine: float | None = None
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,8 @@ class Aligned(Event):
     fragment: int
     version: int
     bytes: int
+    participants: tuple[str, ...] = ()  # of the round aligned with, for loggers on every node
+    cosine: float | None = None
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,7 @@ class Learner:
         self.aligned = max(self.aligned, c.round)
         while self.published and self.published[0].round <= self.aligned:
             self.published.popleft()
-        self.emit(ev.Aligned(self.me, c.round, c.fragment, c.version, c.nbytes))
+        self.emit(ev.Aligned(self.me, c.round, c.fragment, c.version, c.nbytes, c.participants, c.cosine))
 
     def drain(self) -> int:
         n = 0

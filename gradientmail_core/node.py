@@ -262,7 +262,8 @@ class Node:
         if theta is None:
             return  # pruned already: a newer record of this fragment is on the tape
         self.thetas[f] = (rec.version, theta)
-        self.bridge.inbox.put(CommitNotice(rec.round, f, rec.version, theta, rec.theta.size if rec.theta else 0))
+        self.bridge.inbox.put(CommitNotice(rec.round, f, rec.version, theta, rec.theta.size if rec.theta else 0,
+                                           tuple(p.learner for p in rec.participants), rec.cosine))
 
     # ---- electing and closing ---------------------------------------------------------
 
