@@ -206,7 +206,15 @@ class Node:
         rounds = sorted(r for k in round_keys if (r := keys.parse_round_key(k)) is not None and r > self.head)
         if len(rounds) > self.run.P:
             # Far behind (or just joined): only the newest record of each fragment matters.
-            rounds = rounds[-self.run.P :]
+            skipped, rounds = rounds[: -self.run.P], rounds[-self.run.P :]
+            c = self.collector
+            if c is not None and c.round in skipped:
+                # We were closing a round that someone else committed while we stalled.
+                rec = self.store.try_record(keys.round_key(c.round), RoundRecord)
+                if rec is None or rec.closer != self.me:
+                    self.stats.superseded += 1
+                    self.emit(ev.Superseded(self.me, c.round, rec.closer if rec else "?"))
+                self.collector = None
         for r in rounds:
             rec = self.store.try_record(keys.round_key(r), RoundRecord)
             problem = self._check_record(rec, r)

@@ -232,9 +232,12 @@ class Session:
             lr.maybe_publish(final=True)
 
     def _wait_in_flight(self) -> None:
+        """Publish the rounds already due by the schedule (``in_flight`` may have held them
+        back), then wait until they have committed. Learners that trained the same number of
+        steps thus contribute to the same rounds and leave with the same parameters."""
         lr = self.learner
         assert lr is not None
-        self._wait_until(lambda: not lr.published, "close")
+        self._wait_until(lambda: not lr.maybe_publish() and not lr.published, "close")
 
     def _wait_until(self, done: Callable[[], bool], what: str) -> bool:
         lr = self.learner

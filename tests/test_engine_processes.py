@@ -1,0 +1,118 @@
+"""Learner processes end to end on a directory and on a real S3 HTTP endpoint: the tape,
+identical parameters, falling loss, and takeover when the closer is killed or stalled."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import boto3
+import pytest
+from nodes import Node, identical, wait_until
+
+import gradientmail_core as gm
+from gradientmail_core import keys
+from gradientmail_core.records import RoundRecord, decode
+
+pytestmark = pytest.mark.timeout(300)
+
+COMMON = ["--steps", "160", "--sync-every", "20", "--fragments", "2", "--overlap-steps", "10"]
+
+
+def tape(mailbox: gm.Mailbox) -> list[RoundRecord]:
+    recs = [decode(mailbox.get(k), RoundRecord, key=k) for k in mailbox.list(keys.ROUNDS)]
+    assert [r.round for r in recs] == list(range(len(recs))), "the tape has a gap"
+    return recs
+
+
+def check_run(nodes: list[Node], mailbox: gm.Mailbox) -> list[RoundRecord]:
+    for n in nodes:
+        assert n.wait() == 0, (n.out.parent / f"log-{n.learner}.txt").read_text()[-3000:]
+    recs = tape(mailbox)
+    assert len(recs) == 160 // 20 * 2
+    assert identical(*[n.params() for n in nodes])
+    for n in nodes:
+        s = n.summary()
+        assert s["final_loss"] < s["initial_loss"] - 0.5
+    return recs
+
+
+def test_three_learner_processes_on_a_file_mailbox(tmp_path):
+    url = f"file://{tmp_path / 'mailbox'}"
+    nodes = [Node(tmp_path, name, url, *COMMON, "--quorum", "3", "--wait-for", "3") for name in "abc"]
+    recs = check_run(nodes, gm.open_mailbox(url))
+    assert all(len(r.participants) == 3 for r in recs)
+
+
+def test_three_learner_processes_on_s3(tmp_path, s3_server):
+    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket="e2e")
+    url = "s3://e2e/runs/r1"
+    nodes = [Node(tmp_path, name, url, *COMMON, "--quorum", "3", "--wait-for", "3", "--compression", "zstd",
+                  endpoint=s3_server) for name in "abc"]
+    check_run(nodes, gm.open_mailbox(url, endpoint_url=s3_server))
+
+
+def _start_with_closer_first(tmp_path, url: str, steps: str) -> tuple[Node, list[Node]]:
+    args = ["--steps", steps, "--sync-every", "20", "--fragments", "2", "--overlap-steps", "10", "--wait-for", "3",
+            "--step-sleep", "0.01"]
+    closer = Node(tmp_path, "a", url, *args)
+    mb = gm.open_mailbox(url)
+    wait_until(lambda: mb.get(keys.MANIFEST) is not None, what="the run to be created")
+    others = [Node(tmp_path, name, url, *args) for name in "bc"]
+    wait_until(lambda: len(mb.list(keys.ROUNDS)) >= 3, what="three commits")
+    return closer, others
+
+
+def test_closer_killed_mid_round_is_taken_over(tmp_path):
+    url = f"file://{tmp_path / 'mailbox'}"
+    closer, (b, c) = _start_with_closer_first(tmp_path, url, "300")
+    mb = gm.open_mailbox(url)
+    assert {r.closer for r in tape(mb)} == {"a"}
+    closer.kill(signal.SIGKILL)
+    closer.wait()
+    assert b.wait() == 0 and c.wait() == 0
+    recs = tape(mb)
+    assert len(recs) == 300 // 20 * 2
+    took = b.events("TookOver") + c.events("TookOver")
+    assert len({t["learner"] for t in took}) >= 1
+    assert took[0]["previous"] == "a" and took[0]["reason"] in ("lease_lost", "timeout")
+    assert {r.closer for r in recs[-3:]} == {took[-1]["learner"]}
+    assert identical(b.params(), c.params())
+
+
+def test_stalled_closer_is_taken_over_and_superseded_cleanly_when_it_resumes(tmp_path):
+    url = f"file://{tmp_path / 'mailbox'}"
+    closer, (b, c) = _start_with_closer_first(tmp_path, url, "300")
+    mb = gm.open_mailbox(url)
+    closer.kill(signal.SIGSTOP)
+    head = len(mb.list(keys.ROUNDS))
+    wait_until(lambda: len(mb.list(keys.ROUNDS)) >= head + 2, what="rounds committed by a new closer")
+    time.sleep(1.0)
+    closer.kill(signal.SIGCONT)
+    assert closer.wait() == 0 and b.wait() == 0 and c.wait() == 0
+    recs = tape(mb)
+    assert len(recs) == 300 // 20 * 2
+    assert b.events("TookOver") or c.events("TookOver")
+    # the resumed closer noticed, stepped down, and followed the tape
+    assert closer.events("Superseded")
+    assert identical(b.params(), c.params())
+
+
+def test_killed_learner_restarts_with_its_id_and_contributes_again(tmp_path):
+    url = f"file://{tmp_path / 'mailbox'}"
+    mb = gm.open_mailbox(url)
+    args = ["--sync-every", "20", "--fragments", "2", "--overlap-steps", "10", "--step-sleep", "0.01"]
+    a = Node(tmp_path, "a", url, "--steps", "400", "--wait-for", "2", *args)
+    b = Node(tmp_path, "b", url, "--steps", "400", "--wait-for", "2", *args)
+    wait_until(lambda: len(mb.list(keys.ROUNDS)) >= 4, what="four commits")
+    b.kill(signal.SIGKILL)
+    b.wait()
+    killed_at = len(mb.list(keys.ROUNDS))
+    b2 = Node(tmp_path, "b", url, "--steps", "100", *args)
+    assert b2.wait() == 0, (tmp_path / "log-b.txt").read_text()[-2000:]
+    assert a.wait() == 0
+    recs = tape(mb)
+    later = [r for r in recs if r.round > killed_at + 1]
+    assert any("b" in {p.learner for p in r.participants} for r in later)
+    joined = b2.events("Joined")
+    assert joined and joined[-1]["round"] >= killed_at - 1 and not joined[-1]["created_run"]
