@@ -1,0 +1,137 @@
+"""``gradientmail``: watch and inspect a run from its mailbox.
+
+    gradientmail status URL                 the run at a glance
+    gradientmail watch URL                  the same, live
+    gradientmail rounds URL [--from N]      the tape, as a table or JSON lines
+    gradientmail plot URL -o run.png        participants, cosine, timings, throughput per round
+    gradientmail export URL -o model.safetensors
+
+URL is ``file:///path``, ``s3://bucket/prefix`` (with ``--endpoint-url`` for R2, MinIO...) or
+``memory://name`` (tests). Every command only reads. ``rich`` and ``matplotlib`` (the ``cli``
+extra) are imported by the commands that use them, so ``--help`` and ``rounds --json`` need
+neither.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+from ..errors import GradientMailError, MailboxUnavailable, MissingExtra, ProtocolError, RecordInvalid
+from ..mailbox import Mailbox, open_mailbox
+from ..overview import NoRun
+
+EXIT_USAGE = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("url", help="the run's mailbox: file:///path, s3://bucket/prefix or memory://name")
+    common.add_argument("--endpoint-url", help="S3-compatible endpoint (R2, MinIO, moto), for s3:// URLs")
+    common.add_argument("--region", help="S3 region, for s3:// URLs")
+
+    p = argparse.ArgumentParser(prog="gradientmail", description="Watch and inspect a gradientmail run.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("status", parents=[common], help="the run at a glance")
+    s.add_argument("--last", type=_positive, default=8, metavar="N", help="rounds to show (default 8)")
+
+    w = sub.add_parser("watch", parents=[common], help="the run at a glance, refreshing live")
+    w.add_argument("--last", type=_positive, default=8, metavar="N", help="rounds to show (default 8)")
+    w.add_argument("--interval", type=_positive_float, default=2.0, metavar="S", help="seconds between refreshes")
+    w.add_argument(
+        "--total", type=_positive, metavar="ROUNDS", help="rounds the run is expected to commit (for the bar)"
+    )
+    stop = w.add_mutually_exclusive_group()
+    stop.add_argument("--once", action="store_true", help="draw one frame and exit")
+    stop.add_argument("--iterations", type=_positive, metavar="N", help="exit after N refreshes")
+
+    r = sub.add_parser("rounds", parents=[common], help="the committed rounds (the tape)")
+    r.add_argument("--from", dest="start", type=_nonneg, default=0, metavar="N", help="first round to show")
+    r.add_argument("--json", action="store_true", help="one JSON record per line instead of a table")
+
+    pl = sub.add_parser("plot", parents=[common], help="per-round charts saved to a PNG")
+    pl.add_argument("-o", "--output", required=True, metavar="FILE.png")
+    pl.add_argument("--from", dest="start", type=_nonneg, default=0, metavar="N", help="first round to plot")
+
+    e = sub.add_parser("export", parents=[common], help="the newest committed parameters as safetensors")
+    e.add_argument("-o", "--output", required=True, metavar="FILE.safetensors")
+    return p
+
+
+def _positive(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
+    return v
+
+
+def _nonneg(text: str) -> int:
+    v = int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    v = float(text)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
+    return v
+
+
+def open_url(url: str, *, endpoint_url: str | None = None, region: str | None = None) -> Mailbox:
+    """Open a mailbox URL for reading. A ``file://`` directory that does not exist is ``NoRun``
+    (opening a ``FileMailbox`` would create it, and a read-only tool must not)."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    options: dict[str, Any] = {}
+    if scheme == "s3":
+        options = {k: v for k, v in (("endpoint_url", endpoint_url), ("region", region)) if v is not None}
+    elif endpoint_url or region:
+        raise ValueError("--endpoint-url and --region apply to s3:// URLs only")
+    if scheme == "file":
+        host = "" if parts.netloc in ("", "localhost") else parts.netloc
+        if host + parts.path and not os.path.isdir(host + parts.path):
+            raise NoRun(f"no run here: the directory {host + parts.path!r} does not exist")
+    return open_mailbox(url, **options)
+
+
+def _explain(url: str, e: BaseException) -> str:
+    """One line: what went wrong, and what to do about it."""
+    first = " ".join(str(e).split())
+    if isinstance(e, NoRun):
+        return f"no run at {url}: {first}. Check the URL and prefix, or start a learner to create the run."
+    if isinstance(e, MailboxUnavailable):
+        return (
+            f"cannot reach the store at {url}: {first.split('. The store is')[0]}. "
+            "Check the URL, --endpoint-url, the network and the credentials."
+        )
+    if isinstance(e, RecordInvalid):
+        return f"cannot read the run at {url}: {first}"
+    if isinstance(e, ProtocolError):
+        return f"the run at {url} is not readable: {first}. Was it written by another gradientmail version?"
+    if isinstance(e, MissingExtra):
+        return first
+    return f"{url}: {first}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from . import commands
+
+    try:
+        mailbox = open_url(args.url, endpoint_url=args.endpoint_url, region=args.region)
+        return int(getattr(commands, args.command)(mailbox, args) or 0)
+    except (GradientMailError, ValueError, OSError) as e:
+        print(f"gradientmail {args.command}: error: {_explain(args.url, e)}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+__all__ = ["main", "open_url"]

@@ -1,0 +1,227 @@
+"""A run at a glance, read from its mailbox: what the ``gradientmail`` command line shows.
+
+Pure reads: nothing here writes, deletes or joins the run, so it is safe to point at a live
+run from any machine. Every record goes through the codec's validation; a store that cannot be
+reached raises ``MailboxUnavailable``, a run written by another format version ``RecordInvalid``,
+and a mailbox without a run ``NoRun``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import keys, quant, safetensors_io
+from .errors import ProtocolError, RecordInvalid
+from .mailbox import Mailbox
+from .records import Claim, Lease, Manifest, RoundRecord, decode
+from .run import RunInfo, fetch_theta, newest_records
+from .store import RunStore
+
+# Bytes per element of the parameter dtypes a schema may hold.
+_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2}
+# Round records fetched at once: a tape of thousands of rounds on S3 is latency-bound.
+_FETCH_THREADS = 8
+
+
+class NoRun(ProtocolError):
+    """The mailbox holds no run (no ``manifest.json``). Check the URL, or start a learner."""
+
+
+@dataclass(frozen=True)
+class SchemaSize:
+    tensors: int
+    parameters: int
+    bytes: int
+    dtypes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class LeaseInfo:
+    """A learner holding a lease, as one listing sees it (liveness needs two looks: see ``watch``)."""
+
+    learner: str
+    key: str
+    seq: int
+    local_step: int
+    tokens: int
+    last_round: int | None  # newest round among those read that this learner contributed to
+    in_open_round: bool  # it has published into the round being collected now
+
+
+@dataclass(frozen=True)
+class Overview:
+    manifest: Manifest
+    run: RunInfo
+    size: SchemaSize
+    rounds_committed: int
+    head: int  # newest committed round, -1 before the first commit
+    versions: tuple[int, ...]  # per fragment
+    recent: list[RoundRecord]  # the last rounds, oldest first
+    leases: list[LeaseInfo]
+    open_round: int
+    open_contributors: list[str]
+    open_claim: Claim | None  # the node closing the open round, if it has claimed it
+
+    @property
+    def open_fragment(self) -> int:
+        return self.open_round % self.run.P
+
+
+def read_manifest(mailbox: Mailbox) -> RunInfo:
+    """The run's manifest, validated. ``NoRun`` if there is none."""
+    data = mailbox.get(keys.MANIFEST)
+    if data is None:
+        raise NoRun(f"no run in this mailbox ({keys.MANIFEST} is missing)")
+    return RunInfo.from_manifest(decode(data, Manifest, key=keys.MANIFEST))
+
+
+def schema_size(run: RunInfo) -> SchemaSize:
+    params = sum(int(np.prod(s.shape, dtype=np.int64)) for s in run.schema)
+    nbytes = sum(int(np.prod(s.shape, dtype=np.int64)) * _ITEMSIZE[s.dtype] for s in run.schema)
+    return SchemaSize(len(run.schema), params, nbytes, tuple(sorted({s.dtype for s in run.schema})))
+
+
+def round_numbers(mailbox: Mailbox, start: int = 0) -> list[int]:
+    """Committed rounds ``>= start``, in order (the tape is never garbage-collected)."""
+    after = keys.round_key(start - 1) if start > 0 else ""
+    listed = mailbox.list(keys.ROUNDS, after=after)
+    return [r for k in listed if (r := keys.parse_round_key(k)) is not None]
+
+
+def read_records(mailbox: Mailbox, rounds: list[int]) -> list[RoundRecord]:
+    """The records of ``rounds``, in that order (fetched concurrently)."""
+
+    def one(r: int) -> RoundRecord:
+        key = keys.round_key(r)
+        return decode(mailbox.get(key), RoundRecord, key=key)
+
+    if len(rounds) <= 2:
+        return [one(r) for r in rounds]
+    with ThreadPoolExecutor(_FETCH_THREADS) as pool:
+        return list(pool.map(one, rounds))
+
+
+def iter_records(mailbox: Mailbox, start: int = 0, *, batch: int = 256) -> Iterator[RoundRecord]:
+    """Every committed record from round ``start`` on, oldest first."""
+    rounds = round_numbers(mailbox, start)
+    for i in range(0, len(rounds), batch):
+        yield from read_records(mailbox, rounds[i : i + batch])
+
+
+def read_leases(mailbox: Mailbox) -> dict[str, tuple[str, Lease | None]]:
+    """``{learner: (newest lease key, its record or None if unreadable)}``."""
+    newest: dict[str, str] = {}
+    for k in mailbox.list(keys.LEASES):
+        parsed = keys.parse_lease_key(k)
+        if parsed is not None:
+            newest[parsed[0]] = k  # listed in byte order: the last key of a learner is its newest
+    out: dict[str, tuple[str, Lease | None]] = {}
+    for learner, k in sorted(newest.items()):
+        data = mailbox.get(k)
+        if data is None:
+            continue  # renewed (or released) between the listing and the read
+        try:
+            out[learner] = (k, decode(data, Lease, key=k))
+        except RecordInvalid:
+            out[learner] = (k, None)
+    return out
+
+
+def _open_claim(mailbox: Mailbox, r: int) -> Claim | None:
+    for k in reversed(mailbox.list(keys.claims_prefix(r))):
+        parsed = keys.parse_claim_key(k)
+        if parsed is None:
+            continue
+        try:
+            claim = decode(mailbox.get(k), Claim, key=k)
+        except RecordInvalid:
+            continue
+        if (claim.round, claim.n) == parsed:
+            return claim
+    return None
+
+
+def read_overview(mailbox: Mailbox, *, last: int = 8) -> Overview:
+    """Everything ``gradientmail status`` shows, from one pass over the mailbox."""
+    run = read_manifest(mailbox)
+    rounds = round_numbers(mailbox)
+    head = rounds[-1] if rounds else -1
+    recent = read_records(mailbox, rounds[-max(last, run.P) :])
+    versions = [0] * run.P
+    for rec in recent:
+        versions[rec.fragment] = max(versions[rec.fragment], rec.version)
+    open_round = head + 1
+    contributors = sorted(
+        p[1] for k in mailbox.list(keys.snapshots_prefix(open_round)) if (p := keys.parse_snapshot_key(k))
+    )
+    last_round: dict[str, int] = {}
+    for rec in recent:
+        for p in rec.participants:
+            last_round[p.learner] = rec.round
+    leases = [
+        LeaseInfo(
+            learner=learner,
+            key=k,
+            seq=lease.seq if lease else -1,
+            local_step=lease.local_step if lease else 0,
+            tokens=lease.tokens if lease else 0,
+            last_round=last_round.get(learner),
+            in_open_round=learner in contributors,
+        )
+        for learner, (k, lease) in read_leases(mailbox).items()
+    ]
+    return Overview(
+        manifest=run.manifest,
+        run=run,
+        size=schema_size(run),
+        rounds_committed=len(rounds),
+        head=head,
+        versions=tuple(versions),
+        recent=recent[-last:] if last > 0 else [],
+        leases=leases,
+        open_round=open_round,
+        open_contributors=contributors,
+        open_claim=_open_claim(mailbox, open_round),
+    )
+
+
+def newest_parameters(mailbox: Mailbox, *, attempts: int = 3) -> tuple[RunInfo, int, dict[str, np.ndarray]]:
+    """The newest committed parameters of every fragment (float32), as ``gm.align`` loads them.
+
+    Returns ``(run, head, {name: array})``. A commit landing between the listing and the reads
+    can prune the payload just listed; the listing is then simply taken again.
+    """
+    run = read_manifest(mailbox)
+    store = RunStore(mailbox)
+    for _ in range(attempts):
+        round_keys = [keys.round_key(r) for r in round_numbers(mailbox)]
+        head = keys.parse_round_key(round_keys[-1]) if round_keys else -1
+        assert head is not None
+        recs = newest_records(store, run, round_keys)
+        values: dict[str, np.ndarray] = {}
+        for f in range(run.P):
+            theta = fetch_theta(store, run, f, recs.get(f))
+            if theta is None:
+                break
+            values.update(theta)
+        else:
+            return run, head, {s.name: values[s.name] for s in run.schema}
+    raise ProtocolError(f"the newest parameters kept disappearing while being read ({attempts} tries)")
+
+
+def export_safetensors(mailbox: Mailbox) -> tuple[int, bytes]:
+    """The newest committed parameters as one safetensors file, each tensor in its own dtype.
+
+    Returns ``(head round, file bytes)``; ``safetensors.torch.load_file`` loads the file.
+    """
+    run, head, values = newest_parameters(mailbox)
+    tensors = {}
+    for s in run.schema:
+        q = quant.quantize(values[s.name], s.dtype)
+        tensors[s.name] = (q.storage_dtype, tuple(s.shape), q.data)
+    meta = {"gradientmail.run_id": run.manifest.run_id, "gradientmail.round": str(head)}
+    return head, safetensors_io.write(tensors, meta)
