@@ -48,6 +48,8 @@ class CommitNotice:
 @dataclass(frozen=True)
 class View:
     head: int = -1
+    # rounds whose snapshots from other learners already meet the quorum: the round will
+    # close without us, so a slower learner contributes what it has rather than be late
     others_published: frozenset[int] = frozenset()
     live: int = 1
     rounds_seen: int = 0

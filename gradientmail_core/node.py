@@ -20,7 +20,7 @@ from . import keys
 from .bridge import Bridge, CommitNotice, Publish, View
 from .clock import Clock
 from .closer import Collector, Estimates, FragmentState, compute_commit, rebuild_theta, theta_digest
-from .errors import PayloadCorrupt, ProtocolError, RecordInvalid
+from .errors import MailboxUnavailable, PayloadCorrupt, ProtocolError, RecordInvalid
 from .lease import LeaseWriter, Liveness
 from .mailbox import CreateOutcome, create_once
 from .payload import encode_payload
@@ -112,7 +112,10 @@ class Node:
         round_keys = [k for k in self.store.mailbox.list(keys.ROUNDS) if keys.parse_round_key(k) is not None]
         recs = newest_records(self.store, self.run, round_keys)
         for f in range(self.run.P):
-            theta = fetch_theta(self.store, self.run, f, recs.get(f))
+            try:
+                theta = fetch_theta(self.store, self.run, f, recs.get(f))
+            except PayloadCorrupt as e:  # damaged in transit: transient, like any failed read
+                raise MailboxUnavailable(f"{e}; retry joining") from e
             if theta is None:
                 raise ProtocolError(f"the newest parameters of fragment {f} are missing from the mailbox")
             version = recs[f].version if f in recs else 0
@@ -132,6 +135,13 @@ class Node:
     # ---- one poll ---------------------------------------------------------------------
 
     def tick(self) -> None:
+        try:
+            self._tick()
+        except PayloadCorrupt as e:
+            # A payload read back damaged (a flipped bit in transit): transient, retried next poll.
+            raise MailboxUnavailable(f"{e}; retrying on the next poll") from e
+
+    def _tick(self) -> None:
         self._publish_pending()
         self.lease.renew(local_step=self.bridge.local_step, tokens=self.bridge.tokens)
         if self.clock.now() - self.liveness.listed_at >= self.opts.lease_list_interval:
@@ -152,7 +162,8 @@ class Node:
         self.liveness.observe(self.store.mailbox.list(keys.LEASES))
 
     def _publish_view(self) -> None:
-        others = frozenset(r for r, ls in self.snapshot_keys.items() if r > self.head and ls - {self.me})
+        quorum = self.run.cfg.quorum_size
+        others = frozenset(r for r, ls in self.snapshot_keys.items() if r > self.head and len(ls - {self.me}) >= quorum)
         closer_of = self.collector.round if self.collector else None
         view = View(self.head, others, len(self.liveness.live()), self.rounds_seen, closer_of)
         with self.bridge.lock:
