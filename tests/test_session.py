@@ -1,0 +1,210 @@
+"""The public Session API: validation before I/O, refusals with clear messages, and the
+read-only views a training loop uses."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import gradientmail_core as gm
+from gradientmail_core import keys
+
+
+def model(width: int = 4) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, width), torch.nn.Linear(width, 1))
+
+
+class Untouchable:
+    """A mailbox that fails the test if anything reaches it."""
+
+    def put_if_absent(self, key, data):
+        raise AssertionError("I/O before validation")
+
+    get = list = delete = put_if_absent
+
+
+FAST = {"poll_interval": 0.02, "lease_timeout": 2.0, "callbacks": ()}
+
+
+@pytest.mark.parametrize("bad", ["", "Upper", "-lead", "a_b", "a/b", "..", "x" * 65, "a b"])
+def test_invalid_learner_id_is_refused_before_any_io(bad):
+    with pytest.raises(ValueError, match="learner id"):
+        gm.Session(model(), algorithm=gm.DiLoCo(sync_every=4, fragments=1), mailbox=Untouchable(), learner_id=bad)
+
+
+def test_default_learner_id_is_valid():
+    s = gm.Session(model(), algorithm=gm.DiLoCo(sync_every=4, fragments=1), mailbox=Untouchable())
+    assert keys.LEARNER_ID.fullmatch(s.learner_id)
+
+
+def test_second_live_process_with_the_same_id_is_refused():
+    mb = gm.MemoryMailbox()
+    cfg = gm.DiLoCo(sync_every=4, fragments=1)
+    with gm.Session(model(), algorithm=cfg, mailbox=mb, learner_id="same", **FAST):
+        with pytest.raises(gm.DuplicateLearner, match="already used by a live process"):
+            with gm.Session(model(), algorithm=cfg, mailbox=mb, learner_id="same", **FAST):
+                pass
+
+
+def test_config_mismatch_names_the_differing_fields_before_training():
+    mb = gm.MemoryMailbox()
+    with gm.Session(model(), algorithm=gm.DiLoCo(sync_every=4, fragments=1), mailbox=mb, learner_id="a", **FAST):
+        pass
+    with pytest.raises(gm.RunConfigMismatch, match="sync_every") as e:
+        gm.Session(model(), algorithm=gm.DiLoCo(sync_every=8, fragments=1, outer_lr=0.5), mailbox=mb,
+                   learner_id="b", **FAST).open()
+    assert "outer_lr" in str(e.value) and "fragments" not in str(e.value)
+
+
+def test_schema_mismatch_names_the_differing_parameters():
+    mb = gm.MemoryMailbox()
+    cfg = gm.DiLoCo(sync_every=4, fragments=1)
+    with gm.Session(model(4), algorithm=cfg, mailbox=mb, learner_id="a", **FAST):
+        pass
+    with pytest.raises(gm.SchemaMismatch, match=r"0\.weight") as e:
+        gm.Session(model(5), algorithm=cfg, mailbox=mb, learner_id="b", **FAST).open()
+    assert "[4, 3]" in str(e.value) and "[5, 3]" in str(e.value)
+
+
+def test_batch_size_follows_the_live_learner_count():
+    mb = gm.MemoryMailbox()
+    cfg = gm.DiLoCo(sync_every=4, fragments=1, global_batch_size=10)
+    with gm.Session(model(), algorithm=cfg, mailbox=mb, learner_id="a", **FAST) as a:
+        assert a.batch_size == 10
+        with gm.Session(model(), algorithm=cfg, mailbox=mb, learner_id="b", **FAST) as b:
+            a.wait_for(learners=2, timeout=10)
+            assert a.batch_size == 5 and b.batch_size == 5
+        # b deleted its lease on close: a stops counting it within a lease listing
+        deadline = a.clock.now() + 5
+        while a.batch_size != 10 and a.clock.now() < deadline:
+            a._stop.wait(0.02)
+        assert a.batch_size == 10
+    assert gm.Session(model(), algorithm=gm.DiLoCo(sync_every=4, fragments=1), mailbox=mb).batch_size is None
+
+
+def test_wait_for_times_out_with_a_clear_message():
+    with gm.Session(model(), algorithm=gm.DiLoCo(sync_every=4, fragments=1), mailbox=gm.MemoryMailbox(),
+                    learner_id="a", **FAST) as s:
+        with pytest.raises(TimeoutError, match="1 of 2 learners"):
+            s.wait_for(learners=2, timeout=0.2)
+
+
+def test_progress_and_align_see_the_committed_rounds():
+    mb = gm.MemoryMailbox()
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with gm.Session(m, algorithm=gm.DiLoCo(sync_every=4, fragments=2), mailbox=mb, learner_id="a", **FAST) as s:
+        for _ in range(16):
+            loss = m(torch.ones(2, 3)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            s.step(samples=2)
+        p = s.progress
+        assert p.local_step == 16 and p.tokens == 32 and len(p.versions) == 2
+    assert s.rounds_seen >= 7
+    fresh = model(4)
+    with torch.no_grad():
+        for q in fresh.parameters():
+            q.zero_()
+    head = gm.align(fresh, mailbox=mb)
+    assert head == len(mb.list(keys.ROUNDS)) - 1
+    for a, b in zip(m.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_align_on_an_empty_mailbox_says_there_is_no_run():
+    with pytest.raises(gm.ProtocolError, match="no run"):
+        gm.align(model(), mailbox=gm.MemoryMailbox())
+
+
+class FailingAfterJoin:
+    def __init__(self, inner):
+        self.inner, self.fail = inner, False
+
+    def put_if_absent(self, key, data):
+        return self.inner.put_if_absent(key, data)
+
+    def get(self, key):
+        return self.inner.get(key)
+
+    def list(self, prefix, after=""):
+        if self.fail:
+            raise RuntimeError("disk on fire")
+        return self.inner.list(prefix, after)
+
+    def delete(self, keys):
+        return self.inner.delete(keys)
+
+
+def test_background_failure_is_reraised_from_step_never_swallowed():
+    mb = FailingAfterJoin(gm.MemoryMailbox())
+    s = gm.Session(model(), algorithm=gm.DiLoCo(sync_every=4, fragments=1), mailbox=mb, learner_id="a", **FAST)
+    s.open()
+    mb.fail = True
+    with pytest.raises(gm.SessionFailed, match="disk on fire"):
+        for _ in range(500):
+            s.step()
+            s._stop.wait(0.01)
+    with pytest.raises(gm.SessionFailed):
+        s.close()
+
+
+def test_transient_store_errors_do_not_kill_the_run():
+    inner = gm.MemoryMailbox()
+    flaky = {"n": 0, "on": False}
+
+    class Flaky(FailingAfterJoin):
+        def list(self, prefix, after=""):
+            flaky["n"] += 1
+            if flaky["on"] and flaky["n"] % 3 == 0:
+                raise gm.MailboxUnavailable("503 Slow Down")
+            return self.inner.list(prefix, after)
+
+    seen = []
+    with gm.Session(model(), algorithm=gm.DiLoCo(sync_every=4, fragments=1), mailbox=Flaky(inner), learner_id="a",
+                    poll_interval=0.01, lease_timeout=2.0, callbacks=(seen.append,)) as s:
+        flaky["on"] = True
+        for _ in range(12):
+            s.step()
+            s._stop.wait(0.02)
+    assert any(isinstance(e, gm.events.StoreFailure) for e in seen)
+    assert len(inner.list(keys.ROUNDS)) >= 2
+
+
+def test_step_does_no_io():
+    mb = gm.CountingMailbox(gm.MemoryMailbox())
+    with gm.Session(model(), algorithm=gm.DiLoCo(sync_every=1000, fragments=1), mailbox=mb, learner_id="a",
+                    **FAST) as s:
+        s._stop.set()  # park the background thread: only the training thread acts now
+        s.bridge.wake.set()
+        s._thread.join()
+        before = dict(mb.counts)
+        for _ in range(50):
+            s.step()
+        assert dict(mb.counts) == before
+
+
+def test_numpy_dict_models_and_threads_share_a_run():
+    mb = gm.MemoryMailbox()
+    cfg = gm.DiLoCo(sync_every=4, fragments=1, quorum_size=2, overlap_steps=2)
+    params = [{"w": np.zeros(3, np.float32)} for _ in range(2)]
+
+    def run(i):
+        with gm.Session(params[i], algorithm=cfg, mailbox=mb, learner_id=f"n{i}", **FAST) as s:
+            s.wait_for(learners=2, timeout=10)
+            for _ in range(12):
+                params[i]["w"] += np.float32(i + 1)
+                s.step()
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert np.array_equal(params[0]["w"], params[1]["w"])
+    assert params[0]["w"][0] != 0
