@@ -156,7 +156,9 @@ def read_overview(mailbox: Mailbox, *, last: int = 8) -> Overview:
         versions[rec.fragment] = max(versions[rec.fragment], rec.version)
     open_round = head + 1
     contributors = sorted(
-        p[1] for k in mailbox.list(keys.snapshots_prefix(open_round)) if (p := keys.parse_snapshot_key(k))
+        parsed[1]
+        for k in mailbox.list(keys.snapshots_prefix(open_round))
+        if (parsed := keys.parse_snapshot_key(k)) is not None
     )
     last_round: dict[str, int] = {}
     for rec in recent:
