@@ -154,8 +154,8 @@ class Node:
             parsed = keys.parse_snapshot_key(k)
             if parsed is not None:
                 self.snapshot_keys.setdefault(parsed[0], set()).add(parsed[1])
-        self._advance(round_keys)
-        self._drive_round()
+        if self._advance(round_keys):
+            self._drive_round()  # never for a round the listing shows committed but we could not read yet
         self._publish_view()
 
     def _list_leases(self) -> None:
@@ -213,7 +213,8 @@ class Node:
 
     # ---- following the tape -----------------------------------------------------------
 
-    def _advance(self, round_keys: list[str]) -> None:
+    def _advance(self, round_keys: list[str]) -> bool:
+        """Follow the listed records in order; False if one could not be read yet (retried next poll)."""
         rounds = sorted(r for k in round_keys if (r := keys.parse_round_key(k)) is not None and r > self.head)
         if len(rounds) > self.run.P:
             # Far behind (or just joined): only the newest record of each fragment matters.
@@ -233,15 +234,16 @@ class Node:
                 if self.stuck != problem:
                     self.stuck = problem
                     self.emit(ev.IgnoredObject(self.me, keys.round_key(r), problem))
-                return
+                return False
             assert rec is not None
             try:
                 theta = self._fetch_commit(rec)
             except PayloadCorrupt as e:
                 # A committed payload that reads back wrong is a transport fault: retry next poll.
                 self.emit(ev.StoreFailure(self.me, f"round {r}: {e}"))
-                return
+                return False
             self._on_record(rec, theta)
+        return True
 
     def _check_record(self, rec: RoundRecord | None, r: int) -> str | None:
         if rec is None:
