@@ -107,15 +107,18 @@ class Node:
 
     def join(self, *, created: bool) -> dict[int, dict[str, np.ndarray]]:
         """Take a lease, read the tape and the newest parameters of every fragment."""
+        try:
+            return self._join(created)
+        except PayloadCorrupt as e:  # a payload damaged in transit: transient, like any failed read
+            raise MailboxUnavailable(f"{e}; retry joining") from e
+
+    def _join(self, created: bool) -> dict[int, dict[str, np.ndarray]]:
         self.lease.acquire(poll=self.opts.poll_interval)
         self._list_leases()
         round_keys = [k for k in self.store.mailbox.list(keys.ROUNDS) if keys.parse_round_key(k) is not None]
         recs = newest_records(self.store, self.run, round_keys)
         for f in range(self.run.P):
-            try:
-                theta = fetch_theta(self.store, self.run, f, recs.get(f))
-            except PayloadCorrupt as e:  # damaged in transit: transient, like any failed read
-                raise MailboxUnavailable(f"{e}; retry joining") from e
+            theta = fetch_theta(self.store, self.run, f, recs.get(f))
             if theta is None:
                 raise ProtocolError(f"the newest parameters of fragment {f} are missing from the mailbox")
             version = recs[f].version if f in recs else 0

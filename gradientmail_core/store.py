@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from . import keys
-from .errors import PayloadCorrupt, RecordInvalid
+from .errors import MailboxUnavailable, PayloadCorrupt, RecordInvalid
 from .mailbox import CreateOutcome, Mailbox, create_once
 from .payload import decode_payload, sha256_hex
 from .records import PayloadRef, decode, encode
@@ -66,8 +66,11 @@ class RunStore:
         """Write a content-addressed payload. Re-putting one that exists is harmless."""
         sha = sha256_hex(data)
         key = key_for_sha(sha)
-        outcome, _ = create_once(self.mailbox, key, data)
+        outcome, existing = create_once(self.mailbox, key, data)
         if outcome is CreateOutcome.TAKEN:
+            if existing is not None and sha256_hex(existing) != sha:
+                # The read-back does not hash to the name: damaged in transit (or at rest). Transient.
+                raise MailboxUnavailable(f"{key}: reading it back gave bytes that do not match its sha256; retry")
             # Same name means same sha256; different bytes under it means the store is lying.
             raise PayloadCorrupt(f"{key}: holds different bytes than its sha256 name says")
         self.bytes_up += len(data)
