@@ -1,0 +1,384 @@
+"""The auditor: sees every operation that reaches the shared store (below the fault wrappers)
+and checks the protocol's invariants as they happen.
+
+It captures what was written (GC deletes snapshots and old payloads later), so it can
+recompute each commit independently:
+
+- at most one record per round, never deleted; the tape is contiguous; versions rise by one;
+- the closer of a round holds a claim for it; the payloads a record names were written first;
+- every participant is a snapshot written for that round, against the current version, weighted
+  ``tokens * tokens / steps``, counted once; no learner is both weighted and rejected; every
+  snapshot the closer listed before it committed is weighted or rejected (others are *late*);
+- the committed parameters and outer state equal the merge and Nesterov step of the listed
+  contributions: bit-exactly with the engine's pure functions, and within float32 rounding
+  with an independent float64 implementation (``reference.py``);
+- no payload of the newest record of a fragment, no initial payload, no record of the tape and
+  no contribution to a round that has not committed is ever deleted.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import keys
+from ..closer import cast
+from ..config import RDA
+from ..errors import GradientMailError
+from ..mailbox import Mailbox
+from ..merge import contribution_weight, merge
+from ..outer import final_step, outer_step
+from ..payload import decode_payload, sha256_hex
+from ..records import Claim, Manifest, PayloadRef, RoundRecord, Snapshot, decode
+from ..run import RunInfo
+from . import reference as ref
+
+
+@dataclass(frozen=True)
+class Violation:
+    seq: int
+    node: str
+    what: str
+
+    def __str__(self) -> str:
+        return f"op #{self.seq} by {self.node or '?'}: {self.what}"
+
+
+class Auditor:
+    def __init__(self, store: Mailbox) -> None:
+        self.store = store  # the shared store itself, to check what exists
+        self.seq = 0
+        self.violations: list[Violation] = []
+        self.stats: Counter[str] = Counter()
+        self.run: RunInfo | None = None
+        self.blobs: dict[str, bytes] = {}  # every payload ever created, by key
+        self.snapshots: dict[tuple[int, str], tuple[int, Snapshot]] = {}  # (round, learner) -> (seq, record)
+        self.claims: dict[int, set[str]] = {}  # round -> learners that created a claim for it
+        self.tape: dict[int, RoundRecord] = {}
+        self.last_listing: dict[str, int] = {}  # node -> seq of its last full listing
+        self.round_blob_writes: dict[str, dict[int, int]] = {}  # node -> round -> seq of its last round payload
+        self.on_commit: list = []  # callbacks (round, record) for the simulator
+
+    # ---- reporting ----------------------------------------------------------------------
+
+    def fail(self, node: str, what: str) -> None:
+        self.violations.append(Violation(self.seq, node, what))
+
+    @property
+    def head(self) -> int:
+        return max(self.tape, default=-1)
+
+    def newest(self) -> dict[int, RoundRecord]:
+        out: dict[int, RoundRecord] = {}
+        for r in sorted(self.tape)[-self.P :] if self.run else []:
+            out[self.tape[r].fragment] = self.tape[r]
+        return out
+
+    @property
+    def P(self) -> int:
+        assert self.run is not None
+        return self.run.P
+
+    # ---- what reaches the store ---------------------------------------------------------
+
+    def put(self, node: str, key: str, data: bytes, created: bool) -> None:
+        self.seq += 1
+        if not created:
+            if keys.parse_round_key(key) is not None and key not in self.store.list(key):
+                self.fail(node, f"put_if_absent({key}) returned False but no record exists")
+            return
+        if key.startswith(keys.BLOBS):
+            self.blobs[key] = data
+            b = keys.parse_blob_key(key)
+            if b is not None and b.kind in keys.ROUND_BLOB_KINDS and b.round is not None:
+                self.round_blob_writes.setdefault(node, {})[b.round] = self.seq
+            return
+        if key == keys.MANIFEST:
+            try:
+                self.run = RunInfo.from_manifest(decode(data, Manifest, key=key))
+            except GradientMailError as e:
+                self.fail(node, f"the manifest does not decode: {e}")
+            return
+        if (parsed := keys.parse_snapshot_key(key)) is not None:
+            try:
+                self.snapshots[parsed] = (self.seq, decode(data, Snapshot, key=key))
+            except GradientMailError as e:
+                self.fail(node, f"snapshot {key} does not decode: {e}")
+            return
+        if (claim := keys.parse_claim_key(key)) is not None:
+            try:
+                c = decode(data, Claim, key=key)
+            except GradientMailError as e:
+                self.fail(node, f"claim {key} does not decode: {e}")
+                return
+            if c.learner != node:
+                self.fail(node, f"{key} names {c.learner}, written by {node}")
+            self.claims.setdefault(claim[0], set()).add(c.learner)
+            return
+        if (r := keys.parse_round_key(key)) is not None:
+            self._round(node, r, key, data)
+
+    def listed(self, node: str, prefix: str) -> None:
+        self.seq += 1
+        if prefix == "":
+            self.last_listing[node] = self.seq
+
+    def get(self) -> None:
+        self.seq += 1
+
+    def delete(self, node: str, doomed: Iterable[str]) -> None:
+        self.seq += 1
+        if self.run is None:
+            return
+        live: dict[str, int] = {}
+        for rec in self.newest().values():
+            for pref in (rec.theta, rec.outer, rec.change):
+                if pref is not None:
+                    live[pref.key] = rec.round
+        init = {r.key for r in self.run.manifest.init}
+        head = self.head
+        for k in doomed:
+            if k == keys.MANIFEST or keys.parse_round_key(k) is not None:
+                self.fail(node, f"deleted {k}, which is never deleted")
+            elif k in live:
+                self.fail(node, f"deleted {k}, a payload of round {live[k]}, the newest of its fragment")
+            elif k in init:
+                self.fail(node, f"deleted {k}, an initial payload named by the manifest")
+            else:
+                snap = keys.parse_snapshot_key(k)
+                b = keys.parse_blob_key(k)
+                r = snap[0] if snap else (b.round if b is not None and b.kind == "snapshot" else None)
+                if r is not None and r > head:
+                    self.fail(node, f"deleted {k}, a contribution to round {r}, which has not committed (head {head})")
+
+    # ---- a new round record -------------------------------------------------------------
+
+    def _round(self, node: str, r: int, key: str, data: bytes) -> None:
+        self.stats["rounds"] += 1
+        if r in self.tape:
+            self.fail(node, f"{key} was created twice")
+            return
+        try:
+            rec = decode(data, RoundRecord, key=key)
+        except GradientMailError as e:
+            self.fail(node, f"{key} does not decode: {e}")
+            return
+        self.tape[r] = rec
+        if self.run is None:
+            self.fail(node, f"{key} committed before any manifest")
+            return
+        problems = self._check_round(node, r, rec)
+        for p in problems:
+            self.fail(node, f"round {r}: {p}")
+        for cb in self.on_commit:
+            cb(r, rec)
+
+    def _check_round(self, node: str, r: int, rec: RoundRecord) -> list[str]:
+        run = self.run
+        assert run is not None
+        P, cfg = run.P, run.cfg
+        out: list[str] = []
+        if r > 0 and r - 1 not in self.tape:
+            out.append(f"committed before round {r - 1}: the tape has a gap")
+        if rec.round != r or rec.fragment != r % P or rec.version != r // P + 1:
+            out.append(f"record says round {rec.round}, fragment {rec.fragment}, version {rec.version}")
+        prev = self.tape.get(r - P) if r >= P else None
+        if prev is not None and prev.version + 1 != rec.version:
+            out.append(f"version {rec.version} does not follow version {prev.version} of round {r - P}")
+        if rec.closer != node:
+            out.append(f"record names closer {rec.closer}, written by {node}")
+        if node not in self.claims.get(r, set()):
+            out.append(f"closed by {node}, which never claimed it (claimants {sorted(self.claims.get(r, set()))})")
+        if rec.theta is None or rec.outer is None:
+            return out + ["record has no theta or outer reference"]
+        for pref in (rec.theta, rec.outer, rec.change):
+            if pref is not None and (pref.key not in self.blobs or not self.store.list(pref.key)):
+                out.append(f"names payload {pref.key}, which was not written before the record")
+        if out:
+            return out
+
+        # -- participants and rejections --
+        names = [p.learner for p in rec.participants]
+        rejected = {x.learner: x.reason for x in rec.rejected}
+        if len(set(names)) != len(names):
+            out.append(f"a participant is weighted twice: {names}")
+        if set(names) & set(rejected):
+            out.append(f"weighted and rejected at once: {sorted(set(names) & set(rejected))}")
+        base = r // P
+        deltas: list[dict[str, np.ndarray]] = []
+        weights: list[float] = []
+        finals: list[bool] = []
+        for p in sorted(rec.participants, key=lambda p: p.learner):
+            got = self.snapshots.get((r, p.learner))
+            if got is None:
+                out.append(f"participant {p.learner} never wrote a snapshot for this round")
+                continue
+            snap = got[1]
+            if snap.base_version != base:
+                out.append(f"participant {p.learner} is stale: base_version {snap.base_version}, current {base}")
+            if snap.schema_digest != run.digest:
+                out.append(f"participant {p.learner} has another schema")
+            if snap.steps <= 0 or (snap.steps, snap.tokens, snap.final) != (p.steps, p.tokens, p.final):
+                out.append(
+                    f"participant {p.learner}: record says steps/tokens/final {p.steps}/{p.tokens}/{p.final},"
+                    f" snapshot says {snap.steps}/{snap.tokens}/{snap.final}"
+                )
+                continue
+            w = contribution_weight(snap.tokens, snap.steps)
+            if p.weight != w or abs(ref.weights_of(snap.tokens, snap.steps) - p.weight) > 1e-9 * max(w, 1.0):
+                out.append(f"participant {p.learner} weighted {p.weight}, expected {w}")
+            if snap.payload.sha256 != p.payload_sha256:
+                out.append(
+                    f"participant {p.learner}: record names payload {p.payload_sha256[:12]}, "
+                    f"snapshot names {snap.payload.sha256[:12]}"
+                )
+            delta = self._payload(snap.payload, run.shapes[r % P])
+            if delta is None:
+                out.append(f"participant {p.learner}: its payload {snap.payload.key} was never written intact")
+                continue
+            deltas.append(delta)
+            weights.append(w)
+            finals.append(snap.final)
+        for learner, reason in rejected.items():
+            got = self.snapshots.get((r, learner))
+            if got is None:
+                out.append(f"rejected {learner} ({reason}), which never wrote a snapshot for this round")
+            elif reason == "stale" and got[1].base_version == base:
+                out.append(f"rejected {learner} as stale, but its base_version {base} is current")
+            elif reason == "zero_steps" and got[1].steps > 0:
+                out.append(f"rejected {learner} for zero steps, but it trained {got[1].steps}")
+            self.stats[f"rejected/{reason}"] += 1
+        listed_at = self.last_listing.get(node, 0)
+        for (rr, learner), (seq, _) in self.snapshots.items():
+            if rr != r or learner in rejected or learner in names:
+                continue
+            if seq < listed_at:
+                out.append(
+                    f"the snapshot of {learner} was listed before the close but is neither weighted nor rejected"
+                )
+            else:
+                self.stats["late"] += 1
+        if out:
+            return out
+
+        # -- the merge and the outer step, recomputed --
+        f = r % P
+        dtypes = run.fragment_dtypes(f)
+        state = self._state_before(r)
+        if state is None:
+            return [f"the state before round {r} (round {r - P} or the initial parameters) was not captured"]
+        master, momentum = state
+        new_theta = self._payload(rec.theta, run.shapes[f])
+        outer_shapes = {
+            **{f"momentum/{n}": s for n, s in run.shapes[f].items()},
+            **{f"master/{n}": s for n, s in run.shapes[f].items()},
+        }
+        outer = self._payload(rec.outer, outer_shapes)
+        if new_theta is None or outer is None:
+            return ["its theta or outer payload does not decode"]
+        new_master = {n: outer[f"master/{n}"] for n in run.shapes[f]}
+        new_momentum = {n: outer[f"momentum/{n}"] for n in run.shapes[f]}
+        final = all(finals)
+        if final != rec.final:
+            out.append(f"record final={rec.final}, participants final={finals}")
+        # (1) bit-exact with the engine's pure functions, in learner order
+        merged = merge(deltas, weights, cfg.merge)
+        if final:
+            e_master, e_momentum = final_step(master, merged), dict(momentum)
+        else:
+            e_master, e_momentum = outer_step(master, momentum, merged, lr=cfg.outer_lr, beta=cfg.outer_momentum)
+        if cfg.commit_dtype is None:
+            e_theta = cast(e_master, dtypes)
+            if not all(np.array_equal(e_theta[n], new_theta[n]) for n in e_theta):
+                out.append("its parameters differ from the merge of its participants (engine functions, exact)")
+        for what, mine, theirs in (("master", e_master, new_master), ("momentum", e_momentum, new_momentum)):
+            if not all(np.array_equal(mine[n], theirs[n]) for n in mine):
+                out.append(f"its outer {what} differs from the recomputed one (engine functions, exact)")
+        # (2) independent float64 cross-check
+        d64 = ref.merge64(
+            deltas,
+            weights,
+            rda=isinstance(cfg.merge, RDA),
+            direct_pattern=cfg.merge.direct_pattern if isinstance(cfg.merge, RDA) else "",
+        )
+        if final:
+            m64, mom64 = ref.final64(master, d64), {n: np.asarray(v, np.float64) for n, v in momentum.items()}
+        else:
+            m64, mom64 = ref.nesterov64(master, momentum, d64, lr=cfg.outer_lr, beta=cfg.outer_momentum)
+        scale = max(float(np.abs(v).max(initial=0.0)) for v in master.values())
+        for n in m64:
+            if not ref.close(m64[n], new_master[n], scale=scale) or not ref.close(
+                mom64[n], new_momentum[n], scale=scale
+            ):
+                out.append(f"tensor {n}: the committed master/momentum differ from the float64 recomputation")
+                break
+        self.stats["rounds_verified"] += 1
+        return out
+
+    def _payload(self, pref: PayloadRef, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray] | None:
+        data = self.blobs.get(pref.key)
+        if data is None or sha256_hex(data) != pref.sha256 or len(data) != pref.size:
+            return None
+        try:
+            return decode_payload(data, shapes, compression=keys.compression_of(pref.key))
+        except GradientMailError:
+            return None
+
+    def _state_before(self, r: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None:
+        run = self.run
+        assert run is not None
+        f = r % run.P
+        shapes = run.shapes[f]
+        if r < run.P:
+            theta = self._payload(run.manifest.init[f], shapes)
+            if theta is None:
+                return None
+            return {n: v.astype(np.float32) for n, v in theta.items()}, {n: np.zeros_like(v) for n, v in theta.items()}
+        prev = self.tape.get(r - run.P)
+        if prev is None or prev.outer is None:
+            return None
+        outer = self._payload(
+            prev.outer,
+            {**{f"momentum/{n}": s for n, s in shapes.items()}, **{f"master/{n}": s for n, s in shapes.items()}},
+        )
+        if outer is None:
+            return None
+        return {n: outer[f"master/{n}"] for n in shapes}, {n: outer[f"momentum/{n}"] for n in shapes}
+
+    # ---- at the end ---------------------------------------------------------------------
+
+    def check_tape(self) -> None:
+        stored = [keys.parse_round_key(k) for k in self.store.list(keys.ROUNDS)]
+        if stored != list(range(len(stored))):
+            self.fail("", f"the tape in the store is not contiguous: {stored[:5]}...")
+        if sorted(self.tape) != stored:
+            self.fail("", "the tape in the store differs from the records the auditor saw created")
+
+
+class AuditMailbox:
+    """Reports every operation of one node that reaches the shared store to the auditor."""
+
+    def __init__(self, inner: Mailbox, auditor: Auditor, node: str) -> None:
+        self.inner, self.auditor, self.node = inner, auditor, node
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        created = self.inner.put_if_absent(key, data)
+        self.auditor.put(self.node, key, bytes(data), created)
+        return created
+
+    def get(self, key: str) -> bytes | None:
+        self.auditor.get()
+        return self.inner.get(key)
+
+    def list(self, prefix: str, after: str = "") -> builtins.list[str]:
+        self.auditor.listed(self.node, prefix)
+        return self.inner.list(prefix, after)
+
+    def delete(self, keys: Iterable[str]) -> None:
+        todo = builtins.list(keys)
+        self.auditor.delete(self.node, todo)
+        self.inner.delete(todo)

@@ -1,0 +1,153 @@
+"""Deliberately broken variants of the engine, to prove the simulation catches real bugs.
+
+Each mutant is a context manager that monkeypatches engine functions or methods and restores
+them on exit; the engine's source is never edited. ``tests/test_sim_mutants.py`` runs each
+one over a few hundred seeds and asserts that some seed fails, so the simulation's power to
+find these bugs cannot silently decay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from .. import closer, keys, mailbox, node, store
+from ..lease import LeaseWriter
+from ..mailbox import CreateOutcome
+from ..records import Lease
+
+
+@contextlib.contextmanager
+def _patched(*patches: tuple[Any, str, Any]) -> Iterator[None]:
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    try:
+        for obj, name, value in patches:
+            setattr(obj, name, value)
+        yield
+    finally:
+        for obj, name, value in reversed(saved):
+            setattr(obj, name, value)
+
+
+def skip_readback() -> contextlib.AbstractContextManager[None]:
+    """A create-once write that finds the key taken assumes it was its own earlier write (no
+    read-back): a closer that lost the race believes it committed, a superseded closer never
+    learns it was superseded."""
+
+    def create_once(mb: Any, key: str, data: bytes) -> tuple[CreateOutcome, bytes | None]:
+        if mb.put_if_absent(key, bytes(data)):
+            return CreateOutcome.CREATED, None
+        return CreateOutcome.ALREADY_OURS, bytes(data)
+
+    return _patched(
+        (mailbox, "create_once", create_once), (store, "create_once", create_once), (node, "create_once", create_once)
+    )
+
+
+class _AnyVersion(int):
+    """Equal to every version: the closer's staleness check always passes."""
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def __ne__(self, other: object) -> bool:
+        return False
+
+    __hash__ = int.__hash__
+
+
+def accept_stale() -> contextlib.AbstractContextManager[None]:
+    """The closer accepts snapshots whose delta is relative to an older version of the fragment."""
+    return _patched((closer, "version_before", lambda r, P: _AnyVersion(r // P)))
+
+
+def sweep_newest() -> contextlib.AbstractContextManager[None]:
+    """Garbage collection keeps one round too few: it deletes the payloads of round r-P+1, the
+    newest commit of the next fragment (with P=1, of the round it just committed)."""
+    orig = node.Node._collect_garbage
+
+    def collect(self: node.Node, r: int) -> None:
+        orig(self, r)
+        cutoff = r - self.run.P + 1
+        if cutoff >= 0:
+            doomed = self.store.mailbox.list(keys.round_blobs_prefix(cutoff))
+            if doomed:
+                self.store.mailbox.delete(doomed)
+
+    return _patched((node.Node, "_collect_garbage", collect))
+
+
+def no_claim_next() -> contextlib.AbstractContextManager[None]:
+    """The closer does not claim the next round after committing: every round then waits until
+    someone takes it over as unclaimed."""
+    orig = node.Node._try_claim
+
+    def try_claim(self: node.Node, r: int, n: int, *, previous: str | None, reason: str | None) -> None:
+        if r > 0 and previous is None and reason is None:
+            return
+        orig(self, r, n, previous=previous, reason=reason)
+
+    return _patched((node.Node, "_try_claim", try_claim))
+
+
+def remote_clock_lease() -> contextlib.AbstractContextManager[None]:
+    """Liveness judged on the lease writer's clock: each lease carries its writer's clock reading
+    and observers compare it with their own clock (SPEC 3.6 forbids this)."""
+    orig_renew = LeaseWriter.renew
+    orig_list = node.Node._list_leases
+
+    def renew(self: LeaseWriter, *, local_step: int, tokens: int, force: bool = False) -> None:
+        orig_renew(self, local_step=max(int(self.clock.now() * 1000), 0), tokens=tokens, force=force)
+
+    def list_leases(self: node.Node) -> None:
+        orig_list(self)
+        for seen in self.liveness.seen.values():
+            lease = self.store.try_record(seen.key, Lease)
+            if lease is not None:
+                seen.changed_at = lease.local_step / 1000
+
+    return _patched((LeaseWriter, "renew", renew), (node.Node, "_list_leases", list_leases))
+
+
+def skip_sha_check() -> contextlib.AbstractContextManager[None]:
+    """Payloads are decoded without checking their sha256: bytes damaged in transit are trusted."""
+    from ..payload import decode_payload
+
+    def get_payload(self: store.RunStore, ref: Any, expected: Any, *, max_bytes: int | None = None) -> Any:
+        data = self.mailbox.get(ref.key)
+        if data is None:
+            return None
+        return decode_payload(data, expected, compression=keys.compression_of(ref.key), max_bytes=max_bytes)
+
+    return _patched((store.RunStore, "get_payload", get_payload))
+
+
+def count_twice() -> contextlib.AbstractContextManager[None]:
+    """The merge weighs the first accepted contribution twice."""
+    orig = closer.merge
+
+    def merge(deltas: Any, weights: Any, cfg: Any, **kw: Any) -> Any:
+        if len(deltas) > 1:
+            deltas, weights = [deltas[0], *deltas], [weights[0], *weights]
+        return orig(deltas, weights, cfg, **kw)
+
+    return _patched((closer, "merge", merge))
+
+
+MUTANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
+    "skip_readback": skip_readback,
+    "accept_stale": accept_stale,
+    "sweep_newest": sweep_newest,
+    "no_claim_next": no_claim_next,
+    "remote_clock_lease": remote_clock_lease,
+    "skip_sha_check": skip_sha_check,
+    "count_twice": count_twice,
+}
+
+
+def active(name: str) -> contextlib.AbstractContextManager[None]:
+    try:
+        return MUTANTS[name]()
+    except KeyError:
+        raise ValueError(f"unknown mutant {name!r}; expected one of {sorted(MUTANTS)}") from None

@@ -1,0 +1,651 @@
+"""A deterministic, single-threaded simulation of many learners (each also a potential closer)
+over one in-memory mailbox, with faults, driven by one seed.
+
+Every node is a real ``Node`` + ``Learner`` pair with a tiny numpy model, its own ``FakeClock``
+(own offset, own drift against simulated time) and its own ``FaultyMailbox`` on the path to
+the shared store; an ``AuditMailbox`` below the faults reports to the ``Auditor``. An event
+queue decides who acts next (a train step, a tick of the node, a (re)start) and a chaos timer
+kills nodes (at once, or armed to die at their k-th next store call in one of three phases),
+stalls them, makes them leave and rejoin, and browns out parts of the store.
+
+A run has three phases:
+
+1. *faults*, until 60% of the rounds have committed;
+2. *quiet*: faults off, stalled nodes resumed, crashed nodes restarted; after a settling window
+   the run must be *steady* (no takeover, no superseded closer) and commit every round within a
+   bound, until all rounds have committed;
+3. *final*: no more training; nodes keep polling until each holds the newest commit; then every
+   surviving node must hold bit-identical parameters equal to the newest committed ones.
+
+The trace (who did what when, every engine event, every fault) is hashed: a seed replays
+exactly, and ``python -m gradientmail_core.sim --seed N -v`` prints it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import random
+import traceback
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import events as ev
+from .. import keys
+from ..adapters.base import NumpyAdapter
+from ..clock import FakeClock
+from ..config import RDA, DiLoCo, WeightedMean
+from ..errors import MailboxUnavailable
+from ..faults import Fault, FaultLog, FaultyMailbox, InjectedCrash, Op, Phase
+from ..learner import Learner
+from ..memory_mailbox import MemoryMailbox
+from ..node import Node, NodeOptions
+from ..run import open_run
+from ..store import RunStore
+from .audit import AuditMailbox, Auditor
+
+SHAPES = {"embed.weight": (4, 3), "layers.0.w": (3, 3), "layers.1.w": (3, 3), "head.b": (3,)}
+CRASH_TARGETS: list[tuple[tuple[Op, ...] | None, str]] = [
+    (None, ""),
+    (None, ""),
+    (("put",), keys.ROUNDS),
+    (("put",), keys.ROUND_BLOBS),
+    (("put",), keys.CLAIMS),
+    (("put",), keys.SNAPSHOTS),
+    (("put",), keys.SNAPSHOT_BLOBS),
+    (("list",), ""),
+    (("get",), keys.ROUNDS),
+    (("delete",), ""),
+    (("put",), keys.LEASES),
+]
+BROWNOUT_PREFIXES = [keys.ROUNDS, keys.SNAPSHOTS, keys.BLOBS, keys.CLAIMS, keys.LEASES, ""]
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    seed: int
+    rounds: int = 50
+    faults: bool = True
+    nodes: int | None = None  # None: 3..6, drawn from the seed
+    verbose: bool = False
+    mutant: str | None = None  # only recorded here; the caller enters the mutant's context
+
+    def command(self) -> str:
+        extra = "" if self.faults else " --no-faults"
+        extra += f" --nodes {self.nodes}" if self.nodes else ""
+        extra += f" --mutant {self.mutant}" if self.mutant else ""
+        return f"python -m gradientmail_core.sim --seed {self.seed} --rounds {self.rounds}{extra} -v"
+
+
+@dataclass
+class SimResult:
+    config: SimConfig
+    violations: list[str]
+    trace_hash: str
+    stats: Counter[str]
+    faults: Counter[str]
+    resolved: Counter[str]
+    sim_seconds: float
+    rounds: int
+    losses: tuple[float, float] = (0.0, 0.0)  # loss of the initial and of the final parameters
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def summary(self) -> str:
+        head = (
+            f"seed {self.config.seed}: {'ok' if self.ok else 'FAILED'}, {self.rounds} rounds in "
+            f"{self.sim_seconds:.0f} simulated s, trace {self.trace_hash[:16]}"
+        )
+        if self.ok:
+            return head
+        return "\n".join([head, *(f"  - {v}" for v in self.violations[:10]), f"  replay: {self.config.command()}"])
+
+
+@dataclass
+class SimNode:
+    name: str
+    index: int
+    drift: float
+    step_period: float
+    samples: int
+    faulty: FaultyMailbox
+    state: str = "down"  # "up", "down" (crashed or not started), "left", "dead" (engine failure)
+    incarnation: int = 0
+    gen: int = 0  # bumped on every (re)start and crash: queued events of older lives are dropped
+    tick_gen: int = 0
+    tick_at: float = float("inf")
+    stalled_until: float = 0.0
+    failures: int = 0
+    clock: FakeClock | None = None
+    node: Node | None = None
+    learner: Learner | None = None
+    params: dict[str, np.ndarray] | None = None
+    nprng: np.random.Generator | None = None
+    start_pending: bool = False
+
+
+@dataclass
+class _Draw:
+    """Everything the seed decides about the run's shape."""
+
+    nodes: int
+    cfg: DiLoCo
+    options: NodeOptions
+    fault_share: float
+    p_error: float
+    p_lost_ack: float
+    p_retry: float
+    p_latency: float
+    p_flip: float
+    chaos_every: float
+
+
+class Simulation:
+    def __init__(self, config: SimConfig) -> None:
+        self.config = config
+        self.rng = random.Random(config.seed)
+        self.draw = self._draw()
+        self.store = MemoryMailbox()
+        self.auditor = Auditor(self.store)
+        self.auditor.on_commit.append(self._committed)
+        self.flog = FaultLog(keep_events=config.verbose)
+        self.T = 0.0
+        self.queue: list[tuple[float, int, str, str, int]] = []
+        self.qseq = 0
+        self.hash = hashlib.sha256()
+        self.stats: Counter[str] = Counter()
+        self.violations: list[str] = []
+        self.phase = "faults"
+        self.steady_from = float("inf")
+        self.deadline = float("inf")
+        self.last_commit_at = 0.0
+        self.final_from = float("inf")
+        self.pending_recovery: set[int] = set()
+        self.target = {
+            n: np.asarray(np.random.default_rng([config.seed, 99]).standard_normal(s), np.float32)
+            for n, s in SHAPES.items()
+        }
+        self.init0 = self._init_params(0, 0)
+        self.nodes: dict[str, SimNode] = {}
+        d = self.draw
+        for i in range(d.nodes):
+            name = f"n{i}"
+            faulty = FaultyMailbox(
+                AuditMailbox(self.store, self.auditor, name),
+                rng=random.Random(config.seed * 7919 + i),
+                node=name,
+                log=self.flog,
+                page_size=self.rng.choice([None, None, 1, 2, 3, 7]),
+            )
+            if config.faults:
+                faulty.rules = self._background_faults(name)
+            self.nodes[name] = SimNode(
+                name,
+                i,
+                drift=self.rng.uniform(0.85, 1.2),
+                step_period=self.rng.uniform(0.1, 0.3),
+                samples=self.rng.choice([2, 4, 8]),
+                faulty=faulty,
+            )
+        for sn in self.nodes.values():
+            self._push(self.rng.uniform(0.0, 1.0), sn.name, "start", sn.gen)
+            sn.start_pending = True
+        if config.faults:
+            self._push(self.rng.expovariate(1 / d.chaos_every), "", "chaos", 0)
+
+    # ---- the seed's choices -------------------------------------------------------------
+
+    def _draw(self) -> _Draw:
+        r = self.rng
+        n = self.config.nodes or r.randint(3, 6)
+        P = r.choice([1, 2, 2, 3])
+        H = P * r.choice([2, 3, 4])
+        cfg = DiLoCo(
+            sync_every=H,
+            fragments=P,
+            in_flight=r.randint(1, P),
+            quorum_size=r.choice([1, 1, 2]),
+            merge=RDA() if r.random() < 0.5 else WeightedMean(),
+            outer_lr=r.choice([0.7, 1.0]),
+            outer_momentum=r.choice([0.0, 0.9]),
+        )
+        opts = NodeOptions(poll_interval=0.25, lease_timeout=3.0, round_timeout=2.0)
+        return _Draw(
+            nodes=n,
+            cfg=cfg,
+            options=opts,
+            fault_share=0.6,
+            p_error=r.uniform(0.0, 0.04),
+            p_lost_ack=r.uniform(0.0, 0.03),
+            p_retry=r.uniform(0.0, 0.05),
+            p_latency=r.uniform(0.0, 0.1),
+            p_flip=r.uniform(0.0, 0.08),
+            chaos_every=r.uniform(1.5, 5.0),
+        )
+
+    def _background_faults(self, name: str) -> list[Fault]:
+        d = self.draw
+        return [
+            Fault(kind="latency", probability=d.p_latency, seconds=self.rng.uniform(0.01, 0.3)),
+            Fault(kind="error", probability=d.p_error, message="HTTP 503 SlowDown (injected)"),
+            Fault(
+                kind="error",
+                ops=("put",),
+                phase="landed",
+                probability=d.p_lost_ack,
+                message="connection reset after the request was sent (injected)",
+            ),
+            Fault(
+                kind="error",
+                ops=("put",),
+                probability=d.p_error / 2,
+                message="HTTP 409 ConditionalRequestConflict (injected)",
+            ),
+            Fault(kind="retry_412", ops=("put",), probability=d.p_retry),
+            Fault(kind="flip", ops=("get",), prefix=keys.BLOBS, probability=d.p_flip),
+        ]
+
+    def _init_params(self, index: int, incarnation: int) -> dict[str, np.ndarray]:
+        g = np.random.default_rng([self.config.seed, index, incarnation, 1])
+        return {n: np.asarray(g.standard_normal(s), np.float32) for n, s in SHAPES.items()}
+
+    # ---- the event loop -----------------------------------------------------------------
+
+    def _push(self, at: float, name: str, kind: str, gen: int) -> None:
+        self.qseq += 1
+        heapq.heappush(self.queue, (at, self.qseq, name, kind, gen))
+
+    def _trace(self, line: str) -> None:
+        self.hash.update(line.encode())
+        self.hash.update(b"\n")
+        if self.config.verbose:
+            print(line)
+
+    def run(self) -> SimResult:
+        try:
+            self._loop()
+        except _Abort as e:
+            self.violations.append(str(e))
+        self.auditor.check_tape()
+        if not self.violations and not self.auditor.violations:
+            self._check_end()
+        violations = [str(v) for v in self.auditor.violations] + self.violations
+        stats = self.stats + self.auditor.stats
+        losses = (self._loss(self.init0), self._loss(self._newest_params()) if self.auditor.run else 0.0)
+        return SimResult(
+            self.config,
+            violations,
+            self.hash.hexdigest(),
+            stats,
+            Counter(self.flog.counts),
+            Counter(self.flog.resolved),
+            self.T,
+            self.auditor.head + 1,
+            losses,
+        )
+
+    def _loop(self) -> None:
+        rounds = self.config.rounds
+        while self.queue:
+            at, _, name, kind, gen = heapq.heappop(self.queue)
+            if at > self.T:
+                for sn in self.nodes.values():
+                    if sn.clock is not None:
+                        sn.clock.advance(at - self.T)
+                self.T = at
+            if self.auditor.violations:
+                raise _Abort("stopped at the first invariant violation")
+            if self.phase == "faults" and (
+                self.auditor.head + 1 >= self.draw.fault_share * rounds or self.T > 6.0 * rounds
+            ):
+                self._enter_quiet()
+            if self.phase == "quiet" and self.auditor.head + 1 >= rounds:
+                self._enter_final()
+            if self.phase == "final" and self._settled():
+                return
+            if self.T > self.deadline:
+                raise _Abort(
+                    f"no progress: {self.auditor.head + 1} of {rounds} rounds committed by simulated "
+                    f"second {self.T:.1f} (the {self.phase} phase's bound)"
+                )
+            if kind == "chaos":
+                if self.phase == "faults":
+                    self._chaos()
+                    self._push(self.T + self.rng.expovariate(1 / self.draw.chaos_every), "", "chaos", 0)
+                continue
+            sn = self.nodes[name]
+            if kind == "start":
+                if gen == sn.gen and sn.state in ("down", "left"):
+                    self._start(sn)
+                continue
+            if gen != (sn.tick_gen if kind == "tick" else sn.gen) or sn.state != "up":
+                continue
+            if self.T < sn.stalled_until:
+                self._push(sn.stalled_until, name, kind, gen)
+                continue
+            if kind == "tick":
+                self._tick(sn)
+            elif kind == "step" and self.phase != "final":
+                self._step(sn)
+
+    # ---- node actions -------------------------------------------------------------------
+
+    def _emit(self, sn: SimNode) -> Callable[[ev.Event], None]:
+        def emit(e: ev.Event) -> None:
+            self._trace(f"{self.T:.6f} {e.describe()}")
+            kind = type(e).__name__
+            if isinstance(e, ev.TookOver):
+                self.stats[f"took_over/{e.reason}"] += 1
+            elif isinstance(e, ev.ContributionRejected):
+                self.stats[f"engine_rejected/{e.reason}"] += 1
+            else:
+                self.stats[kind] += 1
+            if self.T >= self.steady_from and isinstance(e, ev.TookOver | ev.Superseded):
+                self.violations.append(f"at {self.T:.2f} s, in the steady phase: {e.describe()}")
+                raise _Abort("a steady run must keep its closer")
+            if isinstance(e, ev.BackgroundFailed | ev.GaveUp):
+                self.violations.append(f"{e.describe()}")
+
+        return emit
+
+    def _start(self, sn: SimNode) -> None:
+        sn.start_pending = False
+        sn.incarnation += 1
+        sn.gen += 1
+        sn.tick_gen += 1
+        sn.clock = FakeClock(start=self.rng.uniform(0.0, 10_000.0), drift=sn.drift)
+        sn.faulty.clock = sn.clock
+        sn.faulty.pending_crash = None
+        sn.params = self._init_params(sn.index, sn.incarnation)
+        sn.nprng = np.random.default_rng([self.config.seed, sn.index, sn.incarnation, 2])
+        adapter = NumpyAdapter(sn.params)
+        emit = self._emit(sn)
+        store = RunStore(sn.faulty, on_ignored=lambda k, why: emit(ev.IgnoredObject(sn.name, k, why)))
+        self._trace(f"{self.T:.6f} {sn.name} start #{sn.incarnation}")
+        try:
+            run, created = open_run(
+                store,
+                adapter,
+                self.draw.cfg,
+                learner=sn.name,
+                compression="",
+                rng=random.Random(self.rng.getrandbits(32)),
+            )
+            node = Node(
+                store,
+                sn.clock,
+                run,
+                learner=sn.name,
+                nonce=f"{self.rng.getrandbits(64):016x}",
+                emit=emit,
+                options=self.draw.options,
+                rng=random.Random(self.rng.getrandbits(32)),
+            )
+            thetas = node.join(created=created)
+            learner = Learner(adapter, run, node.bridge, sn.clock, learner=sn.name, emit=emit)
+            learner.start(node.head, thetas, {f: v for f, (v, _) in node.thetas.items()})
+        except (MailboxUnavailable, InjectedCrash) as e:
+            self.stats["failed_starts"] += 1
+            self._trace(f"{self.T:.6f} {sn.name} start failed: {type(e).__name__}")
+            if isinstance(e, InjectedCrash):
+                self._note_crash(sn)
+            sn.faulty.pending_crash = None
+            self._schedule_start(sn, self.rng.uniform(0.2, 2.0))
+            return
+        except Exception as e:
+            raise _Abort(f"{sn.name} failed to join: {type(e).__name__}: {e}\n{traceback.format_exc()}") from e
+        if sn.faulty.pending_crash is not None:
+            self._crash(sn, "crashed right after joining")
+            return
+        sn.node, sn.learner, sn.state, sn.failures = node, learner, "up", 0
+        self.stats["starts"] += 1
+        self._schedule_tick(sn, self.T + self.rng.uniform(0.0, 0.1))
+        self._push(self.T + sn.step_period * self.rng.uniform(0.5, 1.5), sn.name, "step", sn.gen)
+
+    def _schedule_start(self, sn: SimNode, delay: float) -> None:
+        sn.gen += 1
+        sn.start_pending = True
+        self._push(self.T + delay, sn.name, "start", sn.gen)
+
+    def _schedule_tick(self, sn: SimNode, at: float) -> None:
+        sn.tick_gen += 1
+        sn.tick_at = at
+        self._push(at, sn.name, "tick", sn.tick_gen)
+
+    def _tick(self, sn: SimNode) -> None:
+        assert sn.node is not None
+        self._trace(f"{self.T:.6f} {sn.name} tick")
+        try:
+            sn.node.tick()
+            sn.failures = 0
+        except MailboxUnavailable as e:
+            sn.failures += 1
+            self.stats["tick_failures"] += 1
+            self._trace(f"{self.T:.6f} {sn.name} store failure: {e}")
+        except InjectedCrash as e:
+            self._crash(sn, str(e))
+            return
+        except _Abort:
+            raise
+        except Exception as e:
+            raise _Abort(
+                f"{sn.name}'s tick raised {type(e).__name__}: {e} (a Session would die here)\n{traceback.format_exc()}"
+            ) from e
+        if sn.faulty.pending_crash is not None:
+            self._crash(sn, sn.faulty.pending_crash.describe())
+            return
+        poll = self.draw.options.poll_interval * min(2**sn.failures, 16)
+        self._schedule_tick(sn, self.T + poll / sn.drift * self.rng.uniform(0.9, 1.1))
+
+    def _step(self, sn: SimNode) -> None:
+        assert sn.learner is not None and sn.params is not None and sn.nprng is not None and sn.node is not None
+        for n, p in sn.params.items():
+            p -= np.float32(0.1) * (p - self.target[n])
+            p += np.float32(0.02) * sn.nprng.standard_normal(p.shape).astype(np.float32)
+        sn.learner.step(sn.samples)
+        if sn.node.bridge.outbox:  # a contribution is ready: the session wakes its background thread
+            at = self.T + 0.01 / sn.drift
+            if at < sn.tick_at:
+                self._schedule_tick(sn, at)
+        self._push(self.T + sn.step_period * self.rng.uniform(0.8, 1.2), sn.name, "step", sn.gen)
+
+    def _note_crash(self, sn: SimNode) -> None:
+        for r in self.auditor.round_blob_writes.get(sn.name, {}):
+            if r not in self.auditor.tape:
+                self.pending_recovery.add(r)
+
+    def _crash(self, sn: SimNode, why: str) -> None:
+        self._trace(f"{self.T:.6f} {sn.name} crash: {why}")
+        self.stats["crashes"] += 1
+        self._note_crash(sn)
+        sn.state = "down"
+        sn.node = sn.learner = sn.params = sn.clock = None
+        sn.faulty.pending_crash = None
+        sn.stalled_until = 0.0
+        delay = self.rng.uniform(0.2, 3 * self.draw.options.lease_timeout) if self.phase == "faults" else 0.1
+        self._schedule_start(sn, delay)
+
+    def _leave(self, sn: SimNode) -> None:
+        assert sn.learner is not None and sn.node is not None
+        self._trace(f"{self.T:.6f} {sn.name} leaves")
+        sn.learner.drain()
+        sn.learner.write_newest()
+        try:
+            sn.node.leave()
+        except (MailboxUnavailable, InjectedCrash):
+            pass  # the lease then goes stale on its own
+        self.stats["leaves"] += 1
+        sn.state = "left"
+        sn.node = sn.learner = sn.params = sn.clock = None
+        sn.faulty.pending_crash = None
+        sn.gen += 1
+        if self.rng.random() < 0.7:
+            self._schedule_start(sn, self.rng.uniform(0.5, 10.0))
+
+    def _committed(self, r: int, rec: object) -> None:
+        self.last_commit_at = self.T
+        if r in self.pending_recovery:
+            self.pending_recovery.discard(r)
+            self.stats["recovered_between_payload_and_record"] += 1
+        if self.phase == "quiet" and self.T >= self.steady_from:
+            self.deadline = self.T + self._round_bound()
+
+    # ---- chaos --------------------------------------------------------------------------
+
+    def _chaos(self) -> None:
+        up = [sn for sn in self.nodes.values() if sn.state == "up" and self.T >= sn.stalled_until]
+        if not up:
+            return
+        sn = self.rng.choice(up)
+        what = self.rng.choices(["kill", "arm", "stall", "leave", "brownout"], weights=[2, 4, 3, 1, 2])[0]
+        lease = self.draw.options.lease_timeout
+        if what == "kill":
+            self._crash(sn, "killed (SIGKILL)")
+            self.stats["chaos/kill"] += 1
+        elif what == "arm":
+            ops, prefix = self.rng.choice(CRASH_TARGETS)
+            phase: Phase = self.rng.choice(["before", "landed", "replied"])
+            sn.faulty.arm_crash(after_calls=self.rng.randint(0, 20), phase=phase, ops=ops, prefix=prefix)
+            self.stats["chaos/arm"] += 1
+        elif what == "stall":
+            sn.stalled_until = self.T + self.rng.uniform(0.2, 3 * lease)
+            self._trace(f"{self.T:.6f} {sn.name} stalls until {sn.stalled_until:.6f}")
+            self.stats["chaos/stall"] += 1
+        elif what == "leave":
+            if sum(1 for s in self.nodes.values() if s.state == "up") >= 2:
+                self._leave(sn)
+                self.stats["chaos/leave"] += 1
+        else:
+            prefix = self.rng.choice(BROWNOUT_PREFIXES)
+            rule = sn.faulty.add(
+                Fault(
+                    kind="error",
+                    prefix=prefix,
+                    probability=self.rng.uniform(0.5, 1.0),
+                    times=self.rng.randint(5, 60),
+                    message="HTTP 503 brownout (injected)",
+                )
+            )
+            self._trace(f"{self.T:.6f} {sn.name} brownout on {prefix!r} ({rule.times} errors)")
+            self.stats["chaos/brownout"] += 1
+
+    # ---- phases -------------------------------------------------------------------------
+
+    def _round_bound(self) -> float:
+        """Simulated seconds within which a healthy run commits its next round."""
+        o, cfg = self.draw.options, self.draw.cfg
+        slowest = max(sn.step_period for sn in self.nodes.values()) / min(sn.drift for sn in self.nodes.values())
+        gap = -(-cfg.sync_every // cfg.fragments)
+        return 4 * (gap + 1) * slowest + 2 * o.round_timeout + o.lease_timeout + 8 * o.poll_interval
+
+    def _enter_quiet(self) -> None:
+        self.phase = "quiet"
+        self._trace(f"{self.T:.6f} quiet")
+        self.stats["quiet_at_round"] = self.auditor.head + 1
+        for sn in self.nodes.values():
+            sn.faulty.enabled = False
+            sn.faulty.clear()
+            sn.stalled_until = min(sn.stalled_until, self.T)
+            if sn.faulty.pending_crash is not None and sn.state == "up":
+                self._crash(sn, sn.faulty.pending_crash.describe())
+            elif sn.state == "down":
+                self._schedule_start(sn, 0.05)
+        if not any(sn.state in ("up", "down") for sn in self.nodes.values()):
+            self._schedule_start(next(iter(self.nodes.values())), 0.05)
+        o = self.draw.options
+        settle = 3 * o.lease_timeout + 3 * o.round_timeout + 2.0
+        self.steady_from = self.T + settle
+        self.deadline = self.steady_from + self._round_bound()
+
+    def _enter_final(self) -> None:
+        self.phase = "final"
+        self._trace(f"{self.T:.6f} final")
+        self.final_from = self.T
+        o = self.draw.options
+        self.deadline = self.T + 4 * o.lease_timeout + 4 * o.round_timeout + 10.0
+
+    def _settled(self) -> bool:
+        if self.T - self.final_from < 2 * self.draw.options.lease_timeout:
+            return False
+        if self.T - self.last_commit_at < 2 * self.draw.options.lease_timeout:
+            return False
+        head = self.auditor.head
+        return all(
+            sn.node is not None and sn.node.head == head and not sn.node.bridge.outbox
+            for sn in self.nodes.values()
+            if sn.state == "up"
+        )
+
+    # ---- the end ------------------------------------------------------------------------
+
+    def _newest_params(self) -> dict[str, np.ndarray]:
+        run = self.auditor.run
+        assert run is not None
+        newest = self.auditor.newest()
+        out: dict[str, np.ndarray] = {}
+        for f in range(run.P):
+            rec = newest.get(f)
+            pref = run.manifest.init[f] if rec is None else rec.theta
+            assert pref is not None
+            theta = self.auditor._payload(pref, run.shapes[f])
+            assert theta is not None, f"the newest parameters of fragment {f} were never captured"
+            out.update(theta)
+        return out
+
+    def _loss(self, params: dict[str, np.ndarray]) -> float:
+        return float(sum(((params[n].astype(np.float64) - self.target[n]) ** 2).sum() for n in SHAPES))
+
+    def _check_end(self) -> None:
+        survivors = [sn for sn in self.nodes.values() if sn.state == "up"]
+        if not survivors:
+            self.violations.append("no node survived")
+            return
+        if self.auditor.head + 1 < self.config.rounds:
+            self.violations.append(f"only {self.auditor.head + 1} of {self.config.rounds} rounds committed")
+        newest = self._newest_params()
+        versions = {rec.fragment: rec.version for rec in self.auditor.newest().values()}
+        for sn in survivors:
+            assert sn.learner is not None and sn.params is not None
+            sn.learner.drain()
+            sn.learner.write_newest()
+            for n in SHAPES:
+                if not np.array_equal(sn.params[n], newest[n]):
+                    self.violations.append(f"{sn.name} ends with {n} different from the newest commit")
+                    break
+            for f, v in versions.items():
+                if sn.learner.versions.get(f) != v:
+                    self.violations.append(
+                        f"{sn.name} holds version {sn.learner.versions.get(f)} of fragment {f}, the newest is {v}"
+                    )
+        self.stats["survivors"] = len(survivors)
+
+
+class _Abort(BaseException):
+    """Stops the simulation at an invariant violation (a BaseException: engine code must not catch it)."""
+
+
+def run_seed(
+    seed: int,
+    rounds: int = 50,
+    *,
+    faults: bool = True,
+    nodes: int | None = None,
+    verbose: bool = False,
+    mutant: str | None = None,
+) -> SimResult:
+    """Run one seed (inside ``mutants.active(mutant)`` when a mutant is named)."""
+    config = SimConfig(seed=seed, rounds=rounds, faults=faults, nodes=nodes, verbose=verbose, mutant=mutant)
+    if mutant is None:
+        return Simulation(config).run()
+    from .mutants import active
+
+    with active(mutant):
+        return Simulation(config).run()
+
+
+__all__ = ["SimConfig", "SimResult", "Simulation", "run_seed"]
