@@ -11,7 +11,7 @@ from .base import Adapter, NumpyAdapter
 
 def adapter_for(model: Any) -> Adapter:
     """Pick the adapter for ``model``: torch, MLX, or an object that is already an adapter."""
-    if isinstance(model, dict):
+    if isinstance(model, dict) and not _is_mlx_module(model):  # an mlx.nn.Module is a dict too
         return NumpyAdapter(model)
     if all(hasattr(model, a) for a in ("schema", "read", "write")):
         return model  # type: ignore[no-any-return]

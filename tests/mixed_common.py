@@ -1,0 +1,61 @@
+"""What the node processes of tests/test_mlx_runs.py share: the run's config, the data, the CLI.
+
+numpy and gradientmail_core only, so the MLX node stays free of torch. Every node trains the
+same 2-layer MLP (parameter names ``layers.0.weight``, ``layers.0.bias``, ``layers.2.weight``,
+``layers.2.bias``) on a synthetic regression drawn from one seed; each learner walks the data in
+its own order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Iterator
+
+import numpy as np
+
+import gradientmail_core as gm
+
+DIMS = (8, 16, 1)
+LR = 0.05
+BATCH = 16
+# Standard DiLoCo's barrier (overlap_steps=0) with a quorum of both nodes: every round waits
+# for both contributions, so the test can require both in every round. P=2, H=8: a round every
+# 4 steps.
+ALGORITHM = gm.DiLoCo(sync_every=8, fragments=2, in_flight=1, overlap_steps=0, quorum_size=2, merge=gm.WeightedMean())
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mailbox", required=True)
+    ap.add_argument("--learner-id", required=True)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--out", required=True, help="write the final parameters to OUT.npz")
+    ap.add_argument("--data-seed", type=int, default=7)
+    ap.add_argument("--learners", type=int, default=2, help="wait for this many learners before training")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    return args
+
+
+def dataset(seed: int, n: int = 512) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, DIMS[0])).astype(np.float32)
+    w = rng.standard_normal((DIMS[0], 1)).astype(np.float32)
+    y = (np.tanh(x @ w) + 0.05 * rng.standard_normal((n, 1))).astype(np.float32)
+    return x, y
+
+
+def batches(x: np.ndarray, y: np.ndarray, learner: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(sum(learner.encode()))
+    while True:
+        idx = rng.permutation(len(x))
+        for i in range(0, len(x) - BATCH + 1, BATCH):
+            yield x[idx[i : i + BATCH]], y[idx[i : i + BATCH]]
+
+
+def finish(args: argparse.Namespace, params: dict[str, np.ndarray], session: gm.Session, losses: list[float]) -> None:
+    np.savez(args.out + ".npz", **params)
+    print(json.dumps({"learner": args.learner_id, "losses": losses, "rounds_seen": session.rounds_seen}))
