@@ -1,0 +1,159 @@
+"""The engine's view of the mailbox, hardened against hostile objects in a shared bucket.
+
+``GuardedMailbox`` wraps the user's mailbox and is what ``RunStore`` (so the whole engine) talks
+to. It is itself a mailbox (the same four operations, logical keys in and out) and adds:
+
+- **Read caps by key kind.** Records read at most ``max_record_bytes``, the manifest
+  ``max_manifest_bytes``, payloads the run's largest payload (``limit_payloads``, from the schema).
+  A larger object reads back as its first ``cap + 1`` bytes, which every decoder then rejects as
+  oversized. With a backend that offers ``get_prefix(key, n)`` (the first ``n`` bytes) no more
+  than that is ever transferred; with one that does not, the object is downloaded and cut.
+- **Reporting.** Objects in the record folders (claims, rounds, snapshots, leases) that are not
+  protocol keys are reported once each through ``on_ignored`` (an ``IgnoredObject`` event).
+- **Authenticated runs** (``auth`` a ``RunAuth``): record keys are stored under their secret-tagged
+  physical names (``keys.tag_key``); listings translate back and drop, reporting once, every object
+  in the record folders without a valid tag. The engine never sees what it cannot authenticate by
+  name, and nobody without the secret can take a key the run is going to write.
+- **Squatted payload names.** Payload keys carry the sha256 of their bytes, so an object under such
+  a name holding other bytes was not written by any node: it is deleted and the payload written.
+"""
+
+from __future__ import annotations
+
+import builtins
+import hashlib
+import hmac
+from collections.abc import Callable, Iterable
+
+from . import keys
+from .auth import Policy, Unauthenticated
+from .mailbox import Mailbox
+from .records import MAX_MANIFEST_BYTES, MAX_RECORD_BYTES
+
+
+def _loosen(bound: str) -> str:
+    """A listing bound that also admits tagged physical keys: ``x.json`` -> ``x``.
+
+    For keys K > L = S + ".json", the physical name of K is > S (it starts with S, or differs
+    from S at an earlier position in its favour), so listing after S and filtering logical keys
+    after L loses nothing. The same holds for prefixes.
+    """
+    return bound[:-5] if bound.endswith(".json") else bound
+
+
+class GuardedMailbox:
+    def __init__(
+        self,
+        inner: Mailbox,
+        *,
+        auth: Policy | None = None,
+        on_ignored: Callable[[str, str], None] | None = None,
+        max_record_bytes: int = MAX_RECORD_BYTES,
+        max_manifest_bytes: int = MAX_MANIFEST_BYTES,
+        max_payload_bytes: int | None = None,
+        max_reported: int = 4096,
+    ) -> None:
+        for name, v in (("max_record_bytes", max_record_bytes), ("max_manifest_bytes", max_manifest_bytes)):
+            if not isinstance(v, int) or v < 1024:
+                raise ValueError(f"{name}={v!r}: expected an integer >= 1024")
+        self.inner = inner
+        self.auth: Policy = auth if auth is not None else Unauthenticated()
+        self.on_ignored = on_ignored or (lambda key, reason: None)
+        self.max_record_bytes = max_record_bytes
+        self.max_manifest_bytes = max_manifest_bytes
+        self.max_payload_bytes = max_payload_bytes
+        self.max_reported = max_reported
+        self.ignored = 0  # distinct keys ignored (the first max_reported are also reported)
+        self._seen: set[str] = set()
+
+    def __repr__(self) -> str:
+        return f"GuardedMailbox({self.inner!r}, auth={self.auth!r})"
+
+    def limit_payloads(self, max_bytes: int) -> None:
+        """Cap payload reads once the run's schema is known."""
+        self.max_payload_bytes = max_bytes
+
+    # ---- the four operations ------------------------------------------------------------
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        physical = self._physical(key)
+        if self.inner.put_if_absent(physical, data):
+            return True
+        blob = keys.parse_blob_key(key)
+        if blob is None or blob.sha != hashlib.sha256(data).hexdigest():
+            return False
+        existing = self._read(physical, len(data))
+        if existing is None or existing == data:
+            return False  # ours (or gone: the caller's create-once loop tries again)
+        self._report(key, "a payload name held bytes that do not hash to it; replaced them")
+        self.inner.delete([physical])
+        return self.inner.put_if_absent(physical, data)
+
+    def get(self, key: str) -> bytes | None:
+        return self._read(self._physical(key), self._cap(key))
+
+    def list(self, prefix: str, after: str = "") -> builtins.list[str]:
+        if not self.auth.authenticated:
+            out = self.inner.list(prefix, after)
+            for k in out:
+                if keys.is_record_key(k) and not keys.is_known_key(k):
+                    self._report(k, "not a key of the protocol")
+            return out
+        found: builtins.list[str] = []
+        for k in self.inner.list(_loosen(prefix), _loosen(after)):
+            if keys.is_record_key(k):
+                logical = self._logical(k)
+                if logical is None:
+                    self._report(k, "no valid run tag in its name: written without the run secret")
+                    continue
+                k = logical
+            if k.startswith(prefix) and k > after:
+                found.append(k)
+        found.sort()
+        return found
+
+    def delete(self, keys_: Iterable[str]) -> None:
+        if isinstance(keys_, str):
+            raise TypeError(f"delete() takes an iterable of keys, not the string {keys_!r}")
+        self.inner.delete([self._physical(k) for k in keys_])
+
+    # ---- helpers ------------------------------------------------------------------------
+
+    def _physical(self, key: str) -> str:
+        tag = self.auth.tag(key) if keys.is_record_key(key) and key.endswith(".json") else None
+        return key if tag is None else keys.tag_key(key, tag)
+
+    def _logical(self, physical: str) -> str | None:
+        parsed = keys.untag_key(physical)
+        if parsed is None:
+            return None
+        logical, tag = parsed
+        try:
+            keys.validate_key(logical)
+        except ValueError:
+            return None
+        return logical if hmac.compare_digest(tag, self.auth.tag(logical) or "") else None
+
+    def _cap(self, key: str) -> int | None:
+        if key == keys.MANIFEST:
+            return self.max_manifest_bytes
+        if key.startswith(keys.BLOBS):
+            return self.max_payload_bytes
+        return self.max_record_bytes
+
+    def _read(self, physical: str, cap: int | None) -> bytes | None:
+        if cap is None:
+            return self.inner.get(physical)
+        get_prefix = getattr(self.inner, "get_prefix", None)
+        data = get_prefix(physical, cap + 1) if get_prefix is not None else self.inner.get(physical)
+        if data is not None and len(data) > cap:
+            return bytes(data[: cap + 1])
+        return data
+
+    def _report(self, key: str, reason: str) -> None:
+        if key in self._seen:
+            return
+        self.ignored += 1
+        if len(self._seen) < self.max_reported:
+            self._seen.add(key)
+            self.on_ignored(key, reason)
