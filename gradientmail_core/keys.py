@@ -215,3 +215,47 @@ def parse_blob_key(key: str) -> BlobKey | None:
     if m := _SNAPSHOT_BLOB_RE.fullmatch(key):
         return BlobKey("snapshot", m[3], compression_of(key), round=int(m[1]), learner=m[2])
     return None
+
+
+# ---- authenticated runs: secret-tagged record keys --------------------------------------
+#
+# In a run with a secret, every protocol record key (claims, rounds, snapshots, leases) is
+# stored under a physical name that carries a tag derived from the run secret and the logical
+# key: ``rounds/0000000007.json`` is stored as ``rounds/0000000007.{tag}.json``. A party without
+# the secret cannot compute the tag of a future key, so it cannot take a commit point, a claim or
+# a learner's snapshot key first. The tag goes before ``.json`` and after a '.', which sorts
+# between '-' and every digit and letter, so physical byte order is logical byte order.
+
+TAGGED_PREFIXES = (CLAIMS, ROUNDS, SNAPSHOTS, LEASES)
+TAG_HEX = 32
+_TAGGED_RE = re.compile(rf"((?:claims|rounds|snapshots|leases)/[A-Za-z0-9._/-]+)\.([0-9a-f]{{{TAG_HEX}}})\.json")
+
+
+def is_record_key(key: str) -> bool:
+    """True for keys of the per-round protocol records (the ones tagged in authenticated runs)."""
+    return key.startswith(TAGGED_PREFIXES)
+
+
+def tag_key(key: str, tag: str) -> str:
+    """The physical name of record key ``key`` in an authenticated run."""
+    if not (is_record_key(key) and key.endswith(".json")) or not re.fullmatch(rf"[0-9a-f]{{{TAG_HEX}}}", tag):
+        raise ValueError(f"cannot tag {key!r} with {tag!r}: not a record key or not a {TAG_HEX}-hex tag")
+    return f"{key[:-5]}.{tag}.json"
+
+
+def untag_key(key: str) -> tuple[str, str] | None:
+    """``(logical key, tag)`` of a physical tagged key; None if ``key`` carries no tag."""
+    m = _TAGGED_RE.fullmatch(key)
+    return (m[1] + ".json", m[2]) if m else None
+
+
+def is_known_key(key: str) -> bool:
+    """True if ``key`` is any key the protocol writes (after untagging)."""
+    return (
+        key == MANIFEST
+        or parse_claim_key(key) is not None
+        or parse_round_key(key) is not None
+        or parse_snapshot_key(key) is not None
+        or parse_lease_key(key) is not None
+        or parse_blob_key(key) is not None
+    )
