@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,6 +80,8 @@ class DiLoCo:
     delta_dtype: str | None = None
     commit_dtype: str | None = None
     flush_on_close: bool = False
+    outlier_factor: float | None = None  # reject deltas whose norm exceeds this x the others' median
+    clip_norm: float | None = None  # scale each delta down to at most this whole-fragment L2 norm
 
     def __post_init__(self) -> None:
         def bad(what: str) -> ValueError:
@@ -120,6 +123,14 @@ class DiLoCo:
             v = getattr(self, name)
             if v is not None and v not in DELTA_DTYPES:
                 raise bad(f"{name}={v!r}: expected None or one of {DELTA_DTYPES}")
+        for name, low in (("outlier_factor", 1.0), ("clip_norm", 0.0)):
+            v = getattr(self, name)
+            if v is not None and (
+                isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or not v > low
+            ):
+                raise bad(f"{name}={v!r}: expected None or a finite number > {low:g}")
+            if v is not None:
+                object.__setattr__(self, name, float(v))
         object.__setattr__(self, "mixing", float(self.mixing))
         object.__setattr__(self, "outer_lr", float(self.outer_lr))
         object.__setattr__(self, "outer_momentum", float(self.outer_momentum))
@@ -152,6 +163,8 @@ class DiLoCo:
 
 
 def _merge_from(d: dict[str, Any]) -> Merge:
+    if not isinstance(d, dict):
+        raise ValueError(f"merge must be an object, found {d!r:.80}")
     kind = d.get("kind")
     if kind == "weighted_mean":
         return WeightedMean()
@@ -161,6 +174,8 @@ def _merge_from(d: dict[str, Any]) -> Merge:
 
 
 def _partition_from(d: dict[str, Any]) -> Partition:
+    if not isinstance(d, dict):
+        raise ValueError(f"partition must be an object, found {d!r:.80}")
     kind = d.get("kind")
     if kind == "balanced":
         return Balanced()
