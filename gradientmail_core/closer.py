@@ -11,8 +11,8 @@ import numpy as np
 
 from . import keys
 from .acceptance import judge
-from .errors import PayloadCorrupt, RecordInvalid
-from .merge import contribution_weight, mean_pairwise_cosine, merge
+from .errors import MissingExtra, PayloadCorrupt, RecordInvalid
+from .merge import contribution_weight, mean_pairwise_cosine, merge, outlier_mask
 from .outer import final_step, outer_step
 from .payload import encode_payload, sha256_hex
 from .quant import dequantize, quantize
@@ -99,18 +99,30 @@ class Collector:
         base = version_before(self.round, self.run.P)
         payload, status = None, "ok"
         if snap.steps > 0 and snap.schema_digest == self.run.digest and snap.base_version == base:
-            try:
-                payload = store.get_payload(snap.payload, expected, max_bytes=payload_cap(self.run, self.fragment))
-                status = "ok" if payload is not None else "missing"
-            except PayloadCorrupt:
-                status = "corrupt"
-            if status == "ok" and not _in_snapshot_blobs(snap, self.round, learner):
-                status = "corrupt"
+            if not _in_snapshot_blobs(snap, self.round, learner):
+                status = "corrupt"  # checked before any read: the ref may name any object
+            else:
+                try:
+                    payload = store.get_payload(snap.payload, expected, max_bytes=payload_cap(self.run, self.fragment))
+                    status = "ok" if payload is not None else "missing"
+                except (PayloadCorrupt, MissingExtra):  # MissingExtra: a zstd payload, zstandard absent
+                    status = "corrupt"
         reason = judge(snap.steps, snap.schema_digest == self.run.digest, snap.base_version, base, payload, status)
         weight = contribution_weight(snap.tokens, snap.steps) if reason is None and snap.steps else 0.0
         if reason is None and not weight > 0:
             reason = "zero_steps"
         return self._record(Judged(learner, reason, snap, payload if reason is None else None, weight))
+
+    def reject_outliers(self, factor: float) -> None:
+        """Reject (reason ``outlier``) accepted deltas whose norm is over ``factor`` times the median
+        norm of the others (``merge.outlier_mask``). The smallest one is never an outlier."""
+        accepted = sorted(self.accepted(), key=lambda j: j.learner)
+        if len(accepted) < 2:
+            return
+        mask = outlier_mask([j.delta for j in accepted if j.delta is not None], factor=factor)
+        for j, outlier in zip(accepted, mask, strict=True):
+            if outlier:
+                j.reason, j.delta, j.weight = "outlier", None, 0.0
 
     def _record(self, j: Judged) -> Judged:
         self.judged[j.learner] = j
@@ -146,11 +158,13 @@ def compute_commit(c: Collector, *, closer: str, live: int, compression: str, sy
     recomputes the round after a crash writes the same parameter bytes.
     """
     run, cfg, f = c.run, c.run.cfg, c.fragment
+    if cfg.outlier_factor is not None:
+        c.reject_outliers(cfg.outlier_factor)
     accepted = sorted(c.accepted(), key=lambda j: j.learner)
     assert accepted, "a round closes with at least one accepted snapshot"
     deltas = [j.delta for j in accepted if j.delta is not None]
     weights = [j.weight for j in accepted]
-    merged = merge(deltas, weights, cfg.merge)
+    merged = merge(deltas, weights, cfg.merge, clip_norm=cfg.clip_norm)
     st = c.state
     final = all(j.snapshot is not None and j.snapshot.final for j in accepted)
     if final:
