@@ -15,7 +15,7 @@ from .errors import ProtocolError, SchemaMismatch
 from .mailbox import CreateOutcome
 from .partition import plan
 from .payload import encode_payload, schema_digest
-from .records import Manifest, PayloadRef, RoundRecord, TensorSpec, decode
+from .records import Manifest, PayloadRef, RoundRecord, TensorSpec
 from .store import RunStore
 
 
@@ -138,12 +138,21 @@ def _create(
 
 
 def newest_records(store: RunStore, run: RunInfo, round_keys: list[str]) -> dict[int, RoundRecord]:
-    """The newest record of every fragment among the listed round keys (the last P)."""
+    """The newest record of every fragment among the listed round keys, read newest first.
+
+    Normally the last P keys. An object that is not a valid record of its round (hostile input in
+    an unauthenticated run) is reported and skipped rather than trusted or fatal; at most
+    ``4P + 64`` keys are read.
+    """
     out: dict[int, RoundRecord] = {}
-    for k in round_keys[-run.P :]:
-        rec = store.read_record(k, RoundRecord)
-        if rec is not None:
-            out[rec.fragment] = rec
+    for k in reversed(round_keys[-(4 * run.P + 64) :]):
+        r = keys.parse_round_key(k)
+        rec = store.try_record(k, RoundRecord)
+        if r is None or rec is None or (rec.round, rec.fragment, rec.version) != (r, r % run.P, r // run.P + 1):
+            continue
+        out.setdefault(rec.fragment, rec)
+        if len(out) == run.P:
+            break
     return out
 
 
@@ -159,6 +168,11 @@ def payload_cap(run: RunInfo, f: int) -> int:
     return 2 * run.fragment_bytes(f) + (1 << 20)
 
 
+def max_payload_bytes(run: RunInfo) -> int:
+    """The largest payload of the run (a fragment's outer state: momentum and master)."""
+    return max(3 * payload_cap(run, f) for f in range(run.P))
+
+
 def load_newest(
     store: RunStore, adapter: Adapter
 ) -> tuple[RunInfo, int, dict[int, dict[str, np.ndarray]]]:
@@ -166,14 +180,13 @@ def load_newest(
     data = store.mailbox.get(keys.MANIFEST)
     if data is None:
         raise ProtocolError(f"no run in this mailbox ({keys.MANIFEST} is missing); start a Session first")
-    run = RunInfo.from_manifest(decode(data, Manifest, key=keys.MANIFEST))
+    run = RunInfo.from_manifest(store.decode_record(data, Manifest, keys.MANIFEST))
     diffs = schema_differences(run.schema, adapter.schema())
     if diffs:
         raise SchemaMismatch(diffs)
     round_keys = [k for k in store.mailbox.list(keys.ROUNDS) if keys.parse_round_key(k) is not None]
-    head = keys.parse_round_key(round_keys[-1]) if round_keys else -1
-    assert head is not None
     recs = newest_records(store, run, round_keys)
+    head = max((r.round for r in recs.values()), default=-1)
     thetas: dict[int, dict[str, np.ndarray]] = {}
     for f in range(run.P):
         theta = fetch_theta(store, run, f, recs.get(f))
