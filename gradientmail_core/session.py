@@ -18,14 +18,16 @@ from typing import Any
 from . import events as ev
 from . import keys
 from .adapters import adapter_for
+from .auth import policy as auth_policy
 from .bridge import Bridge, CommitNotice
 from .clock import Clock, SystemClock
 from .config import DiLoCo
 from .errors import MailboxUnavailable, SessionFailed
+from .guard import GuardedMailbox
 from .learner import Learner
 from .mailbox import Mailbox
 from .node import Node, NodeOptions
-from .run import load_newest, open_run
+from .run import load_newest, max_payload_bytes, open_run
 from .store import RunStore
 
 _log = logging.getLogger(__name__)
@@ -66,6 +68,8 @@ class Session:
         callbacks: Sequence[Callable[[ev.Event], None]] = (ev.log_events,),
         clock: Clock | None = None,
         seed: int | None = None,
+        secret: bytes | str | None = None,
+        secret_file: str | os.PathLike[str] | None = None,
     ) -> None:
         self.learner_id = keys.validate_learner_id(learner_id if learner_id is not None else default_learner_id())
         if not isinstance(algorithm, DiLoCo):
@@ -74,6 +78,7 @@ class Session:
             raise ValueError(f"compression={compression!r}: expected 'off' or 'zstd'")
         if not poll_interval > 0 or not lease_timeout > poll_interval:
             raise ValueError(f"need 0 < poll_interval ({poll_interval}) < lease_timeout ({lease_timeout})")
+        self.auth = auth_policy(secret, secret_file)  # validated before any I/O; see docs/security.md
         self.model = model
         self.adapter = adapter_for(model)
         self.algorithm = algorithm
@@ -119,11 +124,16 @@ class Session:
         """Join the run (creating it if the mailbox is empty) and start the background work."""
         if self.node is not None:
             return
-        store = RunStore(self.mailbox, on_ignored=lambda k, why: self.emit(ev.IgnoredObject(self.learner_id, k, why)))
+        def ignored(key: str, why: str) -> None:
+            self.emit(ev.IgnoredObject(self.learner_id, key, why))
+
+        guard = GuardedMailbox(self.mailbox, auth=self.auth, on_ignored=ignored)
+        store = RunStore(guard, auth=self.auth, on_ignored=ignored)
         run, created = open_run(
             store, self.adapter, self.algorithm, learner=self.learner_id,
             compression=self.options.compression, rng=self._rng,
         )
+        guard.limit_payloads(max_payload_bytes(run))
         node = Node(store, self.clock, run, learner=self.learner_id, nonce=self.nonce, emit=self.emit,
                     options=self.options, bridge=self.bridge, rng=self._rng)
         thetas = node.join(created=created)
@@ -279,13 +289,21 @@ class Session:
                 self.emit(ev.StoreFailure(self.learner_id, f"could not release the lease: {e}"))
 
 
-def align(model: Any, *, mailbox: Mailbox) -> int:
+def align(
+    model: Any,
+    *,
+    mailbox: Mailbox,
+    secret: bytes | str | None = None,
+    secret_file: str | os.PathLike[str] | None = None,
+) -> int:
     """Load the newest committed parameters into ``model`` without joining the run.
 
-    Returns the newest committed round, or -1 if none has committed yet.
+    Returns the newest committed round, or -1 if none has committed yet. An authenticated
+    run needs its ``secret`` (or ``secret_file``).
     """
     adapter = adapter_for(model)
-    _, head, thetas = load_newest(RunStore(mailbox), adapter)
+    auth = auth_policy(secret, secret_file)
+    _, head, thetas = load_newest(RunStore(GuardedMailbox(mailbox, auth=auth), auth=auth), adapter)
     for theta in thetas.values():
         adapter.write(theta)
     return head
