@@ -438,10 +438,17 @@ class Node:
                 theirs = self.store.decode_record(existing, RoundRecord, keys.round_key(c.round))
             except RecordInvalid:
                 return  # the listing will find the record and report it
-            theta = self._fetch_commit(theirs)
+            try:
+                theta = self._fetch_commit(theirs)
+            except PayloadCorrupt:
+                return  # as above: _advance reports it and retries
             self._on_record(theirs, theta)
             return
         self.stats.committed += 1
+        for x in rec.rejected:
+            if x.reason == "outlier":  # the others were reported as they were judged
+                self.stats.rejected["outlier"] = self.stats.rejected.get("outlier", 0) + 1
+                self.emit(ev.ContributionRejected(self.me, rec.round, x.learner, x.reason))
         self.emit(ev.RoundClosed(self.me, rec.round, rec.fragment, tuple(p.learner for p in rec.participants),
                                  tuple((x.learner, x.reason) for x in rec.rejected), rec.cosine, rec.grace_seconds))
         self.emit(ev.Committed(self.me, rec.round, rec.fragment, rec.version, written))
