@@ -218,7 +218,10 @@ class Node:
 
     def _advance(self, round_keys: list[str]) -> bool:
         """Follow the listed records in order; False if one could not be read yet (retried next poll)."""
-        rounds = sorted(r for k in round_keys if (r := keys.parse_round_key(k)) is not None and r > self.head)
+        rounds = sorted({r for k in round_keys if (r := keys.parse_round_key(k)) is not None and r > self.head})
+        # Commits are contiguous (round r commits after r-1, and records are never deleted), so an
+        # object past a gap is no commit: stray or hostile, it must not push the real ones out.
+        rounds = [r for i, r in enumerate(rounds) if r == self.head + 1 + i]
         if len(rounds) > self.run.P:
             # Far behind (or just joined): only the newest record of each fragment matters.
             skipped, rounds = rounds[: -self.run.P], rounds[-self.run.P :]
