@@ -131,9 +131,12 @@ def _create(
     )
     outcome, existing = store.put_record(keys.MANIFEST, manifest)
     if outcome is CreateOutcome.TAKEN:
-        # Another node created the run first: drop our initial payloads, join theirs.
-        store.mailbox.delete([r.key for r in refs])
-        return store.decode_record(existing, Manifest, keys.MANIFEST), False
+        # Another node created the run first: join theirs and drop our initial payloads,
+        # except those that are theirs too (same bytes, same content-addressed key).
+        theirs = store.decode_record(existing, Manifest, keys.MANIFEST)
+        keep = {r.key for r in theirs.init}
+        store.mailbox.delete([r.key for r in refs if r.key not in keep])
+        return theirs, False
     return manifest, True
 
 
