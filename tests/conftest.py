@@ -1,0 +1,99 @@
+"""Shared fixtures: a real S3 HTTP endpoint on loopback (moto), fresh buckets, and mailboxes.
+
+The ``mailbox`` fixture runs a test once per backend (memory, file, s3); S3 tests talk to a
+``moto`` server over HTTP, exactly as they would to MinIO or AWS, never to moto's in-process
+mock. The server starts only when a test asks for it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import secrets
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from gradientmail_core.mailbox import Mailbox, open_mailbox
+
+# Dummy credentials, set at import so that subprocesses started by tests inherit them too;
+# the config-file and metadata settings keep boto3 from reading ~/.aws or probing EC2.
+_AWS_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_SESSION_TOKEN": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_CONFIG_FILE": os.devnull,
+    "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+os.environ.update(_AWS_ENV)
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[str]:
+    """Endpoint URL of a moto S3 server on 127.0.0.1 and a free port, for the whole session."""
+    server_mod = pytest.importorskip("moto.server", reason="moto[server] is not installed")
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one access-log line per request otherwise
+    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+_bucket_ids = itertools.count()
+
+
+@pytest.fixture
+def s3_bucket(s3_server: str) -> str:
+    """A fresh, empty bucket on the moto server; its name."""
+    import boto3
+
+    name = f"gm-test-{next(_bucket_ids)}-{secrets.token_hex(4)}"
+    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=name)
+    return name
+
+
+@dataclass
+class MailboxTarget:
+    """Where a fresh mailbox lives: its URL plus the options ``open_mailbox`` needs.
+
+    Tests that start other processes hand them ``url`` and ``options`` (JSON-safe).
+    """
+
+    kind: str
+    url: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def open(self, **overrides: Any) -> Mailbox:
+        return open_mailbox(self.url, **{**self.options, **overrides})
+
+
+@pytest.fixture(params=["memory", "file", "s3"])
+def mailbox_target(request: pytest.FixtureRequest, tmp_path: Any) -> MailboxTarget:
+    kind = request.param
+    if kind == "memory":
+        return MailboxTarget(kind, f"memory://test-{secrets.token_hex(8)}")
+    if kind == "file":
+        return MailboxTarget(kind, f"file://{tmp_path / 'mailbox'}")
+    bucket = request.getfixturevalue("s3_bucket")
+    endpoint = request.getfixturevalue("s3_server")
+    return MailboxTarget(kind, f"s3://{bucket}/runs/run-1", {"endpoint_url": endpoint})
+
+
+@pytest.fixture
+def mailbox(mailbox_target: MailboxTarget) -> Mailbox:
+    """A fresh, empty mailbox; the test runs once per backend."""
+    return mailbox_target.open()
+
+
+@pytest.fixture
+def mailbox_factory(mailbox_target: MailboxTarget) -> Callable[..., Mailbox]:
+    """Opens more handles on the same fresh mailbox (e.g. with other options), once per backend."""
+    return mailbox_target.open
