@@ -279,3 +279,37 @@ def test_weighted_mean_weights_contributions_by_tokens_per_step():
     rec = records(c)[0]
     w = {p.learner: p.weight for p in rec.participants}
     assert w["a"] == pytest.approx(32 * 8) and w["b"] == pytest.approx(8 * 2)
+
+
+def test_losing_the_race_to_create_the_run_keeps_the_winners_identical_init_payloads():
+    import random
+
+    from gradientmail_core.adapters.base import NumpyAdapter
+    from gradientmail_core.run import _create, open_run
+    from gradientmail_core.store import RunStore
+
+    mb = gm.MemoryMailbox()
+    cfg = gm.DiLoCo(sync_every=4, fragments=2)
+    params = {"a": np.ones((3, 3), np.float32), "b": np.zeros(4, np.float32)}
+    run, created = open_run(RunStore(mb), NumpyAdapter(params), cfg, learner="a", compression="",
+                            rng=random.Random(0))
+    assert created
+    # b read "no manifest" just before a wrote it, and built the same initial payloads
+    manifest, created = _create(RunStore(mb), NumpyAdapter(dict(params)), cfg, learner="b", compression="",
+                                rng=random.Random(1))
+    assert not created and manifest.run_id == run.manifest.run_id
+    assert all(mb.get(ref.key) is not None for ref in manifest.init)
+
+
+def test_torch_adapter_writes_zero_dim_parameters_and_blends_in_float32():
+    import torch
+
+    from gradientmail_core.adapters.torch import TorchAdapter
+
+    m = torch.nn.Module()
+    m.t = torch.nn.Parameter(torch.tensor(1.0))
+    a = TorchAdapter(m)
+    a.write({"t": np.array(2.0, np.float32)})
+    assert m.t.item() == 2.0
+    a.write({"t": np.array(4.0, np.float32)}, mixing=0.25)
+    assert m.t.item() == np.float32(0.25) * np.float32(2.0) + np.float32(0.75) * np.float32(4.0)

@@ -47,9 +47,10 @@ class TorchAdapter:
     def write(self, values: Mapping[str, np.ndarray], mixing: float = 0.0) -> None:
         for n, v in values.items():
             p = self.params[n]
-            src = torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)).to(p.device)
             if mixing:
-                blended = p.detach().float().mul_(mixing).add_(src, alpha=1.0 - mixing)
-                p.copy_(blended)
-            else:
-                p.copy_(src)
+                # Blend on the host in numpy float32, like every other adapter, so a torch
+                # and an MLX node mixing the same values hold the same bits.
+                current = p.detach().to("cpu", torch.float32).numpy()
+                v = np.float32(mixing) * current + np.float32(1.0 - mixing) * v
+            # np.require keeps 0-d arrays 0-d (ascontiguousarray would make them 1-d)
+            p.copy_(torch.from_numpy(np.require(v, np.float32, "C")).to(p.device))
