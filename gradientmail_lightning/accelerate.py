@@ -1,0 +1,218 @@
+"""Hugging Face Accelerate: ``accelerator.register_gradientmail(model, optimizer, ...)``.
+
+Importing this module (or ``gradientmail_lightning``) adds the method to
+``accelerate.Accelerator``. The session steps from a post-step hook on the *inner*
+optimizer: ``AcceleratedOptimizer.step`` calls the inner ``step`` only when gradients were
+synchronized (not on the micro-batches of gradient accumulation) and only when the
+GradScaler found no inf/NaN, so exactly the real optimizer steps count.
+
+The session joins the run lazily (``start()``, entering the handle, or at the latest just
+before the first real optimizer step), so that ``accelerator.load_state(...)`` called after
+registering can restore the handle's state (its learner id) before the node rejoins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+import gradientmail_core as gm
+from gradientmail_core.errors import MissingExtra
+
+try:
+    import torch
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+    from accelerate.utils import DistributedType
+except ImportError as e:  # pragma: no cover - exercised only without accelerate
+    raise MissingExtra("accelerate") from e
+
+from .driver import SessionDriver
+
+_UNSUPPORTED = {
+    DistributedType.FSDP: "FSDP shards the parameters",
+    DistributedType.DEEPSPEED: "DeepSpeed owns the optimizer step and may shard the parameters",
+    DistributedType.MEGATRON_LM: "Megatron-LM shards the parameters",
+    DistributedType.XLA: "XLA runs outside torch.distributed",
+}
+
+
+def check_distributed_type(distributed_type: DistributedType) -> None:
+    """Refuse Accelerate setups where a rank does not hold whole parameters."""
+    why = _UNSUPPORTED.get(distributed_type)
+    if why is not None:
+        raise ValueError(
+            f"register_gradientmail cannot train with distributed_type={distributed_type.value}: {why}, and "
+            "gradientmail reads and writes whole parameters on rank 0. Launch the node as plain data parallel "
+            "(accelerate launch --multi_gpu, or torchrun) so every rank holds the full model, or use one process "
+            "per node."
+        )
+
+
+class GradientMailHandle:
+    """What ``register_gradientmail`` returns: the node's membership in the run.
+
+    Use it as a context manager, or call ``start()`` before training and ``close()`` after.
+    ``close()`` waits for this node's rounds in flight and leaves the model at the newest
+    committed parameters, on every rank. Registered for checkpointing with the accelerator.
+    """
+
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        model: torch.nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        driver: SessionDriver,
+        samples_per_step: int | None,
+    ) -> None:
+        self.accelerator = accelerator
+        self.module = model
+        self.driver = driver
+        self.samples_per_step = samples_per_step
+        self._pending_samples = 0
+        self._hooks = [
+            inner_optimizer.register_step_pre_hook(self._before_step),
+            inner_optimizer.register_step_post_hook(self._after_step),
+        ]
+        self._closed = False
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    def start(self) -> GradientMailHandle:
+        """Join the run now (rank 0) and load the newest committed parameters on every rank.
+        Call it on every process, after ``accelerator.load_state`` when resuming."""
+        if self._closed:
+            raise RuntimeError("this gradientmail handle is closed; register a new one")
+        if not self.driver.started:
+            self.driver.start(self.module)
+        return self
+
+    def close(self) -> None:
+        """Wait for this node's rounds in flight, then set the model (every rank) to the
+        newest committed parameters. Call it on every process."""
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._hooks:
+            h.remove()
+        if self.driver.started:
+            self.driver.close()
+
+    def __enter__(self) -> GradientMailHandle:
+        return self.start()
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        if et is None:
+            self.close()
+        else:
+            self._closed = True
+            for h in self._hooks:
+                h.remove()
+            self.driver.abort(e)
+
+    # ---- stepping -----------------------------------------------------------------------
+
+    def add_samples(self, n: int) -> None:
+        """Report samples (or tokens) this process trained on since the last optimizer step;
+        overrides ``samples_per_step`` for that step (for variable batch sizes)."""
+        self._pending_samples += int(n)
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self.driver.started and not self._closed:
+            self.start()  # nobody called start(): join before the first real step lands
+
+    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._closed:
+            return
+        if self._pending_samples:
+            samples, self._pending_samples = self._pending_samples, 0
+        else:
+            samples = self.samples_per_step if self.samples_per_step is not None else 1
+        self.driver.step(samples)
+
+    # ---- observing ----------------------------------------------------------------------
+
+    @property
+    def session(self) -> gm.Session | None:
+        """The live session, on the main process while started (None elsewhere)."""
+        return self.driver.session
+
+    @property
+    def steps(self) -> int:
+        """Real optimizer steps counted (including those restored from a checkpoint)."""
+        return self.driver.steps
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The session's metrics for ``accelerator.log(handle.metrics, step=...)``;
+        empty except on the main process."""
+        return self.driver.values()
+
+    # ---- checkpoints (accelerator.save_state / load_state) -------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.driver.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.driver.load_state_dict(state_dict)
+
+
+def register_gradientmail(
+    self: Accelerator,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    algorithm: gm.DiLoCo,
+    mailbox: gm.Mailbox | str,
+    samples_per_step: int | None = None,
+    wait_for_learners: int | None = None,
+    wait_timeout: float | None = None,
+    **session_options: Any,
+) -> GradientMailHandle:
+    """Make this process's node a learner of a gradientmail run.
+
+    Args:
+        model, optimizer: as returned by ``accelerator.prepare``.
+        algorithm: the run's ``gm.DiLoCo(...)``.
+        mailbox: a ``gm.Mailbox`` or a mailbox URL.
+        samples_per_step: samples (or tokens) one optimizer step trains on *this process*
+            (its batch times the accumulation steps); the session is told the sum over the
+            node's processes. Default 1 per step, unless ``handle.add_samples`` reports them.
+        wait_for_learners, wait_timeout: at the start, block until that many learners are live.
+        **session_options: passed to ``gm.Session`` (``learner_id``, ``poll_interval``, ...).
+
+    Call it on every process; only the main process talks to the mailbox.
+    """
+    check_distributed_type(self.distributed_type)
+    if samples_per_step is not None and (not isinstance(samples_per_step, int) or samples_per_step < 0):
+        raise ValueError(f"register_gradientmail(samples_per_step={samples_per_step!r}): expected an int >= 0")
+    if isinstance(optimizer, AcceleratedOptimizer):
+        inner = optimizer.optimizer
+    elif isinstance(optimizer, torch.optim.Optimizer):
+        inner = optimizer  # not prepared: every step counts, accumulation included
+    else:
+        raise TypeError(
+            f"register_gradientmail(optimizer=...) expects the optimizer returned by accelerator.prepare, "
+            f"found {type(optimizer).__name__}"
+        )
+    driver = SessionDriver(
+        algorithm=algorithm,
+        mailbox=mailbox,
+        wait_for_learners=wait_for_learners,
+        wait_timeout=wait_timeout,
+        session_options=session_options,
+        owner="register_gradientmail",
+    )
+    handle = GradientMailHandle(self, self.unwrap_model(model), inner, driver, samples_per_step)
+    self.register_for_checkpointing(handle)
+    return handle
+
+
+def install() -> None:
+    """Add ``register_gradientmail`` to ``accelerate.Accelerator`` (idempotent)."""
+    method: Callable[..., GradientMailHandle] = register_gradientmail
+    Accelerator.register_gradientmail = method  # type: ignore[attr-defined]
+
+
+install()

@@ -1,0 +1,147 @@
+"""``GradientMailCallback``: a Lightning callback that makes the Trainer's node a learner of a
+gradientmail run.
+
+It joins the run in ``on_train_start`` (after a checkpoint is restored, so a resumed node
+rejoins under its old learner id and starts from the newest committed parameters), steps the
+session in ``on_train_batch_end`` once per real optimizer step, and closes the session in
+``on_train_end``, leaving the model at the newest committed parameters. Under DDP only global
+rank 0 holds the session; alignments are mirrored to the other ranks at the same step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gradientmail_core as gm
+from gradientmail_core.errors import MissingExtra
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+    from typing_extensions import override
+except ImportError as e:  # pragma: no cover - exercised only without lightning
+    raise MissingExtra("lightning") from e
+
+from .driver import SamplesFn, SessionDriver, first_batch_len
+
+_PROGRESS_BAR = ("gm/round", "gm/live_learners")
+
+
+def check_strategy(strategy: Any) -> None:
+    """Refuse strategies where a rank does not hold whole parameters."""
+    name = type(strategy).__name__
+    if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy)) or "XLA" in name:
+        raise ValueError(
+            f"gradientmail cannot train with Trainer(strategy={name}(...)): it reads and writes whole "
+            "parameters on rank 0, and this strategy shards them or runs outside torch.distributed. "
+            "Use Trainer(strategy=MailboxDiLoCoStrategy(...)) (DDP: every rank holds the full model), or "
+            "strategy='ddp' / a single device with GradientMailCallback(...)."
+        )
+
+
+class GradientMailCallback(Callback):
+    """Train this Trainer's node as a learner of a gradientmail run.
+
+    Args:
+        algorithm: the run's ``gm.DiLoCo(...)`` config.
+        mailbox: a ``gm.Mailbox`` or a mailbox URL (``file:///...``, ``s3://bucket/prefix``).
+        samples_fn: ``batch -> int``, the samples (or tokens) a batch holds on this rank;
+            default: the length of the batch's first tensor. The session is told the sum
+            over the node's ranks and over the batches of one optimizer step.
+        wait_for_learners: block at the start of training until this many learners are live.
+        wait_timeout: seconds to wait for them (None: forever).
+        log_metrics: log the session's metrics (``gm/...``) through ``pl_module.log``.
+        **session_options: passed to ``gm.Session`` (``learner_id``, ``poll_interval``,
+            ``lease_timeout``, ``compression``, ``callbacks``, ...).
+    """
+
+    def __init__(
+        self,
+        *,
+        algorithm: gm.DiLoCo,
+        mailbox: gm.Mailbox | str,
+        samples_fn: SamplesFn | None = None,
+        wait_for_learners: int | None = None,
+        wait_timeout: float | None = None,
+        log_metrics: bool = True,
+        **session_options: Any,
+    ) -> None:
+        super().__init__()
+        self.driver = SessionDriver(
+            algorithm=algorithm,
+            mailbox=mailbox,
+            wait_for_learners=wait_for_learners,
+            wait_timeout=wait_timeout,
+            session_options=session_options,
+            owner=type(self).__name__,
+        )
+        self.samples_fn: SamplesFn = samples_fn or first_batch_len
+        self.log_metrics = log_metrics
+        self._last_global_step = 0
+        self._pending_samples = 0
+
+    @property
+    def session(self) -> gm.Session | None:
+        """The live session, on rank 0 while training (None elsewhere)."""
+        return self.driver.session
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            check_strategy(trainer.strategy)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.driver.start(pl_module)
+        self._last_global_step = trainer.global_step
+        self._pending_samples = 0
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._pending_samples += int(self.samples_fn(batch))
+        # global_step counts optimizer steps that really happened: none on the batches that
+        # only accumulate gradients; one per optimizer.step() under manual optimization.
+        steps = trainer.global_step - self._last_global_step
+        if steps <= 0:
+            return
+        self._last_global_step = trainer.global_step
+        samples, self._pending_samples = self._pending_samples, 0
+        self.driver.step(samples, steps=steps)
+        if self.log_metrics:
+            self._log(trainer, pl_module)
+
+    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        bar = trainer.progress_bar_callback is not None
+        if not (trainer.loggers or bar):
+            return
+        for name, value in self.driver.values().items():  # empty except on rank 0
+            pl_module.log(
+                name,
+                value,
+                on_step=True,
+                on_epoch=False,
+                prog_bar=bar and name in _PROGRESS_BAR,
+                logger=bool(trainer.loggers),
+                batch_size=1,
+                rank_zero_only=True,
+            )
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.driver.started:
+            self.driver.close()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.driver.abort(exception)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return self.driver.state_dict()
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.driver.load_state_dict(state_dict)

@@ -1,0 +1,325 @@
+"""What the Lightning callback and the Accelerate hook share: a ``gm.Session`` driven from a
+trainer's hooks, on rank 0 of the node, mirrored to the node's other ranks.
+
+The integrations only translate their framework's hooks into four calls: ``start`` (join the
+run), ``step`` (after each real optimizer step), ``close`` (end of training) and ``abort``
+(training failed). Checkpoint state and logged metrics live here too, so both integrations
+save the same state and log the same names.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+import gradientmail_core as gm
+from gradientmail_core import events as ev
+from gradientmail_core import keys
+from gradientmail_core.session import default_learner_id
+
+from .replicas import Replicas
+
+_log = logging.getLogger(__name__)
+_STATE_FORMAT = 1
+# Everything gm.Session accepts, except what the driver passes itself.
+_SESSION_OPTIONS = frozenset(inspect.signature(gm.Session).parameters) - {"model", "algorithm", "mailbox"}
+
+
+class Metrics:
+    """Session metrics gathered from its events (which arrive on two threads)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.aligned = 0
+        self.participants: int | None = None
+        self.cosine: float | None = None
+        self._committed_here: set[int] = set()
+        self.changed_fragments: set[int] = set()  # since the driver last looked (training thread)
+
+    def __call__(self, event: ev.Event) -> None:
+        with self._lock:
+            if isinstance(event, ev.Published):
+                self.bytes_sent += event.bytes
+            elif isinstance(event, ev.Committed):
+                self.bytes_sent += event.bytes_written
+                self._committed_here.add(event.round)
+            elif isinstance(event, ev.Aligned):
+                self.aligned += 1
+                self.changed_fragments.add(event.fragment)
+                if event.round in self._committed_here:
+                    self._committed_here.discard(event.round)  # computed here, nothing downloaded
+                else:
+                    self.bytes_received += event.bytes
+                if event.participants:
+                    self.participants = len(event.participants)
+                if event.cosine is not None:
+                    self.cosine = event.cosine
+
+
+class SessionDriver:
+    """Runs one ``gm.Session`` per training run for an integration.
+
+    ``algorithm``, ``mailbox`` (a ``gm.Mailbox`` or a URL for ``gm.open_mailbox``) and
+    ``session_options`` go to ``gm.Session`` on rank 0; the other ranks never build a
+    session and never touch the mailbox. ``wait_for_learners`` makes ``start`` block until
+    that many learners are live, so the nodes of a run start training together.
+    """
+
+    def __init__(
+        self,
+        *,
+        algorithm: gm.DiLoCo,
+        mailbox: gm.Mailbox | str,
+        wait_for_learners: int | None = None,
+        wait_timeout: float | None = None,
+        session_options: Mapping[str, Any],
+        owner: str,
+    ) -> None:
+        if not isinstance(algorithm, gm.DiLoCo):
+            raise TypeError(f"{owner}(algorithm=...) must be a gm.DiLoCo(...), found {type(algorithm).__name__}")
+        unknown = sorted(set(session_options) - _SESSION_OPTIONS)
+        if unknown:
+            raise TypeError(
+                f"{owner}() got unexpected keyword arguments {unknown}; the session options are "
+                f"{sorted(_SESSION_OPTIONS)} (see gm.Session)"
+            )
+        if wait_for_learners is not None and (not isinstance(wait_for_learners, int) or wait_for_learners < 1):
+            raise ValueError(f"{owner}(wait_for_learners={wait_for_learners!r}): expected a positive int or None")
+        self.algorithm = algorithm
+        self.mailbox = mailbox
+        self.wait_for_learners = wait_for_learners
+        self.wait_timeout = wait_timeout
+        self.options = dict(session_options)
+        self.callbacks = tuple(self.options.pop("callbacks", (gm.log_events,)))
+        self.owner = owner
+        # Checkpointed state.
+        self.learner_id: str | None = self.options.pop("learner_id", None)
+        if self.learner_id is not None:
+            keys.validate_learner_id(self.learner_id)
+        self.steps = 0
+        self.samples = 0
+        self.round = -1
+        self._id_from_checkpoint = False
+        # Per training run.
+        self.session: gm.Session | None = None
+        self.replicas: Replicas | None = None
+        self.metrics = Metrics()
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    @property
+    def started(self) -> bool:
+        return self.replicas is not None
+
+    @property
+    def leader(self) -> bool:
+        return self.replicas is None or self.replicas.leader
+
+    def start(self, module: torch.nn.Module) -> None:
+        """Join the run on rank 0 and give every rank the newest committed parameters."""
+        if self.replicas is not None:
+            raise RuntimeError(f"{self.owner}: the session was already started; close it before starting again")
+        replicas = Replicas([(n, p) for n, p in module.named_parameters() if p.requires_grad])
+        self.replicas = replicas
+        if replicas.leader:
+            try:
+                self._open(module)
+            except BaseException:
+                replicas.mirror(None, failed=True)
+                self.replicas = None
+                raise
+        try:
+            replicas.mirror(None)
+        except BaseException as e:
+            self.abort(e)
+            raise
+
+    def _open(self, module: torch.nn.Module) -> None:
+        if self.learner_id is None:
+            self.learner_id = default_learner_id()
+        mailbox = gm.open_mailbox(self.mailbox) if isinstance(self.mailbox, str) else self.mailbox
+        self.metrics = Metrics()
+        session = gm.Session(
+            module,
+            algorithm=self.algorithm,
+            mailbox=mailbox,
+            learner_id=self.learner_id,
+            callbacks=(*self.callbacks, self.metrics),
+            **self.options,
+        )
+        session.open()
+        self.session = session
+        try:
+            if self.wait_for_learners is not None:
+                session.wait_for(self.wait_for_learners, timeout=self.wait_timeout)
+        except BaseException as e:
+            session.__exit__(type(e), e, e.__traceback__)
+            self.session = None
+            raise
+        self.round = session.progress.round
+        self.metrics.changed_fragments.clear()
+
+    def step(self, samples: int, steps: int = 1) -> None:
+        """After ``steps`` real optimizer steps (on every rank) that processed ``samples``
+        samples on this rank: step the session on rank 0, mirror alignments to the others."""
+        replicas = self._replicas()
+        total = replicas.total(int(samples))
+        changed: set[str] | None = None
+        if replicas.leader:
+            session = self._session()
+            try:
+                for i in range(steps):
+                    session.step(samples=total if i == 0 else 0)
+            except BaseException:
+                replicas.mirror(None, failed=True)
+                raise
+            changed = self._changed_names(session)
+            self.round = session.progress.round
+        replicas.mirror(changed)
+        self.steps += steps
+        self.samples += total
+
+    def _changed_names(self, session: gm.Session) -> set[str]:
+        fragments = self.metrics.changed_fragments
+        if not fragments:
+            return set()
+        assert session.learner is not None
+        plan = session.learner.run.fragments
+        names = {n for f in fragments for n in plan[f]}
+        fragments.clear()
+        return names
+
+    def close(self) -> None:
+        """Wait for this node's rounds in flight, then give every rank the newest committed
+        parameters (the session's ``close``)."""
+        replicas = self._replicas()
+        if replicas.leader:
+            session = self._session()
+            try:
+                session.close()
+            except BaseException:
+                replicas.mirror(None, failed=True)
+                self._reset()
+                raise
+            self.round = session.progress.round
+        try:
+            replicas.mirror(None)
+        finally:
+            self._reset()
+
+    def abort(self, error: BaseException | None = None) -> None:
+        """Training failed: leave the run at once, without collectives (peers may be gone)."""
+        session = self.session
+        self._reset()
+        if session is not None:
+            e = error or RuntimeError("training stopped")
+            session.__exit__(type(e), e, e.__traceback__)
+
+    def _reset(self) -> None:
+        self.session = None
+        self.replicas = None
+
+    def _replicas(self) -> Replicas:
+        if self.replicas is None:
+            raise RuntimeError(f"{self.owner}: the session is not started")
+        return self.replicas
+
+    def _session(self) -> gm.Session:
+        assert self.session is not None, "rank 0 holds the session once started"
+        return self.session
+
+    # ---- checkpoints --------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain values only (loadable with ``torch.load(weights_only=True)``)."""
+        return {
+            "format": _STATE_FORMAT,
+            "learner_id": self.learner_id,
+            "steps": self.steps,
+            "samples": self.samples,
+            "round": self.round,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("format") != _STATE_FORMAT:
+            raise ValueError(
+                f"{self.owner}: checkpoint state has format {state.get('format')!r}, expected {_STATE_FORMAT}; "
+                "it was written by another version of gradientmail"
+            )
+        if self.started:
+            raise RuntimeError(f"{self.owner}: load its state before the session starts (before training)")
+        saved = state.get("learner_id")
+        if saved is not None and self.learner_id is not None and saved != self.learner_id:
+            _log.warning(
+                "%s: keeping learner_id=%r given explicitly; the checkpoint was written by %r",
+                self.owner,
+                self.learner_id,
+                saved,
+            )
+        elif saved is not None:
+            self.learner_id = str(saved)
+        self.steps = int(state["steps"])
+        self.samples = int(state["samples"])
+        self.round = int(state["round"])
+
+    # ---- metrics ------------------------------------------------------------------------
+
+    def values(self) -> dict[str, float]:
+        """The metrics to log, on rank 0 (``{}`` on the other ranks and before the start)."""
+        session = self.session
+        if session is None:
+            return {}
+        p = session.progress
+        m = self.metrics
+        out: dict[str, float] = {
+            "gm/round": float(p.round),
+            "gm/rounds_seen": float(p.rounds_seen),
+            "gm/live_learners": float(p.live_learners),
+            "gm/local_step": float(self.steps),
+            "gm/samples": float(self.samples),
+            "gm/bytes_sent": float(m.bytes_sent),
+            "gm/bytes_received": float(m.bytes_received),
+        }
+        for f, v in enumerate(p.versions):
+            out[f"gm/version_{f}"] = float(v)
+        if m.participants is not None:
+            out["gm/participants"] = float(m.participants)
+        if m.cosine is not None and math.isfinite(m.cosine):
+            out["gm/cosine"] = float(m.cosine)
+        return out
+
+
+def first_batch_len(batch: Any) -> int:
+    """Samples in a batch: the length of its first tensor (searching tuples, lists and dicts),
+    else ``len(batch)``, else 1."""
+    t = _first_tensor(batch)
+    if t is not None:
+        return int(t.shape[0]) if t.dim() > 0 else 1
+    try:
+        return len(batch)
+    except TypeError:
+        return 1
+
+
+def _first_tensor(x: Any) -> torch.Tensor | None:
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, Mapping):
+        x = list(x.values())
+    if isinstance(x, (list, tuple)):
+        for item in x:
+            t = _first_tensor(item)
+            if t is not None:
+                return t
+    return None
+
+
+SamplesFn = Callable[[Any], int]

@@ -1,0 +1,169 @@
+"""The Lightning callback in this process: which batches step the session, what it reports,
+what it saves, and what it refuses. Multi-process runs are in test_lightning_nodes.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+pytest.importorskip("lightning")
+torch = pytest.importorskip("torch")
+
+from lightning.pytorch import Callback, LightningModule, Trainer  # noqa: E402
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy  # noqa: E402
+from lightning_node import TinyRegressor, make_loader  # noqa: E402
+
+import gradientmail_core as gm  # noqa: E402
+from gradientmail_lightning import GradientMailCallback, MailboxDiLoCoStrategy  # noqa: E402
+from gradientmail_lightning.callback import check_strategy  # noqa: E402
+
+ALGO = gm.DiLoCo(sync_every=4, fragments=2)
+FAST = {"poll_interval": 0.05, "lease_timeout": 3.0, "callbacks": ()}
+
+
+class SessionSteps(Callback):
+    """Records the session's own step counter after every batch (runs after the gm callback)."""
+
+    def __init__(self, gm_callback: GradientMailCallback) -> None:
+        self.gm_callback = gm_callback
+        self.seen: list[int] = []
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        session = self.gm_callback.session
+        assert session is not None
+        self.seen.append(session.progress.local_step)
+
+
+def fit(model: LightningModule, callback: GradientMailCallback, batches: int, **trainer_kw: Any) -> SessionSteps:
+    steps = SessionSteps(callback)
+    trainer = Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        devices=1,
+        callbacks=[callback, steps],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **trainer_kw,
+    )
+    trainer.fit(model, make_loader(seed=1, n=16 * batches, batch=16))
+    return steps
+
+
+def test_gradient_accumulation_of_2_over_10_batches_gives_5_session_steps() -> None:
+    cb = GradientMailCallback(algorithm=ALGO, mailbox=gm.MemoryMailbox(), learner_id="acc", **FAST)
+    seen = fit(TinyRegressor(), cb, batches=10, accumulate_grad_batches=2)
+    assert seen.seen == [0, 1, 1, 2, 2, 3, 3, 4, 4, 5]
+    assert cb.driver.steps == 5
+    assert cb.driver.samples == 10 * 16  # both micro-batches of each step are reported
+    assert cb.session is None  # closed in on_train_end
+
+
+@pytest.mark.parametrize(
+    ("steps_per_batch", "step_every", "expected"),
+    [(2, 1, 10), (1, 2, 2)],
+    ids=["two-steps-per-batch", "every-other-batch"],
+)
+def test_manual_optimization_counts_its_own_optimizer_steps(
+    steps_per_batch: int, step_every: int, expected: int
+) -> None:
+    cb = GradientMailCallback(algorithm=ALGO, mailbox=gm.MemoryMailbox(), learner_id="manual", **FAST)
+    model = TinyRegressor(manual=True, steps_per_batch=steps_per_batch, step_every=step_every)
+    seen = fit(model, cb, batches=5)
+    assert seen.seen[-1] == expected
+    assert cb.driver.steps == expected
+    assert len(model.losses) == expected
+
+
+def test_samples_fn_overrides_what_a_batch_reports() -> None:
+    cb = GradientMailCallback(
+        algorithm=ALGO, mailbox=gm.MemoryMailbox(), samples_fn=lambda batch: 3 * len(batch[0]), **FAST
+    )
+    fit(TinyRegressor(), cb, batches=4)
+    assert cb.driver.samples == 4 * 3 * 16
+
+
+def test_training_ends_with_the_newest_committed_parameters() -> None:
+    mailbox = gm.MemoryMailbox()
+    cb = GradientMailCallback(algorithm=ALGO, mailbox=mailbox, learner_id="solo", **FAST)
+    model = TinyRegressor()
+    fit(model, cb, batches=8)
+    fresh = TinyRegressor()
+    torch.nn.init.zeros_(fresh.net[0].weight)
+    assert gm.align(fresh, mailbox=mailbox) >= 0
+    for (name, a), (_, b) in zip(model.named_parameters(), fresh.named_parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_checkpoint_state_restores_learner_id_and_counters() -> None:
+    cb = GradientMailCallback(algorithm=ALGO, mailbox=gm.MemoryMailbox(), **FAST)
+    fit(TinyRegressor(), cb, batches=4)
+    state = cb.state_dict()
+    assert state["learner_id"] and state["steps"] == 4 and state["samples"] == 64
+    again = GradientMailCallback(algorithm=ALGO, mailbox=gm.MemoryMailbox(), **FAST)
+    again.load_state_dict(state)
+    assert again.state_dict() == state
+    with pytest.raises(ValueError, match="format"):
+        again.load_state_dict({**state, "format": 99})
+
+
+def test_sharded_strategies_are_refused_naming_the_alternative() -> None:
+    for strategy in (FSDPStrategy(), ModelParallelStrategy()):
+        with pytest.raises(ValueError, match="MailboxDiLoCoStrategy"):
+            check_strategy(strategy)
+
+
+def test_strategy_refuses_a_second_gradientmail_callback() -> None:
+    strategy = MailboxDiLoCoStrategy(algorithm=ALGO, mailbox=gm.MemoryMailbox(), **FAST)
+    extra = GradientMailCallback(algorithm=ALGO, mailbox=gm.MemoryMailbox(), **FAST)
+    trainer = Trainer(
+        max_steps=1,
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        callbacks=[extra],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    # connect() runs before any process group exists, so this stays in-process.
+    with pytest.raises(ValueError, match="two sessions"):
+        trainer.fit(TinyRegressor(), make_loader(seed=1, n=16, batch=16))
+
+
+def test_configuration_errors_are_raised_before_training() -> None:
+    with pytest.raises(TypeError, match="poll_intervall"):
+        GradientMailCallback(algorithm=ALGO, mailbox=gm.MemoryMailbox(), poll_intervall=1.0)
+    with pytest.raises(TypeError, match="gm.DiLoCo"):
+        GradientMailCallback(algorithm={"sync_every": 4}, mailbox=gm.MemoryMailbox())
+    with pytest.raises(ValueError, match="learner id"):
+        MailboxDiLoCoStrategy(algorithm=ALGO, mailbox=gm.MemoryMailbox(), learner_id="Not Valid")
+    with pytest.raises(ValueError, match="wait_for_learners"):
+        GradientMailCallback(algorithm=ALGO, mailbox=gm.MemoryMailbox(), wait_for_learners=0)
+
+
+def test_without_lightning_or_accelerate_the_package_imports_and_names_the_extra() -> None:
+    code = """
+import sys
+sys.modules["lightning"] = None  # makes `import lightning...` raise ImportError
+sys.modules["accelerate"] = None
+import gradientmail_core as gm
+import gradientmail_lightning
+for name, extra in [("MailboxDiLoCoStrategy", "lightning"), ("GradientMailCallback", "lightning"),
+                    ("register_gradientmail", "accelerate")]:
+    try:
+        getattr(gradientmail_lightning, name)
+    except gm.MissingExtra as e:
+        assert f"gradientmail[{extra}]" in str(e), e
+    else:
+        raise SystemExit(f"{name} imported without its framework")
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
