@@ -31,10 +31,7 @@ from .errors import (
     StoreUnsupported,
 )
 from .events import log_events
-try:
-    from .file_mailbox import FileMailbox
-except ImportError:  # TEMP while the backend is written
-    FileMailbox = None  # type: ignore
+from .file_mailbox import FileMailbox
 from .mailbox import CountingMailbox, Mailbox, open_mailbox
 from .memory_mailbox import MemoryMailbox
 from .session import Progress, Session, align

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import keys
-from .acceptance import judge
+from .acceptance import PayloadStatus, judge
 from .errors import MissingExtra, PayloadCorrupt, RecordInvalid
 from .merge import contribution_weight, mean_pairwise_cosine, merge, outlier_mask
 from .outer import final_step, outer_step
@@ -40,8 +40,12 @@ class FragmentState:
 
     @classmethod
     def initial(cls, theta: dict[str, np.ndarray]) -> FragmentState:
-        return cls(0, theta, {n: v.astype(np.float32) for n, v in theta.items()},
-                   {n: np.zeros_like(v, dtype=np.float32) for n, v in theta.items()})
+        return cls(
+            0,
+            theta,
+            {n: v.astype(np.float32) for n, v in theta.items()},
+            {n: np.zeros_like(v, dtype=np.float32) for n, v in theta.items()},
+        )
 
 
 @dataclass
@@ -97,7 +101,8 @@ class Collector:
             return self._record(Judged(learner, "corrupt", snap))
         expected = self.run.shapes[self.fragment]
         base = version_before(self.round, self.run.P)
-        payload, status = None, "ok"
+        payload: dict[str, np.ndarray] | None = None
+        status: PayloadStatus = "ok"
         if snap.steps > 0 and snap.schema_digest == self.run.digest and snap.base_version == base:
             if not _in_snapshot_blobs(snap, self.round, learner):
                 status = "corrupt"  # checked before any read: the ref may name any object
@@ -128,16 +133,23 @@ class Collector:
         self.judged[j.learner] = j
         return j
 
-    def update(self, live: set[str], now: float, *, quorum_size: int, gap: int, in_flight: int,
-               overlap_steps: int | None) -> bool:
+    def update(
+        self, live: set[str], now: float, *, quorum_size: int, gap: int, in_flight: int, overlap_steps: int | None
+    ) -> bool:
         """Advance the quorum and grace state; True when the round should close now."""
         n_ok = len(self.accepted())
         all_reported = live <= set(self.judged)
         if self.quorum_at is None and (n_ok >= quorum_size or (all_reported and n_ok >= 1)):
             self.quorum_at = now
             e = self.estimates
-            self.grace = grace_seconds(x_step=e.x_step, x_quorum=e.x_quorum, x_sync=e.x_sync, gap=gap,
-                                       in_flight=in_flight, overlap_steps=overlap_steps)
+            self.grace = grace_seconds(
+                x_step=e.x_step,
+                x_quorum=e.x_quorum,
+                x_sync=e.x_sync,
+                gap=gap,
+                in_flight=in_flight,
+                overlap_steps=overlap_steps,
+            )
         if self.quorum_at is None:
             return False
         return all_reported or now - self.quorum_at >= self.grace
@@ -150,8 +162,9 @@ class Commit:
     payloads: dict[str, bytes]  # key -> bytes, written before the record
 
 
-def compute_commit(c: Collector, *, closer: str, live: int, compression: str, sync_seconds: float | None,
-                   now: float) -> Commit:
+def compute_commit(
+    c: Collector, *, closer: str, live: int, compression: str, sync_seconds: float | None, now: float
+) -> Commit:
     """Merge the accepted deltas, take the outer step, and build the payloads and record.
 
     Deterministic: contributions are merged in learner-id order, so a closer that
@@ -183,8 +196,9 @@ def compute_commit(c: Collector, *, closer: str, live: int, compression: str, sy
     else:
         theta = cast(master, dtypes)
     theta_plain = encode_payload(theta, dtypes, kind="theta", compression="")
-    theta_data = theta_plain if compression == "" else encode_payload(theta, dtypes, kind="theta",
-                                                                        compression=compression)
+    theta_data = (
+        theta_plain if compression == "" else encode_payload(theta, dtypes, kind="theta", compression=compression)
+    )
     outer = {**{f"momentum/{n}": v for n, v in momentum.items()}, **{f"master/{n}": v for n, v in master.items()}}
     outer_data = encode_payload(outer, "F32", kind="outer", compression=compression)
 
@@ -198,7 +212,9 @@ def compute_commit(c: Collector, *, closer: str, live: int, compression: str, sy
             payloads[k] = d
             refs[kind] = PayloadRef(key=k, sha256=sha256_hex(d), size=len(d))
     e = c.estimates
-    steps_seconds = [j.snapshot.step_seconds for j in accepted if j.snapshot is not None and j.snapshot.step_seconds > 0]
+    steps_seconds = [
+        j.snapshot.step_seconds for j in accepted if j.snapshot is not None and j.snapshot.step_seconds > 0
+    ]
     x_step = ema(e.x_step, float(np.mean(steps_seconds))) if steps_seconds else e.x_step
     assert c.quorum_at is not None
     x_quorum = ema(e.x_quorum, max(c.quorum_at - c.opened_at, 0.0))
@@ -210,12 +226,22 @@ def compute_commit(c: Collector, *, closer: str, live: int, compression: str, sy
         version=st.version + 1,
         closer=closer,
         participants=[
-            Participant(learner=j.learner, weight=j.weight, steps=j.snapshot.steps, tokens=j.snapshot.tokens,
-                        payload_sha256=j.snapshot.payload.sha256, final=j.snapshot.final)
-            for j in accepted if j.snapshot is not None
+            Participant(
+                learner=j.learner,
+                weight=j.weight,
+                steps=j.snapshot.steps,
+                tokens=j.snapshot.tokens,
+                payload_sha256=j.snapshot.payload.sha256,
+                final=j.snapshot.final,
+            )
+            for j in accepted
+            if j.snapshot is not None
         ],
-        rejected=[Rejection(learner=j.learner, reason=j.reason) for j in sorted(c.judged.values(),
-                  key=lambda j: j.learner) if j.reason is not None],
+        rejected=[
+            Rejection(learner=j.learner, reason=j.reason)
+            for j in sorted(c.judged.values(), key=lambda j: j.learner)
+            if j.reason is not None
+        ],
         theta=refs["theta"],
         theta_digest=sha256_hex(theta_plain),
         outer=refs["outer"],
@@ -239,8 +265,9 @@ def _in_snapshot_blobs(snap: Snapshot, r: int, learner: str) -> bool:
     return parsed is not None and parsed.kind == "snapshot" and parsed.round == r and parsed.learner == learner
 
 
-def rebuild_theta(run: RunInfo, f: int, prev: Mapping[str, np.ndarray], change: Mapping[str, np.ndarray]
-                  ) -> dict[str, np.ndarray]:
+def rebuild_theta(
+    run: RunInfo, f: int, prev: Mapping[str, np.ndarray], change: Mapping[str, np.ndarray]
+) -> dict[str, np.ndarray]:
     """A learner holding the previous version rebuilds the new parameters from the change."""
     return cast({n: prev[n] + change[n] for n in prev}, run.fragment_dtypes(f))
 

@@ -156,8 +156,11 @@ class DiLoCo:
     def check_matches(self, run_config: dict[str, Any]) -> None:
         """Raise ``RunConfigMismatch`` naming every field that differs from the run's."""
         mine = self.to_dict()
-        diffs = {k: (run_config.get(k), mine.get(k)) for k in sorted(set(mine) | set(run_config))
-                 if run_config.get(k) != mine.get(k)}
+        diffs = {
+            k: (run_config.get(k), mine.get(k))
+            for k in sorted(set(mine) | set(run_config))
+            if run_config.get(k) != mine.get(k)
+        }
         if diffs:
             raise RunConfigMismatch(diffs)
 

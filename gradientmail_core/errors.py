@@ -29,9 +29,7 @@ class MissingExtra(GradientMailError, ImportError):
     def __init__(self, extra: str, module: str | None = None) -> None:
         self.extra = extra
         what = module or extra
-        super().__init__(
-            f"{what} is not installed; install it with: pip install 'gradientmail[{extra}]'"
-        )
+        super().__init__(f"{what} is not installed; install it with: pip install 'gradientmail[{extra}]'")
 
 
 class PayloadCorrupt(GradientMailError):

@@ -113,4 +113,3 @@ class Liveness:
         """Lease keys unchanged for ``factor`` timeouts: their owners are long gone."""
         now = self.clock.now()
         return [s.key for n, s in self.seen.items() if n != self.me and now - s.changed_at > factor * self.timeout]
-

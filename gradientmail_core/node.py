@@ -289,8 +289,17 @@ class Node:
         if theta is None:
             return  # pruned already: a newer record of this fragment is on the tape
         self.thetas[f] = (rec.version, theta)
-        self.bridge.inbox.put(CommitNotice(rec.round, f, rec.version, theta, rec.theta.size if rec.theta else 0,
-                                           tuple(p.learner for p in rec.participants), rec.cosine))
+        self.bridge.inbox.put(
+            CommitNotice(
+                rec.round,
+                f,
+                rec.version,
+                theta,
+                rec.theta.size if rec.theta else 0,
+                tuple(p.learner for p in rec.participants),
+                rec.cosine,
+            )
+        )
 
     # ---- electing and closing ---------------------------------------------------------
 
@@ -377,8 +386,13 @@ class Node:
             return
         f = r % self.run.P
         state = self._fragment_state(f)
-        self.collector = Collector(r, self.run, state, self.clock.now(), Estimates.from_record(self.newest.get(
-            self.head % self.run.P) if self.head >= 0 else None))
+        self.collector = Collector(
+            r,
+            self.run,
+            state,
+            self.clock.now(),
+            Estimates.from_record(self.newest.get(self.head % self.run.P) if self.head >= 0 else None),
+        )
         self.follow = None
 
     def _fragment_state(self, f: int) -> FragmentState:
@@ -396,13 +410,16 @@ class Node:
         else:
             assert rec.outer is not None
             names = self.run.fragments[f]
-            shapes = {**{f"momentum/{n}": self.run.shapes[f][n] for n in names},
-                      **{f"master/{n}": self.run.shapes[f][n] for n in names}}
+            shapes = {
+                **{f"momentum/{n}": self.run.shapes[f][n] for n in names},
+                **{f"master/{n}": self.run.shapes[f][n] for n in names},
+            }
             outer = self.store.get_payload(rec.outer, shapes, max_bytes=3 * payload_cap(self.run, f))
             if outer is None:
                 raise ProtocolError(f"fragment {f}: the outer state of round {rec.round} is missing")
-            state = FragmentState(version, theta, {n: outer[f"master/{n}"] for n in names},
-                                  {n: outer[f"momentum/{n}"] for n in names})
+            state = FragmentState(
+                version, theta, {n: outer[f"master/{n}"] for n in names}, {n: outer[f"momentum/{n}"] for n in names}
+            )
         self.closer_states[f] = state
         return state
 
@@ -416,8 +433,14 @@ class Node:
         cfg = self.run.cfg
         had_quorum = c.quorum_at is not None
         assert cfg.in_flight is not None
-        close = c.update(live, self.clock.now(), quorum_size=cfg.quorum_size, gap=gap(c.round, cfg.sync_every,
-                         self.run.P), in_flight=cfg.in_flight, overlap_steps=cfg.overlap_steps)
+        close = c.update(
+            live,
+            self.clock.now(),
+            quorum_size=cfg.quorum_size,
+            gap=gap(c.round, cfg.sync_every, self.run.P),
+            in_flight=cfg.in_flight,
+            overlap_steps=cfg.overlap_steps,
+        )
         if not had_quorum and c.quorum_at is not None:
             self.emit(ev.QuorumReached(self.me, c.round, len(c.accepted()), c.quorum_at - c.opened_at))
         if close:
@@ -425,8 +448,9 @@ class Node:
 
     def _close(self, c: Collector, live: int) -> None:
         t0 = self.clock.now()
-        commit = compute_commit(c, closer=self.me, live=live, compression=self.opts.compression,
-                                sync_seconds=self._last_sync, now=t0)
+        commit = compute_commit(
+            c, closer=self.me, live=live, compression=self.opts.compression, sync_seconds=self._last_sync, now=t0
+        )
         written = 0
         for key, data in commit.payloads.items():
             outcome, _ = create_once(self.store.mailbox, key, data)
@@ -452,8 +476,17 @@ class Node:
             if x.reason == "outlier":  # the others were reported as they were judged
                 self.stats.rejected["outlier"] = self.stats.rejected.get("outlier", 0) + 1
                 self.emit(ev.ContributionRejected(self.me, rec.round, x.learner, x.reason))
-        self.emit(ev.RoundClosed(self.me, rec.round, rec.fragment, tuple(p.learner for p in rec.participants),
-                                 tuple((x.learner, x.reason) for x in rec.rejected), rec.cosine, rec.grace_seconds))
+        self.emit(
+            ev.RoundClosed(
+                self.me,
+                rec.round,
+                rec.fragment,
+                tuple(p.learner for p in rec.participants),
+                tuple((x.learner, x.reason) for x in rec.rejected),
+                rec.cosine,
+                rec.grace_seconds,
+            )
+        )
         self.emit(ev.Committed(self.me, rec.round, rec.fragment, rec.version, written))
         self.closer_states[rec.fragment] = commit.state
         self.collector = None

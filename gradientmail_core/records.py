@@ -51,21 +51,21 @@ def nonneg(**kw: Any) -> Any:
     return field(metadata=_meta(min=0), **kw)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PayloadRef:
     key: str = field(metadata=_meta(pattern=_KEY, max_len=512))
     sha256: str = sha()
     size: int = nonneg()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TensorSpec:
     name: str = field(metadata=_meta(max_len=1024, min_len=1))
     dtype: str = field(metadata=_meta(choices=("F32", "F16", "BF16")))
     shape: list[int] = field(metadata=_meta(min=0, max_len=16))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Manifest:
     run_id: str = field(metadata=_meta(pattern=_NONCE))
     created_by: str = learner_field()
@@ -78,7 +78,7 @@ class Manifest:
     mac: str | None = field(default=None, metadata=_meta(pattern=_MAC))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Claim:
     round: int = nonneg()
     n: int = field(metadata=_meta(min=1, max=999))
@@ -88,7 +88,7 @@ class Claim:
     mac: str | None = field(default=None, metadata=_meta(pattern=_MAC))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Lease:
     learner: str = learner_field()
     nonce: str = field(metadata=_meta(pattern=_NONCE))
@@ -99,7 +99,7 @@ class Lease:
     mac: str | None = field(default=None, metadata=_meta(pattern=_MAC))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Snapshot:
     learner: str = learner_field()
     round: int = nonneg()
@@ -116,7 +116,7 @@ class Snapshot:
     mac: str | None = field(default=None, metadata=_meta(pattern=_MAC))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Participant:
     learner: str = learner_field()
     weight: float = nonneg()
@@ -126,13 +126,13 @@ class Participant:
     final: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Rejection:
     learner: str = learner_field()
     reason: str = field(metadata=_meta(choices=REJECT_REASONS))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RoundRecord:
     round: int = nonneg()
     step: int = nonneg()
@@ -189,7 +189,7 @@ def decode(data: bytes | None, cls: type[R], *, key: str = "?") -> R:
     """Parse and validate a record. Raises ``RecordInvalid`` naming the key and the field."""
     if data is None:
         raise RecordInvalid(f"{key}: record is missing")
-    limit = _LIMITS.get(cls, MAX_RECORD_BYTES)
+    limit = _LIMITS.get(cls, MAX_RECORD_BYTES)  # type: ignore[call-overload,arg-type]
     if len(data) > limit:
         raise RecordInvalid(f"{key}: record of {len(data)} bytes exceeds the {limit}-byte cap")
     try:
@@ -225,7 +225,7 @@ def _build(cls: type[R], raw: Any, where: str) -> R:
     unknown = set(raw) - set(fields)
     if unknown:
         raise RecordInvalid(f"{where}: unknown field(s) {sorted(unknown)[:5]} in {cls.__name__}")
-    hints = _type_hints(cls)
+    hints = _type_hints(cls)  # type: ignore[arg-type]
     values: dict[str, Any] = {}
     for name, f in fields.items():
         if name not in raw:

@@ -3,6 +3,7 @@ passes before it trains (config and schema), and loading the newest committed st
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass, field
 
@@ -117,7 +118,7 @@ def _create(
     for f, names in enumerate(fragments):
         values = adapter.read(names)
         data = encode_payload(values, {n: dtypes[n] for n in names}, kind="init", compression=compression)
-        refs.append(store.put_payload(lambda sha, f=f: keys.init_blob_key(f, sha, compression), data))
+        refs.append(store.put_payload(functools.partial(keys.init_blob_key, f, compression=compression), data))
     manifest = Manifest(
         run_id=f"{rng.getrandbits(64):016x}",
         created_by=learner,
@@ -174,9 +175,7 @@ def max_payload_bytes(run: RunInfo) -> int:
     return max(3 * payload_cap(run, f) for f in range(run.P))
 
 
-def load_newest(
-    store: RunStore, adapter: Adapter
-) -> tuple[RunInfo, int, dict[int, dict[str, np.ndarray]]]:
+def load_newest(store: RunStore, adapter: Adapter) -> tuple[RunInfo, int, dict[int, dict[str, np.ndarray]]]:
     """Read the manifest and the newest committed parameters of every fragment."""
     data = store.mailbox.get(keys.MANIFEST)
     if data is None:

@@ -91,7 +91,9 @@ class Session:
             round_timeout=round_timeout if round_timeout is not None else max(30.0, 10 * poll_interval),
             compression=_COMPRESSION[compression],
         )
-        self.close_timeout = close_timeout if close_timeout is not None else lease_timeout + 2 * self.options.round_timeout
+        self.close_timeout = (
+            close_timeout if close_timeout is not None else lease_timeout + 2 * self.options.round_timeout
+        )
         self._rng = random.Random(seed if seed is not None else int.from_bytes(os.urandom(8), "big"))
         self.nonce = f"{self._rng.getrandbits(64):016x}"
         self.bridge = Bridge()
@@ -124,18 +126,32 @@ class Session:
         """Join the run (creating it if the mailbox is empty) and start the background work."""
         if self.node is not None:
             return
+
         def ignored(key: str, why: str) -> None:
             self.emit(ev.IgnoredObject(self.learner_id, key, why))
 
         guard = GuardedMailbox(self.mailbox, auth=self.auth, on_ignored=ignored)
         store = RunStore(guard, auth=self.auth, on_ignored=ignored)
         run, created = open_run(
-            store, self.adapter, self.algorithm, learner=self.learner_id,
-            compression=self.options.compression, rng=self._rng,
+            store,
+            self.adapter,
+            self.algorithm,
+            learner=self.learner_id,
+            compression=self.options.compression,
+            rng=self._rng,
         )
         guard.limit_payloads(max_payload_bytes(run))
-        node = Node(store, self.clock, run, learner=self.learner_id, nonce=self.nonce, emit=self.emit,
-                    options=self.options, bridge=self.bridge, rng=self._rng)
+        node = Node(
+            store,
+            self.clock,
+            run,
+            learner=self.learner_id,
+            nonce=self.nonce,
+            emit=self.emit,
+            options=self.options,
+            bridge=self.bridge,
+            rng=self._rng,
+        )
         thetas = node.join(created=created)
         learner = Learner(self.adapter, run, self.bridge, self.clock, learner=self.learner_id, emit=self.emit)
         learner.start(node.head, thetas, {f: v for f, (v, _) in node.thetas.items()})
@@ -163,8 +179,9 @@ class Session:
 
     def _check(self) -> None:
         if self.bridge.failure is not None:
-            raise SessionFailed(f"the background work of learner {self.learner_id!r} failed: "
-                                f"{self.bridge.failure}") from self.bridge.failure
+            raise SessionFailed(
+                f"the background work of learner {self.learner_id!r} failed: {self.bridge.failure}"
+            ) from self.bridge.failure
         if self.learner is None:
             raise RuntimeError("the session is not open: use `with gm.Session(...) as session:` or call open()")
 
@@ -222,7 +239,6 @@ class Session:
         """Wait for this node's rounds in flight, then load the newest committed parameters."""
         if self._closed or self.learner is None:
             return
-        lr = self.learner
         try:
             self._check()
             if self.algorithm.flush_on_close:
@@ -235,9 +251,11 @@ class Session:
     def _flush(self) -> None:
         lr = self.learner
         assert lr is not None and lr.cfg.in_flight is not None
+        in_flight = lr.cfg.in_flight
         for _ in range(lr.run.P):
-            if not self._wait_until(lambda: lr.next_round - lr.aligned <= lr.cfg.in_flight or
-                                    lr.next_round <= self.bridge.view.head, "flush"):
+            if not self._wait_until(
+                lambda: lr.next_round - lr.aligned <= in_flight or lr.next_round <= self.bridge.view.head, "flush"
+            ):
                 return
             lr.maybe_publish(final=True)
 
@@ -267,8 +285,13 @@ class Session:
             if head != last_head:
                 last_head, since = head, self.clock.now()
             elif self.clock.now() - since > self.close_timeout:
-                self.emit(ev.GaveUp(self.learner_id, head, f"no round committed for {self.close_timeout:.0f} s "
-                                    f"while waiting to {what}"))
+                self.emit(
+                    ev.GaveUp(
+                        self.learner_id,
+                        head,
+                        f"no round committed for {self.close_timeout:.0f} s while waiting to {what}",
+                    )
+                )
                 return False
 
     def _shutdown(self) -> None:
