@@ -148,8 +148,9 @@ class RunAuth:
     # ---- records ------------------------------------------------------------------------
 
     def _mac(self, run_key: bytes, key: str, record: Any) -> str:
-        msg = b"".join([_DOMAIN, b"mac\x00", type(record).__name__.encode(), b"\x00", key.encode(), b"\x00",
-                        signing_bytes(record)])
+        msg = b"".join(
+            [_DOMAIN, b"mac\x00", type(record).__name__.encode(), b"\x00", key.encode(), b"\x00", signing_bytes(record)]
+        )
         return hmac.new(run_key, msg, hashlib.sha256).hexdigest()
 
     def _key_of(self, record: Any) -> bytes:
