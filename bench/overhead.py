@@ -25,7 +25,10 @@ import gradientmail_core as gm
 def make(width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Linear(256, width), torch.nn.GELU(), torch.nn.Linear(width, width), torch.nn.GELU(),
+        torch.nn.Linear(256, width),
+        torch.nn.GELU(),
+        torch.nn.Linear(width, width),
+        torch.nn.GELU(),
         torch.nn.Linear(width, 256),
     )
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -65,8 +68,9 @@ def measure(target_ms: float, blocks: int, steps: int, sync_every: int) -> dict:
     times: dict[str, list[float]] = {"plain": [], "session": []}
     with tempfile.TemporaryDirectory() as d:
         cfg = gm.DiLoCo(sync_every=sync_every, fragments=4)
-        with gm.Session(model, algorithm=cfg, mailbox=gm.FileMailbox(d), learner_id="bench", poll_interval=0.2,
-                        callbacks=()) as session:
+        with gm.Session(
+            model, algorithm=cfg, mailbox=gm.FileMailbox(d), learner_id="bench", poll_interval=0.2, callbacks=()
+        ) as session:
             for _ in range(blocks):
                 for arm in ("plain", "session"):
                     for _ in range(steps):
@@ -80,8 +84,15 @@ def measure(target_ms: float, blocks: int, steps: int, sync_every: int) -> dict:
             rounds = session.rounds_seen
     plain, with_session = statistics.median(times["plain"]), statistics.median(times["session"])
     mean_ratio = statistics.fmean(times["session"]) / statistics.fmean(times["plain"])
-    return {"width": width, "params": n_params, "plain_ms": plain * 1000, "session_ms": with_session * 1000,
-            "median_ratio": with_session / plain, "mean_ratio": mean_ratio, "rounds": rounds}
+    return {
+        "width": width,
+        "params": n_params,
+        "plain_ms": plain * 1000,
+        "session_ms": with_session * 1000,
+        "median_ratio": with_session / plain,
+        "mean_ratio": mean_ratio,
+        "rounds": rounds,
+    }
 
 
 def main() -> None:
@@ -92,12 +103,16 @@ def main() -> None:
     ap.add_argument("--sync-every", type=int, default=40)
     args = ap.parse_args()
     print("step time with vs without gm.Session (lone learner that also closes every round)")
-    print(f"{'target':>7} | {'params':>9} | {'plain ms':>9} | {'session ms':>10} | {'median':>7} | {'mean':>7} | rounds")
+    print(
+        f"{'target':>7} | {'params':>9} | {'plain ms':>9} | {'session ms':>10} | {'median':>7} | {'mean':>7} | rounds"
+    )
     for target in args.target_ms:
         steps = args.steps or max(10, int(2000 / target))
         r = measure(target, args.blocks, steps, args.sync_every)
-        print(f"{target:>5.0f}ms | {r['params']:>9,} | {r['plain_ms']:>9.2f} | {r['session_ms']:>10.2f} | "
-              f"{r['median_ratio']:>7.3f} | {r['mean_ratio']:>7.3f} | {r['rounds']}")
+        print(
+            f"{target:>5.0f}ms | {r['params']:>9,} | {r['plain_ms']:>9.2f} | {r['session_ms']:>10.2f} | "
+            f"{r['median_ratio']:>7.3f} | {r['mean_ratio']:>7.3f} | {r['rounds']}"
+        )
 
 
 if __name__ == "__main__":

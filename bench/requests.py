@@ -42,8 +42,9 @@ def measure(n_nodes: int, rounds: int, *, fragments: int = 4, quorum: int = 3, p
         adapter = NumpyAdapter(params)
         run, created = open_run(store, adapter, cfg, learner=f"n{i}", compression="", rng=random.Random(i))
         bridge = Bridge()
-        node = Node(store, clock, run, learner=f"n{i}", nonce=f"{i + 1:08x}", emit=lambda e: None, options=opts,
-                    bridge=bridge)
+        node = Node(
+            store, clock, run, learner=f"n{i}", nonce=f"{i + 1:08x}", emit=lambda e: None, options=opts, bridge=bridge
+        )
         thetas = node.join(created=created)
         learner = Learner(adapter, run, bridge, clock, learner=f"n{i}", emit=lambda e: None)
         learner.start(node.head, thetas, {f: v for f, (v, _) in node.thetas.items()})
@@ -67,10 +68,14 @@ def measure(n_nodes: int, rounds: int, *, fragments: int = 4, quorum: int = 3, p
     per_node = {op: v / committed / n_nodes for op, v in totals.items()}
     closer = max(members, key=lambda m: m[2].stats.committed)[1].counts
     cost = (totals["LIST"] + totals["PUT"]) * PRICE_PUT_LIST + totals["GET"] * PRICE_GET
-    return {"nodes": n_nodes, "rounds": committed, "per_node": per_node,
-            "lists_per_round_total": totals["LIST"] / committed,
-            "closer_per_round": {op: closer.get(op, 0) / committed for op in ("LIST", "GET", "PUT", "DELETE")},
-            "usd_per_round": cost / committed}
+    return {
+        "nodes": n_nodes,
+        "rounds": committed,
+        "per_node": per_node,
+        "lists_per_round_total": totals["LIST"] / committed,
+        "closer_per_round": {op: closer.get(op, 0) / committed for op in ("LIST", "GET", "PUT", "DELETE")},
+        "usd_per_round": cost / committed,
+    }
 
 
 def main() -> None:
@@ -79,15 +84,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=100)
     args = ap.parse_args()
     print("requests per committed round (4 fragments, quorum 3, ~5 polls per round, lease_timeout 120 s)")
-    print(f"{'nodes':>5} | {'LIST/node':>9} {'GET/node':>9} {'PUT/node':>9} {'DEL/node':>9} | "
-          f"{'LIST total':>10} {'vs prior art':>12} | {'closer L/G/P/D':>22} | {'USD/round':>10}")
+    print(
+        f"{'nodes':>5} | {'LIST/node':>9} {'GET/node':>9} {'PUT/node':>9} {'DEL/node':>9} | "
+        f"{'LIST total':>10} {'vs prior art':>12} | {'closer L/G/P/D':>22} | {'USD/round':>10}"
+    )
     for n in args.nodes:
         r = measure(n, args.rounds)
         p, c = r["per_node"], r["closer_per_round"]
         ratio = r["lists_per_round_total"] / PRIOR_ART_LISTS
         closer = f"{c['LIST']:.1f}/{c['GET']:.1f}/{c['PUT']:.1f}/{c['DELETE']:.1f}"
-        print(f"{n:>5} | {p['LIST']:>9.2f} {p['GET']:>9.2f} {p['PUT']:>9.2f} {p['DELETE']:>9.2f} | "
-              f"{r['lists_per_round_total']:>10.1f} {ratio:>11.2f}x | {closer:>22} | {r['usd_per_round']:>10.6f}")
+        print(
+            f"{n:>5} | {p['LIST']:>9.2f} {p['GET']:>9.2f} {p['PUT']:>9.2f} {p['DELETE']:>9.2f} | "
+            f"{r['lists_per_round_total']:>10.1f} {ratio:>11.2f}x | {closer:>22} | {r['usd_per_round']:>10.6f}"
+        )
 
 
 if __name__ == "__main__":

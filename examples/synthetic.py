@@ -41,10 +41,18 @@ def learner(i: int, path: str, args: argparse.Namespace, results: mp.Queue) -> N
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     x, y = task(seed=i, n=4096)
     x_eval, y_eval = task(seed=999, n=1024)
-    cfg = gm.DiLoCo(sync_every=args.sync_every, fragments=2, overlap_steps=args.sync_every // 2,
-                    quorum_size=args.learners)
-    with gm.Session(model, algorithm=cfg, mailbox=gm.FileMailbox(path), learner_id=f"learner-{i}",
-                    poll_interval=0.05, lease_timeout=10.0, callbacks=()) as session:
+    cfg = gm.DiLoCo(
+        sync_every=args.sync_every, fragments=2, overlap_steps=args.sync_every // 2, quorum_size=args.learners
+    )
+    with gm.Session(
+        model,
+        algorithm=cfg,
+        mailbox=gm.FileMailbox(path),
+        learner_id=f"learner-{i}",
+        poll_interval=0.05,
+        lease_timeout=10.0,
+        callbacks=(),
+    ) as session:
         session.wait_for(learners=args.learners, timeout=60)
         with torch.no_grad():
             first = torch.nn.functional.mse_loss(model(x_eval), y_eval).item()

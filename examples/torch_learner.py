@@ -46,8 +46,10 @@ CONTEXT = 8
 def corpus(limit: int = 400_000) -> np.ndarray:
     """Characters of a few standard-library modules, mapped to 0..95."""
     root = Path(os.__file__).parent
-    text = "".join((root / name).read_text(encoding="utf-8", errors="replace") for name in
-                   ("os.py", "argparse.py", "dataclasses.py", "functools.py", "pathlib.py", "typing.py"))[:limit]
+    text = "".join(
+        (root / name).read_text(encoding="utf-8", errors="replace")
+        for name in ("os.py", "argparse.py", "dataclasses.py", "functools.py", "pathlib.py", "typing.py")
+    )[:limit]
     codes = np.frombuffer(text.encode("ascii", errors="replace"), dtype=np.uint8).astype(np.int64) - 32
     return np.where((codes >= 0) & (codes < VOCAB - 1), codes, VOCAB - 1)
 
@@ -91,8 +93,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sync-every", type=int, default=20)
     p.add_argument("--fragments", type=int, default=2)
     p.add_argument("--quorum", type=int, default=1)
-    p.add_argument("--overlap-steps", type=int, default=None,
-                   help="block once a round published this many steps ago has not committed")
+    p.add_argument(
+        "--overlap-steps",
+        type=int,
+        default=None,
+        help="block once a round published this many steps ago has not committed",
+    )
     p.add_argument("--delta-dtype", default=None)
     p.add_argument("--commit-dtype", default=None)
     p.add_argument("--compression", default="off")
@@ -121,24 +127,37 @@ def main(argv: list[str] | None = None) -> int:
     train, held_out = data[:split], data[split:]
     kwargs = {"endpoint_url": args.endpoint_url} if args.endpoint_url else {}
     mailbox = gm.open_mailbox(args.mailbox, **kwargs)
-    algorithm = gm.DiLoCo(sync_every=args.sync_every, fragments=args.fragments, quorum_size=args.quorum,
-                          overlap_steps=args.overlap_steps,
-                          delta_dtype=args.delta_dtype, commit_dtype=args.commit_dtype)
+    algorithm = gm.DiLoCo(
+        sync_every=args.sync_every,
+        fragments=args.fragments,
+        quorum_size=args.quorum,
+        overlap_steps=args.overlap_steps,
+        delta_dtype=args.delta_dtype,
+        commit_dtype=args.commit_dtype,
+    )
     callbacks: list = [gm.log_events]
     if args.events:
         sink = open(args.events, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
 
         def to_file(e: gm.events.Event) -> None:
-            sink.write(json.dumps({"event": type(e).__name__, **{k: v for k, v in vars(e).items()}}, default=str)
-                       + "\n")
+            sink.write(
+                json.dumps({"event": type(e).__name__, **{k: v for k, v in vars(e).items()}}, default=str) + "\n"
+            )
 
         callbacks.append(to_file)
     seed = args.data_seed if args.data_seed is not None else abs(hash(args.learner_id or os.getpid())) % 2**31
     losses = []
-    with gm.Session(model, algorithm=algorithm, mailbox=mailbox, learner_id=args.learner_id,
-                    poll_interval=args.poll_interval, lease_timeout=args.lease_timeout,
-                    round_timeout=args.round_timeout, compression=args.compression,
-                    callbacks=callbacks) as session:
+    with gm.Session(
+        model,
+        algorithm=algorithm,
+        mailbox=mailbox,
+        learner_id=args.learner_id,
+        poll_interval=args.poll_interval,
+        lease_timeout=args.lease_timeout,
+        round_timeout=args.round_timeout,
+        compression=args.compression,
+        callbacks=callbacks,
+    ) as session:
         first = evaluate(model, held_out)
         if args.wait_for > 1:
             session.wait_for(learners=args.wait_for, timeout=120)
@@ -157,10 +176,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"step {step:5d} loss {loss.item():.3f} round {p.round} live {p.live_learners}", flush=True)
         elapsed = time.perf_counter() - t0
     final = evaluate(model, held_out)
-    summary = {"learner": session.learner_id, "initial_loss": first, "final_loss": final,
-               "train_loss_first": float(np.mean(losses[:10])) if losses else math.nan,
-               "train_loss_last": float(np.mean(losses[-10:])) if losses else math.nan,
-               "steps": len(losses), "seconds": elapsed, "rounds_seen": session.rounds_seen}
+    summary = {
+        "learner": session.learner_id,
+        "initial_loss": first,
+        "final_loss": final,
+        "train_loss_first": float(np.mean(losses[:10])) if losses else math.nan,
+        "train_loss_last": float(np.mean(losses[-10:])) if losses else math.nan,
+        "steps": len(losses),
+        "seconds": elapsed,
+        "rounds_seen": session.rounds_seen,
+    }
     print(json.dumps(summary), flush=True)
     if args.out:
         np.savez(args.out + ".npz", **{n: p.detach().numpy() for n, p in model.named_parameters()})

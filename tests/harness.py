@@ -95,8 +95,9 @@ class Cluster:
     cfg: DiLoCo
     mailbox: Mailbox = field(default_factory=MemoryMailbox)
     clock: FakeClock = field(default_factory=FakeClock)
-    options: NodeOptions = field(default_factory=lambda: NodeOptions(poll_interval=0.1, lease_timeout=2.0,
-                                                                     round_timeout=1.0))
+    options: NodeOptions = field(
+        default_factory=lambda: NodeOptions(poll_interval=0.1, lease_timeout=2.0, round_timeout=1.0)
+    )
     compression: str = ""
     members: dict[str, Member] = field(default_factory=dict)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=lambda: dict(SHAPES))
@@ -113,8 +114,16 @@ class Cluster:
         run, created = open_run(store, adapter, self.cfg, learner=name, compression=comp, rng=random.Random(seed))
         opts = NodeOptions(self.options.poll_interval, self.options.lease_timeout, self.options.round_timeout, comp)
         bridge = Bridge()
-        node = Node(store, self.clock, run, learner=name, nonce=f"{seed + 1:08x}", emit=events.append,
-                    options=opts, bridge=bridge)
+        node = Node(
+            store,
+            self.clock,
+            run,
+            learner=name,
+            nonce=f"{seed + 1:08x}",
+            emit=events.append,
+            options=opts,
+            bridge=bridge,
+        )
         thetas = node.join(created=created)
         learner = Learner(adapter, run, bridge, self.clock, learner=name, emit=events.append)
         learner.start(node.head, thetas, {f: v for f, (v, _) in node.thetas.items()})

@@ -21,8 +21,20 @@ class Node:
     def __init__(self, out_dir: Path, learner: str, mailbox: str, *args: str, endpoint: str | None = None):
         self.learner, self.out = learner, out_dir / f"out-{learner}"
         self.events_path = out_dir / f"events-{learner}.jsonl"
-        cmd = [sys.executable, str(LEARNER), "--mailbox", mailbox, "--learner-id", learner, "--out", str(self.out),
-               "--events", str(self.events_path), *FAST, *args]
+        cmd = [
+            sys.executable,
+            str(LEARNER),
+            "--mailbox",
+            mailbox,
+            "--learner-id",
+            learner,
+            "--out",
+            str(self.out),
+            "--events",
+            str(self.events_path),
+            *FAST,
+            *args,
+        ]
         if endpoint:
             cmd += ["--endpoint-url", endpoint]
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")

@@ -47,14 +47,40 @@ def test_three_learner_processes_on_a_file_mailbox(tmp_path):
 def test_three_learner_processes_on_s3(tmp_path, s3_server):
     boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket="e2e")
     url = "s3://e2e/runs/r1"
-    nodes = [Node(tmp_path, name, url, *COMMON, "--quorum", "3", "--wait-for", "3", "--compression", "zstd",
-                  endpoint=s3_server) for name in "abc"]
+    nodes = [
+        Node(
+            tmp_path,
+            name,
+            url,
+            *COMMON,
+            "--quorum",
+            "3",
+            "--wait-for",
+            "3",
+            "--compression",
+            "zstd",
+            endpoint=s3_server,
+        )
+        for name in "abc"
+    ]
     check_run(nodes, gm.open_mailbox(url, endpoint_url=s3_server))
 
 
 def _start_with_closer_first(tmp_path, url: str, steps: str) -> tuple[Node, list[Node]]:
-    args = ["--steps", steps, "--sync-every", "20", "--fragments", "2", "--overlap-steps", "10", "--wait-for", "3",
-            "--step-sleep", "0.01"]
+    args = [
+        "--steps",
+        steps,
+        "--sync-every",
+        "20",
+        "--fragments",
+        "2",
+        "--overlap-steps",
+        "10",
+        "--wait-for",
+        "3",
+        "--step-sleep",
+        "0.01",
+    ]
     closer = Node(tmp_path, "a", url, *args)
     mb = gm.open_mailbox(url)
     wait_until(lambda: mb.get(keys.MANIFEST) is not None, what="the run to be created")

@@ -133,8 +133,7 @@ def test_delta_dtype_is_what_learners_upload(dtype):
 def test_smaller_delta_dtypes_upload_fewer_bytes():
     sizes = {}
     for dtype in ("F32", "BF16", "F8_E4M3", "F4"):
-        c = Cluster(gm.DiLoCo(sync_every=4, fragments=1, delta_dtype=dtype),
-                    shapes={"w": (64, 64), "b": (64,)})
+        c = Cluster(gm.DiLoCo(sync_every=4, fragments=1, delta_dtype=dtype), shapes={"w": (64, 64), "b": (64,)})
         a = c.join("a")
         c.run(8)
         sizes[dtype] = sum(e.bytes for e in a.of(ev.Published))
@@ -259,8 +258,9 @@ def test_zstd_payloads_interoperate_with_uncompressed_nodes():
 
 def test_strided_partition_deals_blocks_round_robin():
     shapes = {f"blocks.{i}.w": (4, 4) for i in range(4)} | {"embed.weight": (8, 4), "head.w": (4, 4)}
-    c = Cluster(gm.DiLoCo(sync_every=4, fragments=2, partition=gm.Strided(block_pattern=r"blocks\.(\d+)\.")),
-                shapes=shapes)
+    c = Cluster(
+        gm.DiLoCo(sync_every=4, fragments=2, partition=gm.Strided(block_pattern=r"blocks\.(\d+)\.")), shapes=shapes
+    )
     c.join("a")
     manifest = json.loads(c.mailbox.get(keys.MANIFEST))
     f0, f1 = manifest["fragments"]
@@ -291,12 +291,12 @@ def test_losing_the_race_to_create_the_run_keeps_the_winners_identical_init_payl
     mb = gm.MemoryMailbox()
     cfg = gm.DiLoCo(sync_every=4, fragments=2)
     params = {"a": np.ones((3, 3), np.float32), "b": np.zeros(4, np.float32)}
-    run, created = open_run(RunStore(mb), NumpyAdapter(params), cfg, learner="a", compression="",
-                            rng=random.Random(0))
+    run, created = open_run(RunStore(mb), NumpyAdapter(params), cfg, learner="a", compression="", rng=random.Random(0))
     assert created
     # b read "no manifest" just before a wrote it, and built the same initial payloads
-    manifest, created = _create(RunStore(mb), NumpyAdapter(dict(params)), cfg, learner="b", compression="",
-                                rng=random.Random(1))
+    manifest, created = _create(
+        RunStore(mb), NumpyAdapter(dict(params)), cfg, learner="b", compression="", rng=random.Random(1)
+    )
     assert not created and manifest.run_id == run.manifest.run_id
     assert all(mb.get(ref.key) is not None for ref in manifest.init)
 

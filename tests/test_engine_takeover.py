@@ -104,7 +104,8 @@ def test_restarted_learner_continues_from_the_store():
     # restart b with the same id: it waits out its own stale lease, then loads the newest commit
     b2 = c.join("b", seed=1)
     expected = {n: np.array(p) for n, p in a.learner.anchors[0].items()} | {
-        n: np.array(p) for n, p in a.learner.anchors[1].items()}
+        n: np.array(p) for n, p in a.learner.anchors[1].items()
+    }
     for n in expected:
         assert np.array_equal(b2.params[n], expected[n]) or c.head() > a.node.head
     c.run(20)

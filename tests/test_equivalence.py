@@ -59,8 +59,16 @@ def reference(outer_lr: float, outer_momentum: float) -> list[torch.Tensor]:
 
 
 def with_sessions(outer_lr: float, outer_momentum: float) -> list[list[torch.Tensor]]:
-    cfg = gm.DiLoCo(sync_every=H, fragments=1, in_flight=1, overlap_steps=0, merge=gm.WeightedMean(),
-                    quorum_size=N, outer_lr=outer_lr, outer_momentum=outer_momentum)
+    cfg = gm.DiLoCo(
+        sync_every=H,
+        fragments=1,
+        in_flight=1,
+        overlap_steps=0,
+        merge=gm.WeightedMean(),
+        quorum_size=N,
+        outer_lr=outer_lr,
+        outer_momentum=outer_momentum,
+    )
     mailbox = gm.MemoryMailbox()
     out: dict[int, list[torch.Tensor]] = {}
     errors: list[BaseException] = []
@@ -70,8 +78,15 @@ def with_sessions(outer_lr: float, outer_momentum: float) -> list[list[torch.Ten
             model = make_model()
             opt = torch.optim.Adam(model.parameters(), lr=1e-2)
             gen = torch.Generator().manual_seed(10 + i)
-            with gm.Session(model, algorithm=cfg, mailbox=mailbox, learner_id=f"w{i}", poll_interval=0.01,
-                            lease_timeout=10.0, callbacks=()) as s:
+            with gm.Session(
+                model,
+                algorithm=cfg,
+                mailbox=mailbox,
+                learner_id=f"w{i}",
+                poll_interval=0.01,
+                lease_timeout=10.0,
+                callbacks=(),
+            ) as s:
                 s.wait_for(learners=N, timeout=30)
                 for _ in range(H * ROUNDS):
                     inner_step(model, opt, gen)

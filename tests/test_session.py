@@ -55,8 +55,9 @@ def test_config_mismatch_names_the_differing_fields_before_training():
     with gm.Session(model(), algorithm=gm.DiLoCo(sync_every=4, fragments=1), mailbox=mb, learner_id="a", **FAST):
         pass
     with pytest.raises(gm.RunConfigMismatch, match="sync_every") as e:
-        gm.Session(model(), algorithm=gm.DiLoCo(sync_every=8, fragments=1, outer_lr=0.5), mailbox=mb,
-                   learner_id="b", **FAST).open()
+        gm.Session(
+            model(), algorithm=gm.DiLoCo(sync_every=8, fragments=1, outer_lr=0.5), mailbox=mb, learner_id="b", **FAST
+        ).open()
     assert "outer_lr" in str(e.value) and "fragments" not in str(e.value)
 
 
@@ -87,8 +88,9 @@ def test_batch_size_follows_the_live_learner_count():
 
 
 def test_wait_for_times_out_with_a_clear_message():
-    with gm.Session(model(), algorithm=gm.DiLoCo(sync_every=4, fragments=1), mailbox=gm.MemoryMailbox(),
-                    learner_id="a", **FAST) as s:
+    with gm.Session(
+        model(), algorithm=gm.DiLoCo(sync_every=4, fragments=1), mailbox=gm.MemoryMailbox(), learner_id="a", **FAST
+    ) as s:
         with pytest.raises(TimeoutError, match="1 of 2 learners"):
             s.wait_for(learners=2, timeout=0.2)
 
@@ -166,8 +168,15 @@ def test_transient_store_errors_do_not_kill_the_run():
             return self.inner.list(prefix, after)
 
     seen = []
-    with gm.Session(model(), algorithm=gm.DiLoCo(sync_every=4, fragments=1), mailbox=Flaky(inner), learner_id="a",
-                    poll_interval=0.01, lease_timeout=2.0, callbacks=(seen.append,)) as s:
+    with gm.Session(
+        model(),
+        algorithm=gm.DiLoCo(sync_every=4, fragments=1),
+        mailbox=Flaky(inner),
+        learner_id="a",
+        poll_interval=0.01,
+        lease_timeout=2.0,
+        callbacks=(seen.append,),
+    ) as s:
         flaky["on"] = True
         for _ in range(12):
             s.step()
@@ -178,8 +187,9 @@ def test_transient_store_errors_do_not_kill_the_run():
 
 def test_step_does_no_io():
     mb = gm.CountingMailbox(gm.MemoryMailbox())
-    with gm.Session(model(), algorithm=gm.DiLoCo(sync_every=1000, fragments=1), mailbox=mb, learner_id="a",
-                    **FAST) as s:
+    with gm.Session(
+        model(), algorithm=gm.DiLoCo(sync_every=1000, fragments=1), mailbox=mb, learner_id="a", **FAST
+    ) as s:
         s._stop.set()  # park the background thread: only the training thread acts now
         s.bridge.wake.set()
         s._thread.join()

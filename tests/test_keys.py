@@ -1,0 +1,112 @@
+"""Keys: parse inverts format, byte order is numeric order, and bad ids never reach I/O."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gradientmail_core import keys
+
+rounds = st.integers(0, keys.MAX_ROUND)
+learners = st.from_regex(keys.LEARNER_ID, fullmatch=True)
+shas = st.text("0123456789abcdef", min_size=64, max_size=64)
+comp = st.sampled_from(["", "zstd"])
+
+
+@given(rounds, st.integers(1, keys.MAX_CLAIM))
+def test_claim_keys_round_trip(r, n):
+    assert keys.parse_claim_key(keys.claim_key(r, n)) == (r, n)
+
+
+@given(rounds)
+def test_round_keys_round_trip(r):
+    assert keys.parse_round_key(keys.round_key(r)) == r
+
+
+@given(rounds, learners)
+def test_snapshot_keys_round_trip(r, learner):
+    assert keys.parse_snapshot_key(keys.snapshot_key(r, learner)) == (r, learner)
+
+
+@given(learners, st.integers(0, keys.MAX_SEQ))
+def test_lease_keys_round_trip(learner, seq):
+    assert keys.parse_lease_key(keys.lease_key(learner, seq)) == (learner, seq)
+
+
+@given(st.integers(0, keys.MAX_FRAGMENT), rounds, learners, shas, comp, st.sampled_from(keys.ROUND_BLOB_KINDS))
+def test_blob_keys_round_trip(fragment, r, learner, sha, compression, kind):
+    b = keys.parse_blob_key(keys.init_blob_key(fragment, sha, compression))
+    assert (b.kind, b.fragment, b.sha, b.compression) == ("init", fragment, sha, compression)
+    b = keys.parse_blob_key(keys.round_blob_key(r, kind, sha, compression))
+    assert (b.kind, b.round, b.sha, b.compression) == (kind, r, sha, compression)
+    b = keys.parse_blob_key(keys.snapshot_blob_key(r, learner, sha, compression))
+    assert (b.kind, b.round, b.learner, b.sha) == ("snapshot", r, learner, sha)
+    for k in (keys.init_blob_key(fragment, sha, compression), keys.round_blob_key(r, kind, sha, compression)):
+        assert keys.validate_key(k) == k
+
+
+@given(rounds, rounds)
+def test_byte_order_is_numeric_order(a, b):
+    assert (keys.round_key(a) < keys.round_key(b)) == (a < b)
+    assert (keys.claims_prefix(a) < keys.claims_prefix(b)) == (a < b)
+    assert (keys.snapshots_prefix(a) < keys.snapshots_prefix(b)) == (a < b)
+    assert (keys.round_blobs_prefix(a) < keys.round_blobs_prefix(b)) == (a < b)
+
+
+@given(st.integers(1, keys.MAX_CLAIM), st.integers(1, keys.MAX_CLAIM), rounds)
+def test_claim_order_is_numeric_order(n, m, r):
+    assert (keys.claim_key(r, n) < keys.claim_key(r, m)) == (n < m)
+
+
+def test_rounds_sort_before_snapshots_so_one_listing_returns_both():
+    # the node lists everything after rounds/{head} and relies on this order
+    assert keys.round_key(keys.MAX_ROUND) < keys.snapshots_prefix(0)
+    assert keys.LEASES < keys.MANIFEST < keys.ROUNDS < keys.SNAPSHOTS
+    assert keys.CLAIMS < keys.ROUNDS and keys.BLOBS < keys.ROUNDS
+
+
+@pytest.mark.parametrize(
+    "bad", ["../x", "a/../b", "/abs", "a\\b", "a\x00b", "a//b", "", "./a", "a/./b", "sp ace", "é", "a" * 600]
+)
+def test_hostile_keys_are_rejected(bad):
+    with pytest.raises(ValueError, match="invalid mailbox key"):
+        keys.validate_key(bad)
+
+
+@pytest.mark.parametrize("bad", ["", "A", "-a", "a_b", "a.b", "a/b", "..", "a" * 65, " a", "a\n"])
+def test_bad_learner_ids_are_rejected(bad):
+    with pytest.raises(ValueError, match="learner id"):
+        keys.validate_learner_id(bad)
+    with pytest.raises(ValueError):
+        keys.snapshot_key(0, bad)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "rounds/1.json",
+        "rounds/00000000001.json",
+        "rounds/0000000001.json.bak",
+        "claims/0000000001/000.json",
+        "snapshots/0000000001/UP.json",
+        "snapshots/0000000001/a/b.json",
+        "leases/a/1.json",
+    ],
+)
+def test_near_miss_keys_do_not_parse(key):
+    assert keys.parse_round_key(key) is None
+    assert keys.parse_claim_key(key) is None
+    assert keys.parse_snapshot_key(key) is None
+    assert keys.parse_lease_key(key) is None
+
+
+def test_numbers_out_of_range_are_refused():
+    with pytest.raises(ValueError):
+        keys.round_key(-1)
+    with pytest.raises(ValueError):
+        keys.round_key(keys.MAX_ROUND + 1)
+    with pytest.raises(ValueError):
+        keys.claim_key(0, 0)
+    with pytest.raises(ValueError):
+        keys.init_blob_key(0, "nothex")
