@@ -1,0 +1,298 @@
+"""Fuzzing the decoders hostile bytes reach first: records (and the manifest's run info), the
+safetensors header, and payloads. Whatever the input, the only exception is the typed one
+(``RecordInvalid`` / ``ProtocolError`` / ``PayloadCorrupt``), and no input takes more than a
+bounded time or allocates more than a bounded amount of memory.
+
+CI runs a short pass; ``GM_FUZZ_EXAMPLES=20000 pytest tests/test_fuzz_decoders.py -s`` runs a
+long one and prints how many inputs each target saw.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import struct
+import time
+import tracemalloc
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gradientmail_core import keys, safetensors_io
+from gradientmail_core.config import DiLoCo
+from gradientmail_core.errors import PayloadCorrupt, ProtocolError, RecordInvalid
+from gradientmail_core.payload import decode_payload, encode_payload, schema_digest
+from gradientmail_core.records import (
+    Claim,
+    Lease,
+    Manifest,
+    Participant,
+    PayloadRef,
+    Rejection,
+    RoundRecord,
+    Snapshot,
+    TensorSpec,
+    canonical_json,
+    decode,
+    encode,
+    to_dict,
+)
+from gradientmail_core.run import RunInfo
+
+EXAMPLES = int(os.environ.get("GM_FUZZ_EXAMPLES", "150"))
+MAX_SECONDS = 2.0  # per input; real inputs here are at most a few hundred KB
+MAX_PEAK_BYTES = 64 << 20  # per input, whatever sizes the input declares
+SEEN: Counter[str] = Counter()
+
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,  # bounded below, by our own clock, with a margin for a loaded CI machine
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report_counts():
+    yield
+    print(f"\nfuzz inputs per target: {dict(SEEN)} (total {sum(SEEN.values())})")
+
+
+def bounded(target: str, fn, *args, **kw):
+    """Run ``fn`` on one input; assert it stayed within the time and memory bounds."""
+    SEEN[target] += 1
+    tracemalloc.start()  # traces Python and numpy allocations, only while the decoder runs
+    t0 = time.perf_counter()
+    try:
+        return fn(*args, **kw)
+    finally:
+        elapsed = time.perf_counter() - t0
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert elapsed < MAX_SECONDS, f"{target}: one input took {elapsed:.2f} s"
+        assert peak < MAX_PEAK_BYTES, f"{target}: one input allocated {peak >> 20} MiB"
+
+
+# ---- valid seeds ---------------------------------------------------------------------------
+
+SHA = "ab" * 32
+REF = PayloadRef(key=keys.snapshot_blob_key(3, "a", SHA), sha256=SHA, size=123)
+SCHEMA = [TensorSpec(name="w", dtype="F32", shape=[4, 3]), TensorSpec(name="b", dtype="BF16", shape=[3])]
+CFG = DiLoCo(sync_every=4, fragments=2)
+SEEDS = {
+    Manifest: Manifest(run_id="0123456789abcdef", created_by="a", schema=SCHEMA, schema_digest=schema_digest(SCHEMA),
+                       fragments=[["w"], ["b"]], config=CFG.to_dict(),
+                       init=[dataclasses.replace(REF, key=keys.init_blob_key(f, SHA)) for f in range(2)]),
+    Claim: Claim(round=3, n=1, learner="a", nonce="deadbeef"),
+    Lease: Lease(learner="a", nonce="deadbeef", seq=7, local_step=10, tokens=100),
+    Snapshot: Snapshot(learner="a", round=3, local_step=10, steps=4, tokens=64, base_version=1, step_seconds=0.1,
+                       schema_digest=SHA, payload=REF, mac="cd" * 32),
+    RoundRecord: RoundRecord(round=3, step=8, fragment=1, version=2, closer="a",
+                             participants=[Participant(learner="a", weight=1.5, steps=4, tokens=64,
+                                                       payload_sha256=SHA)],
+                             rejected=[Rejection(learner="b", reason="nonfinite")], theta=REF, outer=REF,
+                             cosine=0.5, x_step=0.1),
+}  # fmt: skip
+CLASSES = list(SEEDS)
+
+json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.sampled_from([1e308, -0.0, 5e-324])
+    | st.text(max_size=40)
+    | st.sampled_from(["a", "../x", "blobs/../x", "blobs//x", "/abs", SHA, "F32", "x" * 600, "\u0000"])
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=12), inner, max_size=6),
+    max_leaves=25,
+)
+
+
+def _set_path(obj, path: list, value):
+    """Replace the element at a (wrapped) index path inside nested dicts/lists by ``value``."""
+    if not path or not isinstance(obj, dict | list) or not obj:
+        return value
+    k = list(obj)[path[0] % len(obj)] if isinstance(obj, dict) else path[0] % len(obj)
+    obj[k] = _set_path(obj[k], path[1:], value)
+    return obj
+
+
+@st.composite
+def record_inputs(draw):
+    cls = draw(st.sampled_from(CLASSES))
+    seed = to_dict(SEEDS[cls])
+    how = draw(st.sampled_from(["bytes", "field", "drop", "extra", "flip", "object"]))
+    if how == "bytes":
+        return cls, draw(st.binary(max_size=2048))
+    if how == "field":
+        path = draw(st.lists(st.integers(0, 50), min_size=1, max_size=4))
+        return cls, canonical_json(_set_path(seed, path, draw(json_values)))
+    if how == "drop":
+        seed.pop(draw(st.sampled_from(sorted(seed))))
+        return cls, canonical_json(seed)
+    if how == "extra":
+        seed[draw(st.text(max_size=10))] = draw(json_values)
+        return cls, json.dumps(seed).encode()
+    if how == "flip":
+        data = bytearray(canonical_json(seed))
+        for _ in range(draw(st.integers(1, 8))):
+            i = draw(st.integers(0, len(data) - 1))
+            data[i] = draw(st.integers(0, 255))
+        return cls, bytes(data[: draw(st.integers(0, len(data)))])
+    fields = {f.name: draw(json_values) for f in dataclasses.fields(cls) if draw(st.booleans())}
+    fields["format"] = 1
+    return cls, json.dumps(fields).encode()
+
+
+@FUZZ
+@given(record_inputs())
+def test_fuzz_record_decoder_raises_only_record_invalid(inp):
+    cls, data = inp
+    try:
+        rec = bounded("records", decode, data, cls, key="fuzz")
+    except RecordInvalid:
+        return
+    assert isinstance(rec, cls)
+    # What decodes is clean: it re-encodes canonically to itself, and any payload ref it holds
+    # names a valid key inside blobs/ (a backend never sees a hostile name).
+    assert decode(encode(rec), cls, key="again") == rec
+    for ref in _refs(rec):
+        assert keys.validate_key(ref.key).startswith(keys.BLOBS)
+    if cls is Manifest:
+        try:
+            bounded("manifest", RunInfo.from_manifest, rec)
+        except ProtocolError:
+            pass
+
+
+def _refs(rec) -> list[PayloadRef]:
+    out = []
+    for f in dataclasses.fields(rec):
+        v = getattr(rec, f.name)
+        out += (
+            [v]
+            if isinstance(v, PayloadRef)
+            else [x for x in v if isinstance(x, PayloadRef)]
+            if isinstance(v, list)
+            else []
+        )
+    return out
+
+
+def test_deeply_nested_and_huge_records_are_rejected_cheaply():
+    for data in (
+        b"[" * 200_000 + b"]" * 200_000,
+        b'{"format":1,"x":"' + b"a" * (2 << 20) + b'"}',
+        b'{"format":1,"round":' + b"9" * 5000 + b"}",
+        b'{"format":1,"round":1e999}',
+    ):
+        with pytest.raises(RecordInvalid):
+            bounded("records", decode, data, Snapshot, key="fuzz")
+
+
+# ---- payloads ------------------------------------------------------------------------------
+
+EXPECTED = {"w": (5, 7), "b": (7,), "s": ()}
+DTYPE_CHOICES = ("F32", "F16", "BF16", "F8_E4M3", "F4")
+
+
+def _valid_payload(draw, compression: str) -> bytes:
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    values = {n: rng.standard_normal(s).astype(np.float32) for n, s in EXPECTED.items()}
+    dtypes = {n: draw(st.sampled_from(DTYPE_CHOICES)) for n in EXPECTED}
+    return encode_payload(values, dtypes, kind=draw(st.sampled_from(["delta", "theta"])), compression=compression)
+
+
+def _header_of(draw) -> dict:
+    """A header with arbitrary entries, including absurd shapes and offsets."""
+    entry = st.fixed_dictionaries({
+        "dtype": st.sampled_from([*safetensors_io.DTYPE_SIZES, "F4", "Q8", 3]),
+        "shape": st.lists(st.one_of(st.integers(-2, 10), st.sampled_from([2**31, 2**40, 2**63])), max_size=4),
+        "data_offsets": st.lists(st.one_of(st.integers(-5, 300), st.just(2**64)), min_size=0, max_size=3),
+    })  # fmt: skip
+    header = draw(st.dictionaries(st.sampled_from(["w", "b", "s", "w#scale", "x"]), entry, max_size=5))
+    if draw(st.booleans()):
+        header["__metadata__"] = {
+            "format": "gradientmail/1",
+            "kind": "delta",
+            "compression": "none",
+            "dtypes": json.dumps({n: draw(st.sampled_from(DTYPE_CHOICES)) for n in EXPECTED}),
+        }
+    return header
+
+
+@st.composite
+def payload_inputs(draw):
+    compression = draw(st.sampled_from(["", "zstd"]))
+    how = draw(st.sampled_from(["bytes", "valid", "flip", "truncate", "length", "header", "append"]))
+    if how == "bytes":
+        return compression, draw(st.binary(max_size=4096))
+    if how == "header":
+        text = json.dumps(_header_of(draw)).encode()
+        return compression, struct.pack("<Q", len(text)) + text + draw(st.binary(max_size=512))
+    data = bytearray(_valid_payload(draw, compression))
+    if how == "flip":
+        (n,) = struct.unpack_from("<Q", data)
+        for _ in range(draw(st.integers(1, 6))):  # mostly inside the header, where parsing happens
+            i = draw(st.integers(0, min(len(data) - 1, 8 + n + 64)))
+            data[i] = draw(st.integers(0, 255))
+    elif how == "truncate":
+        data = data[: draw(st.integers(0, len(data)))]
+    elif how == "length":
+        data[:8] = struct.pack("<Q", draw(st.sampled_from([0, 1, 7, len(data), 2**31, 2**63, 2**64 - 1])))
+    elif how == "append":
+        data += draw(st.binary(min_size=1, max_size=64))
+    return compression, bytes(data)
+
+
+@FUZZ
+@given(payload_inputs())
+def test_fuzz_payload_reader_raises_only_payload_corrupt(inp):
+    compression, data = inp
+    try:
+        out = bounded("payloads", decode_payload, data, EXPECTED, compression=compression)
+    except PayloadCorrupt:
+        return
+    assert set(out) == set(EXPECTED)
+    for n, shape in EXPECTED.items():
+        assert out[n].dtype == np.float32 and out[n].shape == shape
+
+
+@FUZZ
+@given(payload_inputs())
+def test_fuzz_safetensors_header_raises_only_payload_corrupt(inp):
+    _, data = inp
+    try:
+        header, start = bounded("headers", safetensors_io.read_header, data, max_header_bytes=1 << 16)
+    except PayloadCorrupt:
+        return
+    assert 8 < start <= len(data) and isinstance(header, dict)
+
+
+def test_zstd_bomb_is_refused_before_allocating():
+    zstandard = pytest.importorskip("zstandard")
+    bomb = zstandard.ZstdCompressor().compress(b"\0" * (64 << 20))  # 64 MiB of zeros in a few KB
+    values = {n: np.zeros(s, np.float32) for n, s in EXPECTED.items()}
+    good = encode_payload(values, "F32", kind="delta", compression="zstd")
+    header, start = safetensors_io.read_header(good, max_header_bytes=1 << 16)
+    meta = header["__metadata__"]
+    tensors = {n: ("U8", (len(bomb) if n == "w" else e["data_offsets"][1] - e["data_offsets"][0],),
+                   bomb if n == "w" else good[start + e["data_offsets"][0]: start + e["data_offsets"][1]])
+               for n, e in header.items() if n != "__metadata__"}  # fmt: skip
+    evil = safetensors_io.write(tensors, meta)
+    with pytest.raises(PayloadCorrupt, match="declares"):
+        bounded("payloads", decode_payload, evil, EXPECTED, compression="zstd")
+
+
+def test_fuzz_counts_are_positive():
+    # Runs last in this module (pytest keeps file order): every target saw inputs.
+    assert SEEN["records"] >= EXAMPLES and SEEN["payloads"] >= EXAMPLES and SEEN["headers"] >= EXAMPLES
+    assert not math.isnan(sum(SEEN.values()))
