@@ -139,6 +139,12 @@ class Collector:
         """Advance the quorum and grace state; True when the round should close now."""
         n_ok = len(self.accepted())
         all_reported = live <= set(self.judged)
+        if all_reported and n_ok == 0:
+            # Every live learner reported and none was accepted: nothing else can close the
+            # round. A payload rejected as corrupt or missing may only have been read back
+            # damaged in transit, so judge those again on the next poll.
+            for learner in [lr for lr, j in self.judged.items() if j.reason in ("corrupt", "missing")]:
+                del self.judged[learner]
         if self.quorum_at is None and (n_ok >= quorum_size or (all_reported and n_ok >= 1)):
             self.quorum_at = now
             e = self.estimates
