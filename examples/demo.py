@@ -1,0 +1,444 @@
+"""The gradientmail demo: Decoupled DiLoCo between learner processes that share only a directory.
+
+    python examples/demo.py                # 3 learners, a few minutes on 2 CPU cores
+    python examples/demo.py --learners 4 --steps 400
+    python examples/demo.py --quick        # a smaller model and fewer steps (what the tests run)
+
+What happens:
+
+1. Several learner processes start on this machine (``examples/demo_learner.py``), each a
+   PyTorch Lightning ``Trainer(strategy=MailboxDiLoCoStrategy(...))`` training a small
+   character-level transformer on the Python standard library's own source files. They never
+   talk to each other: everything goes through a ``FileMailbox`` in a temporary directory.
+2. A live view shows the rounds committed, the fragment versions, who contributed to each
+   round, each learner's loss, speed and traffic, and what happens.
+3. Part-way through, the learner that is closing rounds is killed with SIGKILL. Another one
+   takes over the round it was closing; the killed learner is then restarted under the same
+   id and rejoins the run from the newest committed parameters.
+4. A single-process baseline then trains the same model on the same number of characters
+   (what synchronous data-parallel training would compute), and the demo prints the held-out
+   loss of both, the communication saved against synchronous data-parallel, and a plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import charlm  # noqa: E402
+
+import gradientmail_core as gm  # noqa: E402
+from gradientmail_core.overview import Overview, iter_records, read_overview  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclass(frozen=True)
+class Settings:
+    learners: int
+    steps: int
+    size: charlm.Size
+    batch: int  # sequences per learner per step
+    diloco: dict[str, Any]
+    lr: float = 3e-3
+    seed: int = 0
+    poll_interval: float = 0.1
+    lease_timeout: float = 3.0
+    kill_at: float | None = 0.4  # fraction of the steps at which a learner is killed
+    eval_every: int = 25  # steps between held-out evaluations of the committed model
+    eval_batches: int = 6
+
+    @property
+    def rounds(self) -> int:
+        return self.steps * self.diloco["fragments"] // self.diloco["sync_every"]
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    quick = args.quick
+    size = charlm.SIZES["quick" if quick else "demo"]
+    steps = args.steps or (80 if quick else 300)
+    sync_every = args.sync_every or (10 if quick else 20)
+    return Settings(
+        learners=args.learners,
+        steps=steps,
+        size=size,
+        batch=8 if quick else 16,
+        diloco=dict(
+            sync_every=sync_every,
+            fragments=2,
+            # A round closes once every live learner contributed (or this many did): a killed
+            # learner holds rounds up only until its lease expires.
+            quorum_size=args.quorum or args.learners,
+            # A learner waits for its contribution to be merged once it has trained this many
+            # steps past it, so no learner runs ahead of the rounds it has seen.
+            overlap_steps=sync_every // 4,
+        ),
+        seed=args.seed,
+        lease_timeout=2.0 if quick else 3.0,
+        kill_at=None if args.no_kill else args.kill_at,
+        eval_every=20 if quick else 25,
+        eval_batches=4 if quick else 6,
+    )
+
+
+# ---- learners --------------------------------------------------------------------------------
+
+
+@dataclass
+class Learner:
+    id: str
+    steps: int
+    proc: subprocess.Popen[bytes] | None = None
+    state: str = "starting"
+    step: int = 0
+    loss: float | None = None
+    sent: int = 0
+    received: int = 0
+    banked_sent: int = 0  # traffic of earlier incarnations (before a kill)
+    banked_received: int = 0
+    offset: int = 0
+    history: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=40))
+    losses: list[tuple[int, float]] = field(default_factory=list)
+    traffic: list[tuple[int, int]] = field(default_factory=list)  # (step, cumulative bytes)
+    killed_at: int | None = None
+
+    @property
+    def steps_per_second(self) -> float | None:
+        if len(self.history) < 2 or self.state != "training":
+            return None
+        (t0, s0), (t1, s1) = self.history[0], self.history[-1]
+        return (s1 - s0) / (t1 - t0) if t1 > t0 else None
+
+    @property
+    def total_bytes(self) -> int:
+        return self.banked_sent + self.sent + self.banked_received + self.received
+
+
+class Demo:
+    def __init__(self, settings: Settings, workdir: str) -> None:
+        self.s = settings
+        self.workdir = workdir
+        self.mailbox_dir = os.path.join(workdir, "mailbox")
+        self.url = f"file://{self.mailbox_dir}"
+        for sub in ("metrics", "logs"):
+            os.makedirs(os.path.join(workdir, sub), exist_ok=True)
+        with open(os.path.join(workdir, "settings.json"), "w") as f:
+            json.dump({**dataclasses.asdict(settings), "size": dataclasses.asdict(settings.size)}, f)
+        self.learners = [Learner(f"learner-{i}", settings.steps) for i in range(settings.learners)]
+        self.events: list[tuple[float, str]] = []
+        self.t0 = time.time()
+        self.overview: Overview | None = None
+        self.kill_plan: tuple[Learner, float] | None = None  # (killed learner, restart time)
+        self.killed_once = False
+        self.kill_round: int | None = None  # the round open when a learner was killed
+        text = charlm.stdlib_text()
+        self.train_data = charlm.encode(text["train"])
+        self.heldout = charlm.heldout_batches(
+            charlm.encode(text["heldout"]), batches=settings.eval_batches, batch=32, block=settings.size.block
+        )
+        self.eval_model = charlm.CharTransformer(settings.size, seed=0)
+        # Named as in the learners' LightningModule (``self.model``), so the schemas match.
+        self.eval_named = torch.nn.ModuleDict({"model": self.eval_model})
+        self.mailbox = gm.FileMailbox(self.mailbox_dir)
+        self.initial_loss = charlm.evaluate(self.eval_model, self.heldout)
+        self.param_bytes = charlm.parameter_bytes(self.eval_model)
+        self.evals: list[tuple[int, float]] = [(0, self.initial_loss)]  # (nominal step, held-out loss)
+        self.next_eval = settings.eval_every
+
+    def log(self, text: str) -> None:
+        self.events.append((time.time() - self.t0, text))
+
+    # ---- processes ---------------------------------------------------------------------
+
+    def start(self, lr: Learner, *, start_step: int = 0) -> None:
+        cmd = [
+            sys.executable,
+            os.path.join(HERE, "demo_learner.py"),
+            "--workdir",
+            self.workdir,
+            "--id",
+            lr.id,
+            "--steps",
+            str(self.s.steps - start_step),
+            "--start-step",
+            str(start_step),
+        ]
+        log = open(os.path.join(self.workdir, "logs", f"{lr.id}.log"), "ab")  # noqa: SIM115 - child owns it
+        lr.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        lr.state = "starting"
+        lr.history.clear()
+
+    def kill(self, lr: Learner) -> None:
+        assert lr.proc is not None
+        closing = self.overview.open_claim if self.overview else None
+        role = f" while closing round {closing.round}" if closing and closing.learner == lr.id else ""
+        lr.proc.send_signal(signal.SIGKILL)
+        lr.proc.wait()
+        lr.killed_at = lr.step
+        lr.banked_sent += lr.sent
+        lr.banked_received += lr.received
+        lr.sent = lr.received = 0
+        lr.state = "killed"
+        self.killed_once = True
+        self.kill_round = self.overview.open_round if self.overview else None
+        # Restarted at once: a process takes a few seconds to start, by which time its lease
+        # has lapsed and another learner has taken over the round it was closing.
+        self.kill_plan = (lr, time.time() + 1.0)
+        self.log(f"[bold red]{lr.id} killed with SIGKILL[/] at step {lr.step}{role}; restarting it")
+
+    def poll_metrics(self, lr: Learner) -> None:
+        path = os.path.join(self.workdir, "metrics", f"{lr.id}.jsonl")
+        if not os.path.exists(path):
+            return
+        with open(path) as f:
+            f.seek(lr.offset)
+            chunk = f.read()
+        end = chunk.rfind("\n") + 1  # a line being written stays for the next poll
+        lr.offset += len(chunk[:end].encode())
+        for line in chunk[:end].splitlines():
+            m = json.loads(line)
+            kind = m["kind"]
+            if kind == "step":
+                lr.state = "training"
+                lr.step, lr.loss, lr.sent, lr.received = m["step"], m["loss"], m["sent"], m["received"]
+                lr.history.append((m["t"], m["step"]))
+                lr.losses.append((m["step"], m["loss"]))
+                lr.traffic.append((m["step"], lr.total_bytes))
+            elif kind == "event":
+                self.log(f"{lr.id} {m['text']}")
+            elif kind == "start" and m["start_step"] > 0:
+                self.log(f"{lr.id} restarted (same learner id), resuming its share at step {m['start_step']}")
+            elif kind == "done":
+                lr.state = "done"
+                lr.sent, lr.received = m["sent"], m["received"]
+
+    def tick(self) -> None:
+        for lr in self.learners:
+            self.poll_metrics(lr)
+            if lr.proc is not None and lr.proc.poll() is not None and lr.state not in ("killed", "done", "failed"):
+                lr.state = "done" if lr.proc.returncode == 0 else "failed"
+                if lr.state == "failed":
+                    self.log(
+                        f"[bold red]{lr.id} exited with code {lr.proc.returncode}[/]; see "
+                        f"{os.path.join(self.workdir, 'logs', lr.id + '.log')}"
+                    )
+        try:
+            self.overview = read_overview(self.mailbox, last=6)
+        except gm.ProtocolError:
+            self.overview = None  # the run is not created yet
+        self.maybe_kill()
+        self.maybe_evaluate()
+
+    def maybe_kill(self) -> None:
+        if self.kill_plan is not None:
+            lr, at = self.kill_plan
+            if time.time() >= at:
+                self.kill_plan = None
+                assert lr.killed_at is not None
+                self.start(lr, start_step=lr.killed_at)
+            return
+        if self.s.kill_at is None or self.killed_once:
+            return
+        target = int(self.s.kill_at * self.s.steps)
+        if not any(lr.step >= target for lr in self.learners):
+            return
+        # Kill the learner closing the open round, so the others have to take it over.
+        claim = self.overview.open_claim if self.overview else None
+        running = [lr for lr in self.learners if lr.state == "training"]
+        victim = next((lr for lr in running if claim and lr.id == claim.learner), running[-1] if running else None)
+        if victim is not None:
+            self.kill(victim)
+
+    def maybe_evaluate(self) -> None:
+        ov = self.overview
+        if ov is None or ov.head < 0 or not ov.recent:
+            return
+        # Steps per learner so far: the baseline's step with the same number of characters.
+        step = sum(lr.step for lr in self.learners) // len(self.learners)
+        if step < self.next_eval:
+            return
+        try:
+            gm.align(self.eval_named, mailbox=self.mailbox)
+        except gm.GradientMailError:
+            return  # a payload pruned under our feet: try again next tick
+        self.evals.append((step, charlm.evaluate(self.eval_model, self.heldout)))
+        self.next_eval = (step // self.s.eval_every + 1) * self.s.eval_every
+
+    @property
+    def finished(self) -> bool:
+        return all(lr.state in ("done", "failed") for lr in self.learners) and self.kill_plan is None
+
+    def stop_all(self) -> None:
+        for lr in self.learners:
+            if lr.proc is not None and lr.proc.poll() is None:
+                lr.proc.kill()
+                lr.proc.wait()
+
+
+# ---- the baseline ----------------------------------------------------------------------------
+
+
+def train_baseline(s: Settings, data: torch.Tensor, heldout: list[Any], on_step: Any) -> tuple[list, list]:
+    """One process, ``learners * batch`` sequences per step for ``steps`` steps: the same
+    characters as all learners together, and exactly what synchronous data-parallel computes."""
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    model = charlm.CharTransformer(s.size, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
+    g = torch.Generator().manual_seed(1000 * s.seed + 999)
+    losses, evals = [], [(0, charlm.evaluate(model, heldout))]
+    for step in range(1, s.steps + 1):
+        x, y = charlm.sample_batch(data, batch=s.learners * s.batch, block=s.size.block, generator=g)
+        loss = model.loss(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append((step, loss.item()))
+        if step % s.eval_every == 0 or step == s.steps:
+            evals.append((step, charlm.evaluate(model, heldout)))
+        on_step(step, losses[-1][1])
+    return losses, evals
+
+
+# ---- main ------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--learners", type=int, default=3, help="learner processes (default 3)")
+    ap.add_argument("--steps", type=int, help="optimizer steps per learner (default 300; 80 with --quick)")
+    ap.add_argument("--sync-every", type=int, help="DiLoCo's H: local steps between syncs of a fragment")
+    ap.add_argument("--quick", action="store_true", help="a smaller model and fewer steps (about a minute)")
+    ap.add_argument("--kill-at", type=float, default=0.4, help="kill a learner at this fraction of the steps")
+    ap.add_argument("--no-kill", action="store_true", help="do not kill and restart a learner")
+    ap.add_argument("--quorum", type=int, help="contributions that close a round (default: all learners)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workdir", help="where the mailbox, logs and plot go (default: a new temporary directory)")
+    ap.add_argument("--plain", action="store_true", help="print lines instead of the live view")
+    args = ap.parse_args(argv)
+    if args.learners < 2:
+        ap.error("--learners must be at least 2")
+    if not 0 < args.kill_at < 1:
+        ap.error("--kill-at must be between 0 and 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    import demo_view as view
+    from rich.console import Console
+    from rich.live import Live
+
+    args = parse_args(argv)
+    s = settings_from(args)
+    workdir = args.workdir or tempfile.mkdtemp(prefix="gradientmail-demo-")
+    console = Console()
+    demo = Demo(s, workdir)
+    console.print(view.intro(demo))
+    live = None
+    if console.is_terminal and not args.plain:
+        live = Live(view.dashboard(demo), console=console, auto_refresh=False)
+    shown = 0
+    for lr in demo.learners:
+        demo.start(lr)
+    try:
+        with live or contextlib.nullcontext():
+            deadline = time.time() + 30 * 60
+            while not demo.finished:
+                time.sleep(0.5)
+                demo.tick()
+                if live is not None:
+                    live.update(view.dashboard(demo), refresh=True)
+                else:
+                    for t, text in demo.events[shown:]:
+                        console.print(f"{t:6.1f} s  {text}")
+                    shown = len(demo.events)
+                if time.time() > deadline:
+                    raise TimeoutError("the learners did not finish within 30 minutes")
+    finally:
+        demo.stop_all()
+    failed = [lr.id for lr in demo.learners if lr.state == "failed"]
+    if failed:
+        console.print(f"[bold red]learner(s) {', '.join(failed)} failed; their logs are in {workdir}/logs[/]")
+        return 1
+    results = finish(demo, console)
+    console.print(view.summary(demo, results))
+    for line in view.where(results):
+        console.print(line, soft_wrap=True)
+    return 0
+
+
+def finish(demo: Demo, console: Any) -> dict[str, Any]:
+    """Evaluate the run, train the baseline, save the plot and ``summary.json``."""
+    import demo_view as view
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    s = demo.s
+    mailbox = demo.mailbox
+    head = gm.align(demo.eval_named, mailbox=mailbox)
+    diloco_loss = charlm.evaluate(demo.eval_model, demo.heldout)
+    demo.evals.append((s.steps, diloco_loss))
+    columns = (
+        TextColumn("[bold]Baseline[/]: one process, {task.fields[batch]} sequences per step"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("baseline", total=s.steps, batch=s.learners * s.batch, loss="-")
+        base_losses, base_evals = train_baseline(
+            s, demo.train_data, demo.heldout, lambda step, loss: bar.update(task, completed=step, loss=f"{loss:.3f}")
+        )
+    records = list(iter_records(mailbox))
+    steps_trained = sum(lr.step for lr in demo.learners)  # a restarted learner resumes its count
+    diloco_bytes = sum(lr.total_bytes for lr in demo.learners)
+    # Synchronous data-parallel: every step, each learner sends its gradient and receives the
+    # average (one parameter-sized tensor each way; a ring all-reduce moves about as much).
+    dp_bytes = 2 * demo.param_bytes * steps_trained
+    results = {
+        "workdir": demo.workdir,
+        "mailbox": demo.url,
+        "learners": s.learners,
+        "steps": s.steps,
+        "parameters": sum(p.numel() for p in demo.eval_model.parameters()),
+        "initial_loss": demo.initial_loss,
+        "diloco_loss": diloco_loss,
+        "baseline_loss": base_evals[-1][1],
+        "rounds_committed": len(records),
+        "head": head,
+        "takeovers": sum(1 for _, text in demo.events if "took over" in text),
+        "rejected": sum(len(r.rejected) for r in records),
+        "killed": [lr.id for lr in demo.learners if lr.killed_at is not None],
+        "steps_trained": steps_trained,
+        "learner_steps": {lr.id: lr.step for lr in demo.learners},
+        "kill_round": demo.kill_round,
+        "events": [f"{t:.1f} s {text}" for t, text in demo.events],
+        "diloco_bytes": diloco_bytes,
+        "data_parallel_bytes": dp_bytes,
+        "communication_ratio": dp_bytes / max(diloco_bytes, 1),
+        "elapsed_seconds": time.time() - demo.t0,
+        "plot": os.path.join(demo.workdir, "demo.png"),
+    }
+    view.plot(demo, records, base_losses, base_evals, results, results["plot"])
+    with open(os.path.join(demo.workdir, "summary.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(main())
