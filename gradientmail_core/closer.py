@@ -12,7 +12,7 @@ import numpy as np
 from . import keys
 from .acceptance import PayloadStatus, judge
 from .errors import MissingExtra, PayloadCorrupt, RecordInvalid
-from .merge import contribution_weight, mean_pairwise_cosine, merge, outlier_mask
+from .merge import contribution_weight, mean_pairwise_cosine, memo_norms, merge, outlier_mask
 from .outer import final_step, outer_step
 from .payload import encode_payload, sha256_hex
 from .quant import dequantize, quantize
@@ -168,6 +168,7 @@ class Commit:
     payloads: dict[str, bytes]  # key -> bytes, written before the record
 
 
+@memo_norms()  # the merge, the cosine and the outlier check share the contributions' norms
 def compute_commit(
     c: Collector, *, closer: str, live: int, compression: str, sync_seconds: float | None, now: float
 ) -> Commit:

@@ -13,7 +13,9 @@ reductions visit tensors in sorted-name order so a mapping's insertion order doe
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -23,6 +25,9 @@ Delta = Mapping[str, np.ndarray]
 
 # Bounds the float64 temporaries of a reduction (8 MiB) on multi-GB fragments.
 _CHUNK = 1 << 20
+# Per thread: a reused float64 scratch chunk, and (inside ``memo_norms``) the squared norms of
+# the contributions already computed, so a commit reads each contribution once per quantity.
+_local = threading.local()
 
 
 def contribution_weight(tokens: int, steps: int) -> float:
@@ -55,7 +60,7 @@ def rda(deltas: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
     for d, p_i in zip(deltas, p, strict=True):
         d = _f32(d)
         assert d.shape == direction.shape, (d.shape, direction.shape)
-        n = _norm(d)
+        n = math.sqrt(_sq(d))
         if n > 0.0:
             radius += p_i * n
             # One float32 multiply per element: scale folded into a single float64-computed scalar.
@@ -98,7 +103,7 @@ def merge(
 
 def fragment_norm(delta: Delta) -> float:
     """L2 norm of the flattened whole-fragment delta (float64, deterministic)."""
-    return math.sqrt(sum(_dot(delta[k], delta[k]) for k in sorted(delta)))
+    return math.sqrt(sum(_sq(delta[k]) for k in sorted(delta)))
 
 
 def clip(delta: Delta, max_norm: float) -> dict[str, np.ndarray]:
@@ -120,17 +125,29 @@ def mean_pairwise_cosine(deltas: Sequence[Delta]) -> float | None:
     """
     if len(deltas) < 2:
         return None
-    norms = [fragment_norm(d) for d in deltas]
-    total = 0.0
-    pairs = 0
-    for i in range(len(deltas)):
-        for j in range(i + 1, len(deltas)):
-            pairs += 1
-            if norms[i] > 0.0 and norms[j] > 0.0:
-                dot = sum(_dot(deltas[i][k], deltas[j][k]) for k in sorted(deltas[i]))
-                # Clamp: rounding can push |cos| of (anti)parallel vectors a hair past 1.
-                total += max(-1.0, min(1.0, dot / (norms[i] * norms[j])))
-    return total / pairs
+    pairs = len(deltas) * (len(deltas) - 1) // 2
+    units = [(d, 1.0 / n) for d, n in ((d, fragment_norm(d)) for d in deltas) if n > 0.0]
+    if len(units) < 2:
+        return 0.0
+    # The sum over pairs of u_i . u_j (u_i = d_i / |d_i|) is (|sum_i u_i|^2 - k) / 2 for k unit
+    # vectors: one pass over the contributions instead of one per pair (n - 1 passes), in float64
+    # chunk by chunk, tensors in sorted-name order.
+    square = 0.0
+    size = max(np.size(units[0][0][k]) for k in units[0][0])
+    acc, tmp = np.empty(min(size, _CHUNK), np.float64), np.empty(min(size, _CHUNK), np.float64)
+    for k in sorted(units[0][0]):
+        flats = [(np.asarray(d[k]).reshape(-1), inv) for d, inv in units]
+        for s in range(0, flats[0][0].size, _CHUNK):
+            a = acc[: min(_CHUNK, flats[0][0].size - s)]
+            t = tmp[: a.size]
+            np.multiply(flats[0][0][s : s + _CHUNK], flats[0][1], out=a, dtype=np.float64)
+            for x, inv in flats[1:]:
+                np.multiply(x[s : s + _CHUNK], inv, out=t, dtype=np.float64)
+                a += t
+            np.multiply(a, a, out=t)
+            square += float(np.add.reduce(t))
+    # Clamp: rounding can push the mean of (anti)parallel vectors a hair past 1.
+    return max(-1.0, min(1.0, (square - len(units)) / 2 / pairs))
 
 
 def outlier_mask(deltas: Sequence[Delta], *, factor: float) -> list[bool]:
@@ -183,11 +200,47 @@ def _dot(a: np.ndarray, b: np.ndarray) -> float:
     y = np.asarray(b).reshape(-1)
     assert x.shape == y.shape, (np.shape(a), np.shape(b))
     total = 0.0
+    buf = _scratch(min(x.size, _CHUNK))
     for s in range(0, x.size, _CHUNK):
-        xs = x[s : s + _CHUNK].astype(np.float64)
-        ys = xs if a is b else y[s : s + _CHUNK].astype(np.float64)
-        total += float(np.add.reduce(xs * ys))
+        xs = x[s : s + _CHUNK]
+        out = buf[: xs.size]
+        # The product of the float64 casts, into one reused buffer: the same values as
+        # ``xs.astype(f64) * ys.astype(f64)`` without three fresh 8 MiB temporaries per chunk.
+        np.multiply(xs, xs if a is b else y[s : s + _CHUNK], out=out, dtype=np.float64)
+        total += float(np.add.reduce(out))
     return total
+
+
+def _scratch(n: int) -> np.ndarray:
+    buf = getattr(_local, "scratch", None)
+    if buf is None or buf.size < n:
+        buf = _local.scratch = np.empty(n, np.float64)
+    return buf[:n]
+
+
+@contextmanager
+def memo_norms() -> Iterator[None]:
+    """Within this block (on this thread), remember the squared norm of each tensor computed, by
+    identity: the merge, the cosine and the outlier check then read each contribution once."""
+    outer = getattr(_local, "norms", None)
+    _local.norms = {}
+    try:
+        yield
+    finally:
+        _local.norms = outer
+
+
+def _sq(a: np.ndarray) -> float:
+    """``_dot(a, a)``, remembered inside ``memo_norms`` (the entry holds ``a``, so its id stays its own)."""
+    memo = getattr(_local, "norms", None)
+    if memo is None:
+        return _dot(a, a)
+    hit = memo.get(id(a))
+    if hit is not None and hit[0] is a:
+        return hit[1]
+    value = _dot(a, a)
+    memo[id(a)] = (a, value)
+    return value
 
 
 def _norm(a: np.ndarray) -> float:
