@@ -24,8 +24,19 @@ from .timing import ema, grace_seconds
 
 
 def cast(values: Mapping[str, np.ndarray], dtypes: Mapping[str, str]) -> dict[str, np.ndarray]:
-    """Round float32 values to what the given storage dtype can hold (RNE), back in float32."""
-    return {n: dequantize(quantize(v, dtypes[n])) for n, v in values.items()}
+    """Round float32 values to what the given storage dtype can hold (RNE), back in float32.
+
+    F32 values that are already float32 arrays come back as they are, not copied (nothing
+    modifies parameter arrays in place: a commit's theta may be its master).
+    """
+    return {
+        n: v if dtypes[n] == "F32" and _is_f32_array(v) else dequantize(quantize(v, dtypes[n]))
+        for n, v in values.items()
+    }
+
+
+def _is_f32_array(v: object) -> bool:
+    return isinstance(v, np.ndarray) and v.dtype == np.float32 and v.flags.c_contiguous
 
 
 @dataclass
@@ -195,7 +206,7 @@ def compute_commit(
     payloads: dict[str, bytes] = {}
     change_ref_data = None
     if cfg.commit_dtype is not None:
-        diff = {n: (master[n] - st.theta[n]).astype(np.float32) for n in master}
+        diff = {n: np.subtract(master[n], st.theta[n], dtype=np.float32) for n in master}
         change_ref_data = encode_payload(diff, cfg.commit_dtype, kind="change", compression=compression)
         # Publish exactly what a learner rebuilds from the change; the fp32 master keeps the
         # rounding error, so it is fed back into the next round's change.
@@ -209,15 +220,14 @@ def compute_commit(
     outer = {**{f"momentum/{n}": v for n, v in momentum.items()}, **{f"master/{n}": v for n, v in master.items()}}
     outer_data = encode_payload(outer, "F32", kind="outer", compression=compression)
 
-    def ref(kind: str, data: bytes) -> tuple[str, bytes]:
-        return keys.round_blob_key(c.round, kind, sha256_hex(data), compression), data
-
     refs = {}
+    shas: dict[int, str] = {}  # each payload hashed once (the uncompressed theta is also the digest)
     for kind, data in (("theta", theta_data), ("outer", outer_data), ("change", change_ref_data)):
         if data is not None:
-            k, d = ref(kind, data)
-            payloads[k] = d
-            refs[kind] = PayloadRef(key=k, sha256=sha256_hex(d), size=len(d))
+            sha = shas[id(data)] = sha256_hex(data)
+            k = keys.round_blob_key(c.round, kind, sha, compression)
+            payloads[k] = data
+            refs[kind] = PayloadRef(key=k, sha256=sha, size=len(data))
     e = c.estimates
     steps_seconds = [
         j.snapshot.step_seconds for j in accepted if j.snapshot is not None and j.snapshot.step_seconds > 0
@@ -250,7 +260,7 @@ def compute_commit(
             if j.reason is not None
         ],
         theta=refs["theta"],
-        theta_digest=sha256_hex(theta_plain),
+        theta_digest=shas.get(id(theta_plain)) or sha256_hex(theta_plain),
         outer=refs["outer"],
         change=refs.get("change"),
         cosine=mean_pairwise_cosine(deltas),
