@@ -222,8 +222,10 @@ class Node:
         # Commits are contiguous (round r commits after r-1, and records are never deleted), so an
         # object past a gap is no commit: stray or hostile, it must not push the real ones out.
         rounds = [r for i, r in enumerate(rounds) if r == self.head + 1 + i]
-        if len(rounds) > self.run.P:
-            # Far behind (or just joined): only the newest record of each fragment matters.
+        if len(rounds) >= 2 * self.run.P:
+            # Far behind (or just joined): only the newest record of each fragment matters. (Fewer
+            # than 2P behind, every record is followed: skipping fewer would leave the first kept
+            # one within P of the head, which _check_record refuses as out of order, for good.)
             skipped, rounds = rounds[: -self.run.P], rounds[-self.run.P :]
             c = self.collector
             if c is not None and c.round in skipped:
