@@ -250,6 +250,8 @@ class FaultyMailbox:
             self._after("list", prefix, fired)
             out += page
             if len(page) < self.page_size:
+                if len(out) >= self.page_size:
+                    self.log.counts["paginated_lists"] += 1
                 return out
             cursor = page[-1]
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import builtins
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,12 +56,15 @@ class Auditor:
         self.stats: Counter[str] = Counter()
         self.run: RunInfo | None = None
         self.blobs: dict[str, bytes] = {}  # every payload ever created, by key
-        self.snapshots: dict[tuple[int, str], tuple[int, Snapshot]] = {}  # (round, learner) -> (seq, record)
-        self.claims: dict[int, set[str]] = {}  # round -> learners that created a claim for it
+        # round -> learner -> (seq of its creation, its bytes); decoded only when a round is checked
+        self.snapshots: dict[int, dict[str, tuple[int, bytes]]] = {}
+        self.claims: dict[int, list[tuple[str, bytes]]] = {}  # round -> (writer, bytes) of every claim
         self.tape: dict[int, RoundRecord] = {}
         self.last_listing: dict[str, int] = {}  # node -> seq of its last full listing
+        self.last_lease_listing: dict[str, int] = {}  # node -> seq of its last listing of leases/
         self.round_blob_writes: dict[str, dict[int, int]] = {}  # node -> round -> seq of its last round payload
-        self.on_commit: list = []  # callbacks (round, record) for the simulator
+        self.on_commit: list[Callable[[int, RoundRecord], None]] = []  # for the simulator
+        self.on_lease: list[Callable[[str], None]] = []  # a learner's lease changed
 
     # ---- reporting ----------------------------------------------------------------------
 
@@ -104,20 +107,16 @@ class Auditor:
                 self.fail(node, f"the manifest does not decode: {e}")
             return
         if (parsed := keys.parse_snapshot_key(key)) is not None:
-            try:
-                self.snapshots[parsed] = (self.seq, decode(data, Snapshot, key=key))
-            except GradientMailError as e:
-                self.fail(node, f"snapshot {key} does not decode: {e}")
+            self.snapshots.setdefault(parsed[0], {})[parsed[1]] = (self.seq, data)
+            if parsed[0] in self.tape:
+                self.stats["late"] += 1  # the round had committed already
             return
         if (claim := keys.parse_claim_key(key)) is not None:
-            try:
-                c = decode(data, Claim, key=key)
-            except GradientMailError as e:
-                self.fail(node, f"claim {key} does not decode: {e}")
-                return
-            if c.learner != node:
-                self.fail(node, f"{key} names {c.learner}, written by {node}")
-            self.claims.setdefault(claim[0], set()).add(c.learner)
+            self.claims.setdefault(claim[0], []).append((node, data))
+            return
+        if (lease := keys.parse_lease_key(key)) is not None:
+            for cb in self.on_lease:
+                cb(lease[0])
             return
         if (r := keys.parse_round_key(key)) is not None:
             self._round(node, r, key, data)
@@ -126,6 +125,8 @@ class Auditor:
         self.seq += 1
         if prefix == "":
             self.last_listing[node] = self.seq
+        elif prefix == keys.LEASES:
+            self.last_lease_listing[node] = self.seq
 
     def get(self) -> None:
         self.seq += 1
@@ -191,8 +192,18 @@ class Auditor:
             out.append(f"version {rec.version} does not follow version {prev.version} of round {r - P}")
         if rec.closer != node:
             out.append(f"record names closer {rec.closer}, written by {node}")
-        if node not in self.claims.get(r, set()):
-            out.append(f"closed by {node}, which never claimed it (claimants {sorted(self.claims.get(r, set()))})")
+        claimants = set()
+        for writer, data in self.claims.get(r, []):
+            try:
+                c = decode(data, Claim, key=keys.claims_prefix(r))
+            except GradientMailError as e:
+                out.append(f"a claim by {writer} does not decode: {e}")
+                continue
+            if c.learner != writer or c.round != r:
+                out.append(f"claim {c.n} names {c.learner} for round {c.round}, written by {writer}")
+            claimants.add(c.learner)
+        if node not in claimants:
+            out.append(f"closed by {node}, which never claimed it (claimants {sorted(claimants)})")
         if rec.theta is None or rec.outer is None:
             return out + ["record has no theta or outer reference"]
         for pref in (rec.theta, rec.outer, rec.change):
@@ -212,12 +223,12 @@ class Auditor:
         deltas: list[dict[str, np.ndarray]] = []
         weights: list[float] = []
         finals: list[bool] = []
+        snaps = self.snapshots.get(r, {})
         for p in sorted(rec.participants, key=lambda p: p.learner):
-            got = self.snapshots.get((r, p.learner))
-            if got is None:
+            snap = self._snapshot(r, p.learner, out)
+            if snap is None:
                 out.append(f"participant {p.learner} never wrote a snapshot for this round")
                 continue
-            snap = got[1]
             if snap.base_version != base:
                 out.append(f"participant {p.learner} is stale: base_version {snap.base_version}, current {base}")
             if snap.schema_digest != run.digest:
@@ -244,17 +255,17 @@ class Auditor:
             weights.append(w)
             finals.append(snap.final)
         for learner, reason in rejected.items():
-            got = self.snapshots.get((r, learner))
-            if got is None:
+            snap = self._snapshot(r, learner, out)
+            if snap is None:
                 out.append(f"rejected {learner} ({reason}), which never wrote a snapshot for this round")
-            elif reason == "stale" and got[1].base_version == base:
+            elif reason == "stale" and snap.base_version == base:
                 out.append(f"rejected {learner} as stale, but its base_version {base} is current")
-            elif reason == "zero_steps" and got[1].steps > 0:
-                out.append(f"rejected {learner} for zero steps, but it trained {got[1].steps}")
+            elif reason == "zero_steps" and snap.steps > 0:
+                out.append(f"rejected {learner} for zero steps, but it trained {snap.steps}")
             self.stats[f"rejected/{reason}"] += 1
         listed_at = self.last_listing.get(node, 0)
-        for (rr, learner), (seq, _) in self.snapshots.items():
-            if rr != r or learner in rejected or learner in names:
+        for learner, (seq, _) in snaps.items():
+            if learner in rejected or learner in names:
                 continue
             if seq < listed_at:
                 out.append(
@@ -318,6 +329,16 @@ class Auditor:
                 break
         self.stats["rounds_verified"] += 1
         return out
+
+    def _snapshot(self, r: int, learner: str, out: list[str]) -> Snapshot | None:
+        got = self.snapshots.get(r, {}).get(learner)
+        if got is None:
+            return None
+        try:
+            return decode(got[1], Snapshot, key=keys.snapshot_key(r, learner))
+        except GradientMailError as e:
+            out.append(f"the snapshot of {learner} does not decode: {e}")
+            return None
 
     def _payload(self, pref: PayloadRef, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray] | None:
         data = self.blobs.get(pref.key)

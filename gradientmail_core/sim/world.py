@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import os
 import random
 import traceback
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,10 +45,13 @@ from ..faults import Fault, FaultLog, FaultyMailbox, InjectedCrash, Op, Phase
 from ..learner import Learner
 from ..memory_mailbox import MemoryMailbox
 from ..node import Node, NodeOptions
+from ..payload import encode_payload, sha256_hex
+from ..records import PayloadRef, Snapshot, encode
 from ..run import open_run
 from ..store import RunStore
 from .audit import AuditMailbox, Auditor
 
+GHOST = "ghost"
 SHAPES = {"embed.weight": (4, 3), "layers.0.w": (3, 3), "layers.1.w": (3, 3), "head.b": (3,)}
 CRASH_TARGETS: list[tuple[tuple[Op, ...] | None, str]] = [
     (None, ""),
@@ -153,6 +158,10 @@ class Simulation:
         self.store = MemoryMailbox()
         self.auditor = Auditor(self.store)
         self.auditor.on_commit.append(self._committed)
+        self.auditor.on_lease.append(self._lease_changed)
+        # learner -> its recent lease writes: (auditor seq, {observer: the observer's clock then})
+        self.lease_writes: dict[str, list[tuple[int, dict[tuple[str, int], float]]]] = {}
+        self.clock_started: dict[str, float] = {}  # node -> its current clock's reading at (re)start
         self.flog = FaultLog(keep_events=config.verbose)
         self.T = 0.0
         self.queue: list[tuple[float, int, str, str, int]] = []
@@ -188,7 +197,7 @@ class Simulation:
                 name,
                 i,
                 drift=self.rng.uniform(0.85, 1.2),
-                step_period=self.rng.uniform(0.1, 0.3),
+                step_period=self.rng.uniform(0.15, 0.4),
                 samples=self.rng.choice([2, 4, 8]),
                 faulty=faulty,
             )
@@ -202,9 +211,9 @@ class Simulation:
 
     def _draw(self) -> _Draw:
         r = self.rng
-        n = self.config.nodes or r.randint(3, 6)
+        n = self.config.nodes or r.choice([3, 3, 3, 4, 4, 5, 6])
         P = r.choice([1, 2, 2, 3])
-        H = P * r.choice([2, 3, 4])
+        H = P * r.choice([1, 2, 3])
         cfg = DiLoCo(
             sync_every=H,
             fragments=P,
@@ -214,7 +223,7 @@ class Simulation:
             outer_lr=r.choice([0.7, 1.0]),
             outer_momentum=r.choice([0.0, 0.9]),
         )
-        opts = NodeOptions(poll_interval=0.25, lease_timeout=3.0, round_timeout=2.0)
+        opts = NodeOptions(poll_interval=0.25, lease_timeout=2.0, round_timeout=1.5)
         return _Draw(
             nodes=n,
             cfg=cfg,
@@ -301,7 +310,7 @@ class Simulation:
             if self.auditor.violations:
                 raise _Abort("stopped at the first invariant violation")
             if self.phase == "faults" and (
-                self.auditor.head + 1 >= self.draw.fault_share * rounds or self.T > 6.0 * rounds
+                self.auditor.head + 1 >= self.draw.fault_share * rounds or self.T > 3.0 * rounds
             ):
                 self._enter_quiet()
             if self.phase == "quiet" and self.auditor.head + 1 >= rounds:
@@ -329,8 +338,10 @@ class Simulation:
                 self._push(sn.stalled_until, name, kind, gen)
                 continue
             if kind == "tick":
+                self.stats["ticks"] += 1
                 self._tick(sn)
             elif kind == "step" and self.phase != "final":
+                self.stats["steps"] += 1
                 self._step(sn)
 
     # ---- node actions -------------------------------------------------------------------
@@ -341,6 +352,8 @@ class Simulation:
             kind = type(e).__name__
             if isinstance(e, ev.TookOver):
                 self.stats[f"took_over/{e.reason}"] += 1
+                if e.reason == "lease_lost":
+                    self._check_lease_judgement(sn, e.previous)
             elif isinstance(e, ev.ContributionRejected):
                 self.stats[f"engine_rejected/{e.reason}"] += 1
             else:
@@ -360,6 +373,7 @@ class Simulation:
         sn.tick_gen += 1
         sn.clock = FakeClock(start=self.rng.uniform(0.0, 10_000.0), drift=sn.drift)
         sn.faulty.clock = sn.clock
+        self.clock_started[sn.name] = sn.clock.now()  # a fresh process has seen no lease before now
         sn.faulty.pending_crash = None
         sn.params = self._init_params(sn.index, sn.incarnation)
         sn.nprng = np.random.default_rng([self.config.seed, sn.index, sn.incarnation, 2])
@@ -487,6 +501,34 @@ class Simulation:
         if self.rng.random() < 0.7:
             self._schedule_start(sn, self.rng.uniform(0.5, 10.0))
 
+    def _lease_changed(self, learner: str) -> None:
+        writes = self.lease_writes.setdefault(learner, [])
+        writes.append(
+            (
+                self.auditor.seq,
+                {(o.name, o.incarnation): o.clock.now() for o in self.nodes.values() if o.clock is not None},
+            )
+        )
+        del writes[:-16]
+
+    def _check_lease_judgement(self, observer: SimNode, learner: str) -> None:
+        """A lease may be judged lost only once it is gone, or when the newest version of it the
+        observer could have listed has been there for lease_timeout on the observer's own clock
+        (ground truth from the auditor: when each lease was written, when the observer listed)."""
+        if not self.store.list(keys.lease_prefix(learner)) or observer.clock is None:
+            return
+        listed = self.auditor.last_lease_listing.get(observer.name, 0)
+        seen = [clocks for seq, clocks in self.lease_writes.get(learner, []) if seq < listed]
+        me = (observer.name, observer.incarnation)
+        since = seen[-1][me] if seen and me in seen[-1] else self.clock_started[observer.name]
+        elapsed = observer.clock.now() - since
+        if elapsed < self.draw.options.lease_timeout:
+            self.violations.append(
+                f"at {self.T:.2f} s {observer.name} judged {learner}'s lease lost, but it changed only "
+                f"{elapsed:.3f} s ago on {observer.name}'s clock (lease_timeout {self.draw.options.lease_timeout})"
+            )
+            raise _Abort("a live lease was judged lost")
+
     def _committed(self, r: int, rec: object) -> None:
         self.last_commit_at = self.T
         if r in self.pending_recovery:
@@ -502,7 +544,7 @@ class Simulation:
         if not up:
             return
         sn = self.rng.choice(up)
-        what = self.rng.choices(["kill", "arm", "stall", "leave", "brownout"], weights=[2, 4, 3, 1, 2])[0]
+        what = self.rng.choices(["kill", "arm", "stall", "leave", "brownout", "ghost"], weights=[2, 4, 3, 1, 2, 2])[0]
         lease = self.draw.options.lease_timeout
         if what == "kill":
             self._crash(sn, "killed (SIGKILL)")
@@ -520,6 +562,8 @@ class Simulation:
             if sum(1 for s in self.nodes.values() if s.state == "up") >= 2:
                 self._leave(sn)
                 self.stats["chaos/leave"] += 1
+        elif what == "ghost":
+            self._ghost()
         else:
             prefix = self.rng.choice(BROWNOUT_PREFIXES)
             rule = sn.faulty.add(
@@ -527,12 +571,53 @@ class Simulation:
                     kind="error",
                     prefix=prefix,
                     probability=self.rng.uniform(0.5, 1.0),
-                    times=self.rng.randint(5, 60),
+                    times=self.rng.randint(5, 30),
                     message="HTTP 503 brownout (injected)",
                 )
             )
             self._trace(f"{self.T:.6f} {sn.name} brownout on {prefix!r} ({rule.times} errors)")
             self.stats["chaos/brownout"] += 1
+
+    def _ghost(self) -> None:
+        """A broken contributor ("ghost", holding no lease) writes a bad snapshot into the open
+        round: stale (relative to an older version), with a payload that does not hash to its
+        reference, with non-finite values, with zero steps, or of another schema. The closer
+        must reject it with that reason; a mutant that accepts it is caught by the auditor."""
+        run = self.auditor.run
+        if run is None:
+            return
+        r = self.auditor.head + 1
+        key = keys.snapshot_key(r, GHOST)
+        if self.store.get(key) is not None:
+            return
+        f, base = r % run.P, r // run.P
+        kinds = ["corrupt", "nonfinite", "zero_steps", "schema"] + (["stale", "stale"] if base > 0 else [])
+        kind = self.rng.choice(kinds)
+        g = np.random.default_rng([self.config.seed, r, 3])
+        delta = {n: np.asarray(0.01 * g.standard_normal(s), np.float32) for n, s in run.shapes[f].items()}
+        if kind == "nonfinite":
+            next(iter(delta.values())).flat[0] = np.nan
+        data = encode_payload(delta, run.fragment_dtypes(f), kind="delta")
+        sha = sha256_hex(data)
+        if kind == "corrupt":
+            sha = sha256_hex(data + b"x")  # the reference does not match the bytes stored under it
+        mb = AuditMailbox(self.store, self.auditor, GHOST)
+        pkey = keys.snapshot_blob_key(r, GHOST, sha)
+        mb.put_if_absent(pkey, data)
+        snap = Snapshot(
+            learner=GHOST,
+            round=r,
+            local_step=100,
+            steps=0 if kind == "zero_steps" else 4,
+            tokens=16,
+            base_version=base - 1 if kind == "stale" else base,
+            step_seconds=0.1,
+            schema_digest=("0" * 64) if kind == "schema" else run.digest,
+            payload=PayloadRef(key=pkey, sha256=sha, size=len(data)),
+        )
+        mb.put_if_absent(key, encode(snap))
+        self._trace(f"{self.T:.6f} ghost writes a {kind} snapshot into round {r}")
+        self.stats[f"chaos/ghost/{kind}"] += 1
 
     # ---- phases -------------------------------------------------------------------------
 
@@ -648,4 +733,30 @@ def run_seed(
         return Simulation(config).run()
 
 
-__all__ = ["SimConfig", "SimResult", "Simulation", "run_seed"]
+def _run_one(args: tuple[int, int, bool, int | None, str | None]) -> SimResult:
+    seed, rounds, faults, nodes, mutant = args
+    return run_seed(seed, rounds, faults=faults, nodes=nodes, mutant=mutant)
+
+
+def run_many(
+    seeds: Iterable[int],
+    rounds: int = 50,
+    *,
+    faults: bool = True,
+    nodes: int | None = None,
+    mutant: str | None = None,
+    workers: int | None = None,
+) -> Iterator[SimResult]:
+    """Run seeds in ``workers`` processes (default: the CPUs this process may use), yielding
+    results in seed order as they complete."""
+    jobs = [(s, rounds, faults, nodes, mutant) for s in seeds]
+    if workers is None:
+        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if workers <= 1 or len(jobs) <= 1:
+        yield from map(_run_one, jobs)
+        return
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        yield from pool.map(_run_one, jobs, chunksize=max(1, min(16, len(jobs) // (4 * workers))))
+
+
+__all__ = ["SimConfig", "SimResult", "Simulation", "run_many", "run_seed"]
