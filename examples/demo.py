@@ -116,6 +116,7 @@ class Learner:
     losses: list[tuple[int, float]] = field(default_factory=list)
     traffic: list[tuple[int, int]] = field(default_factory=list)  # (step, cumulative bytes)
     killed_at: int | None = None
+    last_round: int | None = None  # the newest round it contributed to, as last seen
 
     @property
     def steps_per_second(self) -> float | None:
@@ -181,7 +182,7 @@ class Demo:
         log = open(os.path.join(self.workdir, "logs", f"{lr.id}.log"), "ab")  # noqa: SIM115 - child owns it
         lr.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         log.close()
-        lr.state = "starting"
+        lr.state = "starting" if start_step == 0 else "restarting"
         lr.history.clear()
 
     def kill(self, lr: Learner) -> None:
@@ -227,6 +228,7 @@ class Demo:
             elif kind == "done":
                 lr.state = "done"
                 lr.sent, lr.received = m["sent"], m["received"]
+                self.log(f"{lr.id} finished its {self.s.steps} steps and left the run")
 
     def tick(self) -> None:
         for lr in self.learners:
@@ -242,6 +244,10 @@ class Demo:
             self.overview = read_overview(self.mailbox, last=6)
         except gm.ProtocolError:
             self.overview = None  # the run is not created yet
+        for le in self.overview.leases if self.overview else ():
+            lr = next((x for x in self.learners if x.id == le.learner), None)
+            if lr is not None and le.last_round is not None:
+                lr.last_round = le.last_round
         self.maybe_kill()
         self.maybe_evaluate()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from rich import box
 from rich.console import Group, RenderableType
 from rich.panel import Panel
 from rich.progress_bar import ProgressBar
@@ -22,7 +23,14 @@ if TYPE_CHECKING:
 
 COLORS = ["#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f"]
 BASELINE = "#d62728"
-STATE_STYLE = {"training": "green", "starting": "yellow", "killed": "bold red", "done": "dim", "failed": "bold red"}
+STATE_STYLE = {
+    "training": "green",
+    "starting": "yellow",
+    "restarting": "yellow",
+    "killed": "bold red",
+    "done": "dim",
+    "failed": "bold red",
+}
 
 
 def intro(demo: Demo) -> RenderableType:
@@ -55,7 +63,8 @@ def dashboard(demo: Demo) -> RenderableType:
     top.add_column()
     top.add_row("Learner steps", _bar(sum(lr.step for lr in demo.learners), s.learners * s.steps))
     committed = ov.rounds_committed if ov else 0
-    top.add_row("Rounds committed", _bar(committed, s.rounds))
+    # About steps * P / H rounds; a restarted learner trains its last steps alone, adding a few.
+    top.add_row("Rounds committed", _bar(committed, max(s.rounds, committed)))
     if ov is not None:
         versions = "  ".join(f"{f}:v{v}" for f, v in enumerate(ov.versions))
         claim = f"claimed by {ov.open_claim.learner}" if ov.open_claim else "not claimed yet"
@@ -68,13 +77,12 @@ def dashboard(demo: Demo) -> RenderableType:
         f"{last[1]:.3f} nats/char for the committed model at step {last[0]} (untrained: {first[1]:.3f})",
     )
 
-    learners = Table(title="Learners", title_justify="left")
+    learners = Table(title="Learners", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     for name in ("learner", "state", "step", "loss", "steps/s", "sent", "received", "last contribution"):
         learners.add_column(name, justify="left" if name in ("learner", "state") else "right")
-    last_round = {le.learner: le.last_round for le in ov.leases} if ov else {}
     for lr in demo.learners:
         sps = lr.steps_per_second
-        contributed = last_round.get(lr.id)
+        contributed = lr.last_round
         learners.add_row(
             lr.id,
             Text(lr.state, style=STATE_STYLE.get(lr.state, "")),

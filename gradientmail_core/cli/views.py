@@ -7,7 +7,9 @@ is imported only by code that displays something.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
+from rich import box
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
@@ -81,7 +83,7 @@ def learners(ov: Overview, renewed: Mapping[str, float | None] | None = None) ->
     (``watch`` knows; a single look cannot tell a live learner from a crashed one)."""
     if not ov.leases:
         return Text("No learner holds a lease: none is running.", style="yellow")
-    t = Table(title=f"Learners holding a lease ({len(ov.leases)})", title_justify="left", expand=False)
+    t = Table(title=f"Learners holding a lease ({len(ov.leases)})", title_justify="left", box=box.SIMPLE_HEAD)
     t.add_column("learner", style="bold")
     t.add_column("lease", justify="right")
     t.add_column("local step", justify="right")
@@ -107,22 +109,17 @@ def learners(ov: Overview, renewed: Mapping[str, float | None] | None = None) ->
 
 
 def rounds(records: Sequence[RoundRecord], *, title: str | None = None) -> Table:
-    t = Table(title=title, title_justify="left")
-    for name, justify in (
-        ("round", "right"),
-        ("step", "right"),
-        ("frag", "right"),
-        ("ver", "right"),
-        ("closer", "left"),
-        ("participants", "left"),
-        ("rejected", "left"),
-        ("cosine", "right"),
-        ("quorum", "right"),
-        ("grace", "right"),
-        ("live", "right"),
-    ):
-        wrap = name in ("participants", "rejected")
-        t.add_column(name, justify=justify, no_wrap=not wrap, overflow="fold")  # type: ignore[arg-type]
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    right: dict[str, Any] = {"justify": "right", "no_wrap": True}
+    for name in ("round", "step"):
+        t.add_column(name, **right)
+    t.add_column("fragment", no_wrap=True)
+    # Names wrap on a narrow terminal, so that no column is ever dropped.
+    t.add_column("closer", min_width=8)
+    t.add_column("participants", ratio=3, min_width=12)
+    t.add_column("rejected", ratio=1)
+    for name in ("cosine", "quorum", "grace", "live"):
+        t.add_column(name, **right)
     previous: str | None = None
     for rec in records:
         closer = Text(rec.closer)
@@ -134,14 +131,13 @@ def rounds(records: Sequence[RoundRecord], *, title: str | None = None) -> Table
         t.add_row(
             str(rec.round),
             str(rec.step),
-            str(rec.fragment),
-            str(rec.version),
+            f"{rec.fragment}:v{rec.version}",
             closer,
             f"{len(rec.participants)}: {names}" + (" [final]" if rec.final else ""),
             Text(rejected, style="red") if rejected else "",
             "-" if rec.cosine is None else f"{rec.cosine:.3f}",
-            f"{rec.quorum_seconds:.2f} s",
-            f"{rec.grace_seconds:.2f} s",
+            f"{rec.quorum_seconds:.2f}s",
+            f"{rec.grace_seconds:.2f}s",
             str(rec.live),
         )
     return t
