@@ -147,6 +147,8 @@ class Demo:
         self.kill_plan: tuple[Learner, float] | None = None  # (killed learner, restart time)
         self.killed_once = False
         self.kill_round: int | None = None  # the round open when a learner was killed
+        self.rejoin_round: int | None = None  # the first round the restarted learner could join
+        torch.set_num_threads(1)  # the learners use the cores; the baseline takes them all later
         text = charlm.stdlib_text()
         self.train_data = charlm.encode(text["train"])
         self.heldout = charlm.heldout_batches(
@@ -180,7 +182,8 @@ class Demo:
             str(start_step),
         ]
         log = open(os.path.join(self.workdir, "logs", f"{lr.id}.log"), "ab")  # noqa: SIM115 - child owns it
-        lr.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the learners share the cores: one thread each
+        lr.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
         lr.state = "starting" if start_step == 0 else "restarting"
         lr.history.clear()
@@ -223,6 +226,8 @@ class Demo:
                 lr.traffic.append((m["step"], lr.total_bytes))
             elif kind == "event":
                 self.log(f"{lr.id} {m['text']}")
+                if lr.killed_at is not None and m["text"].startswith("joined at round "):
+                    self.rejoin_round = int(m["text"].split()[3]) + 1
             elif kind == "start" and m["start_step"] > 0:
                 self.log(f"{lr.id} restarted (same learner id), resuming its share at step {m['start_step']}")
             elif kind == "done":
@@ -433,6 +438,7 @@ def finish(demo: Demo, console: Any) -> dict[str, Any]:
         "steps_trained": steps_trained,
         "learner_steps": {lr.id: lr.step for lr in demo.learners},
         "kill_round": demo.kill_round,
+        "rejoin_round": demo.rejoin_round,
         "events": [f"{t:.1f} s {text}" for t, text in demo.events],
         "diloco_bytes": diloco_bytes,
         "data_parallel_bytes": dp_bytes,

@@ -21,9 +21,14 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
-from torch.utils.data import DataLoader, IterableDataset
+# One thread per learner, set before torch loads: several learners share the machine's cores,
+# and Lightning would otherwise give each process all of them (cpu_count // devices), which
+# makes every small op of every process fight for them.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+from lightning.pytorch import Callback, LightningModule, Trainer  # noqa: E402
+from torch.utils.data import DataLoader, IterableDataset  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -127,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     with open(os.path.join(args.workdir, "settings.json")) as f:
         s = json.load(f)
-    torch.set_num_threads(1)  # several learners share the machine's cores
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     size = charlm.Size(**s["size"])
     data = charlm.encode(charlm.stdlib_text()["train"])
     out = JsonLines(os.path.join(args.workdir, "metrics", f"{args.id}.jsonl"))

@@ -197,16 +197,17 @@ def plot(
 
     if records:
         draw_participants(ax_rounds, records)
-    if r.get("kill_round") is not None:
-        ax_rounds.axvline(r["kill_round"] - 0.5, color="black", ls=":", lw=1)
-        ax_rounds.annotate(
-            f"{', '.join(r['killed'])} killed",
-            (r["kill_round"] - 0.5, 0.62),
-            xycoords=("data", "axes fraction"),
-            xytext=(4, 0),
-            textcoords="offset points",
-            fontsize=8,
-        )
+    for key, what in (("kill_round", "killed"), ("rejoin_round", "rejoined")):
+        if r.get(key) is not None:
+            ax_rounds.axvline(r[key] - 0.5, color="black", ls=":", lw=1)
+            ax_rounds.annotate(
+                f"{', '.join(r['killed'])} {what}",
+                (r[key] - 0.5, 0.62),
+                xycoords=("data", "axes fraction"),
+                xytext=(4, 0),
+                textcoords="offset points",
+                fontsize=8,
+            )
     ax_rounds.set_xlabel("round")
 
     for i, lr in enumerate(demo.learners):

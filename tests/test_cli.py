@@ -237,6 +237,17 @@ def test_export_before_any_commit_gives_the_initial_parameters(
         assert torch.equal(state[name], p), name
 
 
+def test_rich_and_matplotlib_load_only_when_a_command_draws(finished_run: str) -> None:
+    code = (
+        "import sys\n"
+        "from gradientmail_core.cli import main\n"
+        f"assert main(['rounds', {finished_run!r}, '--json']) == 0\n"
+        "assert 'rich' not in sys.modules and 'matplotlib' not in sys.modules, 'imported eagerly'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_console_script_module_runs(finished_run: str) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "gradientmail_core.cli", "rounds", finished_run, "--json"],
