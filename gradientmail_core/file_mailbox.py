@@ -18,6 +18,7 @@ import errno
 import os
 import re
 import secrets
+import stat
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
@@ -73,14 +74,34 @@ class FileMailbox:
                 _unlink_quietly(tmp)
 
     def get(self, key: str) -> bytes | None:
+        return self.get_prefix(key, -1)
+
+    def get_prefix(self, key: str, n: int) -> bytes | None:
+        """The first ``n`` bytes of the object (all of it for ``n < 0``); None if there is none.
+
+        Only a regular file is an object: a symlink, FIFO or device planted at a key (someone
+        else writing into the directory) reads as absent, never as /dev/zero or a blocking pipe.
+        """
         check_object_key(key)
         path = self._path(key)
         with self._transient("GET", key):
             try:
-                with open(path, "rb") as f:
-                    return f.read()
+                fd = os.open(
+                    path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+                )
             except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
                 return None
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
+                    return None
+                raise
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    return None
+                with open(fd, "rb", closefd=False) as f:
+                    return f.read(n)
+            finally:
+                os.close(fd)
 
     def list(self, prefix: str, after: str = "") -> builtins.list[str]:
         check_list_args(prefix, after)
