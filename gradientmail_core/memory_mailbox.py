@@ -57,6 +57,11 @@ class MemoryMailbox:
         with self._store.lock:
             return self._store.objects.get(key)
 
+    def get_prefix(self, key: str, n: int) -> bytes | None:
+        """The first ``n`` bytes of the object (all of it for ``n < 0``); None if there is none."""
+        data = self.get(key)
+        return data if data is None or n < 0 else data[:n]
+
     def list(self, prefix: str, after: str = "") -> builtins.list[str]:
         check_list_args(prefix, after)
         s = self._store

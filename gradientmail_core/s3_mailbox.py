@@ -156,6 +156,15 @@ class S3Mailbox:
         check_object_key(key)
         return self._retried("GET", key, lambda: self._get_request(key))
 
+    def get_prefix(self, key: str, n: int) -> bytes | None:
+        """The first ``n`` bytes of the object (a ranged GET; all of it for ``n < 0``), or None."""
+        check_object_key(key)
+        if n < 0:
+            return self.get(key)
+        if n == 0:
+            return None if self.get_prefix(key, 1) is None else b""
+        return self._retried("GET", key, lambda: self._get_request(key, n))
+
     def list(self, prefix: str, after: str = "") -> builtins.list[str]:
         check_list_args(prefix, after)
         out: builtins.list[str] = []
@@ -207,17 +216,20 @@ class S3Mailbox:
             raise
         return True
 
-    def _get_request(self, key: str) -> bytes | None:
+    def _get_request(self, key: str, n: int | None = None) -> bytes | None:
+        ranged = {} if n is None else {"Range": f"bytes=0-{n - 1}"}
         try:
-            resp = self.client.get_object(Bucket=self.bucket, Key=self._root + key)
+            resp = self.client.get_object(Bucket=self.bucket, Key=self._root + key, **ranged)
         except self._client_error as exc:
             # NoSuchBucket is a 404 too, but it is a configuration error, not a missing key.
             if _status(exc) == 404 and _code(exc) != "NoSuchBucket":
                 return None
+            if n is not None and _status(exc) == 416:
+                return b""  # a range of an empty object
             raise
         body = resp["Body"]
         try:
-            return bytes(body.read())
+            return bytes(body.read() if n is None else body.read(n))  # n: even if a store ignores Range
         finally:
             body.close()
 
