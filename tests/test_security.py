@@ -447,3 +447,34 @@ def test_defence_options_live_in_the_manifest_and_must_match():
         if k not in ("outlier_factor", "clip_norm")
     }
     gm.DiLoCo(sync_every=2, fragments=1).check_matches(old)  # manifests from before the options
+
+
+# ---- bounded reads in the backends ---------------------------------------------------------------
+
+
+def test_backends_read_a_bounded_prefix(mailbox):
+    mailbox.put_if_absent("blobs/x", b"0123456789")
+    mailbox.put_if_absent("blobs/empty", b"")
+    assert mailbox.get_prefix("blobs/x", 4) == b"0123"
+    assert mailbox.get_prefix("blobs/x", 100) == b"0123456789"
+    assert mailbox.get_prefix("blobs/x", -1) == b"0123456789"
+    assert mailbox.get_prefix("blobs/empty", 4) == b""
+    assert mailbox.get_prefix("blobs/missing", 4) is None
+    guard = GuardedMailbox(mailbox, max_payload_bytes=4)
+    assert guard.get("blobs/x") == b"01234"  # cap + 1: enough to see it is over the cap
+
+
+def test_file_mailbox_never_reads_through_a_planted_symlink_fifo_or_directory(tmp_path):
+    import os
+
+    mb = gm.FileMailbox(tmp_path / "mb")
+    claims = tmp_path / "mb" / "claims" / "0000000001"
+    claims.mkdir(parents=True)
+    (claims / "001.json").symlink_to("/dev/zero")
+    os.mkfifo(claims / "002.json")
+    (claims / "003.json").mkdir()
+    for n in (1, 2, 3):
+        assert mb.get(keys.claim_key(1, n)) is None  # not /dev/zero forever, not a blocking pipe
+    for n in (1, 2):
+        assert mb.put_if_absent(keys.claim_key(1, n), b"x") is False
+    assert mb.list(keys.CLAIMS) == []
