@@ -80,6 +80,7 @@ class GradientMailCallback(Callback):
         self.log_metrics = log_metrics
         self._last_global_step = 0
         self._pending_samples = 0
+        self._logged_round: int | None = None
 
     @property
     def session(self) -> gm.Session | None:
@@ -96,6 +97,7 @@ class GradientMailCallback(Callback):
         self.driver.start(pl_module)
         self._last_global_step = trainer.global_step
         self._pending_samples = 0
+        self._logged_round = None
 
     @override
     def on_train_batch_end(
@@ -115,9 +117,15 @@ class GradientMailCallback(Callback):
 
     def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         bar = trainer.progress_bar_callback is not None
-        if not (trainer.loggers or bar):
+        if not (trainer.loggers or bar) or not self.driver.leader:
             return
-        for name, value in self.driver.values().items():  # empty except on rank 0
+        # self.log costs about a millisecond per value: log at the Trainer's logging cadence,
+        # and whenever the round moves (for the progress bar).
+        moved = self.driver.round != self._logged_round
+        if not moved and trainer.global_step % max(trainer.log_every_n_steps, 1):
+            return
+        self._logged_round = self.driver.round
+        for name, value in self.driver.values().items():
             pl_module.log(
                 name,
                 value,

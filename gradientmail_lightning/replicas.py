@@ -14,6 +14,7 @@ whole DDP world is one gradientmail node.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Collection, Sequence
 
 import torch
@@ -30,6 +31,15 @@ def world() -> tuple[int, int]:
     """(rank, world size) of the default process group, or (0, 1) without one."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
+    launched = int(os.environ.get("WORLD_SIZE") or 1)
+    if launched > 1:
+        # Every process would believe it is rank 0 and join the run on its own, under one id.
+        raise RuntimeError(
+            f"this process is one of WORLD_SIZE={launched} launched processes, but torch.distributed is not "
+            "initialized, so each would join the run as a separate learner. Initialize the process group before "
+            "training starts: with Accelerate on a machine without GPUs, create Accelerator(cpu=True); with "
+            "Lightning, use a DDP strategy (MailboxDiLoCoStrategy) with devices/num_nodes matching the launch."
+        )
     return 0, 1
 
 

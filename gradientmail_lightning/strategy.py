@@ -18,6 +18,7 @@ from gradientmail_core.errors import MissingExtra
 try:
     import lightning.pytorch as pl
     from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+    from lightning.fabric.utilities.seed import reset_seed
     from lightning.pytorch.strategies import DDPStrategy
     from typing_extensions import override
 except ImportError as e:  # pragma: no cover - exercised only without lightning
@@ -78,6 +79,26 @@ class MailboxDiLoCoStrategy(DDPStrategy):
     def session(self) -> gm.Session | None:
         """The live session, on rank 0 while training (None elsewhere)."""
         return self.callback.session
+
+    @property
+    def single_process(self) -> bool:
+        """One process in the node: no process group, no DDP wrapper, no port to open."""
+        return self.num_nodes * self.num_processes == 1
+
+    @override
+    def setup_distributed(self) -> None:
+        if not self.single_process:
+            super().setup_distributed()
+            return
+        # What DDPStrategy does besides opening the process group. Several one-process nodes
+        # on one machine then never compete for MASTER_PORT.
+        reset_seed()
+        self.set_world_ranks()
+
+    @override
+    def configure_ddp(self) -> None:
+        if not self.single_process:
+            super().configure_ddp()
 
     @override
     def connect(self, model: pl.LightningModule) -> None:

@@ -110,11 +110,14 @@ def main() -> None:
     ap.add_argument("--resume")
     ap.add_argument("--csv")
     args = ap.parse_args()
+    torch.set_num_threads(1)  # several test nodes share a few cores
     logging.basicConfig(level=logging.WARNING, format="%(relativeCreated)7d %(name)s %(message)s")
     logging.getLogger("gradientmail").setLevel(logging.INFO)
 
     mailbox = gm.CountingMailbox(gm.open_mailbox(args.mailbox))
-    options: dict[str, Any] = {"poll_interval": 0.05, "lease_timeout": 3.0}
+    # A clean leave releases the lease at once, so a long lease_timeout costs these runs nothing,
+    # and a node starved of CPU on a busy test machine is not mistaken for a dead one.
+    options: dict[str, Any] = {"poll_interval": 0.05, "lease_timeout": 10.0}
     if args.learner_id:
         options["learner_id"] = args.learner_id
     strategy = MailboxDiLoCoStrategy(

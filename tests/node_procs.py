@@ -19,19 +19,24 @@ from gradientmail_core import keys
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
+# Set in this process by in-process Lightning tests (Trainer construction exports them); a node
+# inheriting them would take another node's MASTER_PORT or rank.
+_LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+               "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")  # fmt: skip
 
 
 def run_nodes(commands: list[list[str]], *, logs: Path, timeout: float = 150) -> None:
     """Run ``commands`` (argv lists; a leading "python" means this interpreter) at once and
     wait for all; on a failure or timeout kill them all and fail with their output."""
     logs.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV}
     procs = []
     for i, cmd in enumerate(commands):
         argv = [sys.executable if cmd[0] == "python" else cmd[0], *cmd[1:]]
         out = open(logs / f"node-{i}.log", "wb")  # noqa: SIM115 - closed below
         # A session per node, so a node's children (Lightning's rank 1, torchrun's workers)
         # can be killed with it.
-        p = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        p = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         procs.append((p, out))
     failed: list[tuple[int, object]] = []
     deadline = time.monotonic() + timeout

@@ -3,6 +3,7 @@ what it saves, and what it refuses. Multi-process runs are in test_lightning_nod
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from typing import Any
@@ -117,7 +118,9 @@ def test_sharded_strategies_are_refused_naming_the_alternative() -> None:
             check_strategy(strategy)
 
 
-def test_strategy_refuses_a_second_gradientmail_callback() -> None:
+def test_strategy_refuses_a_second_gradientmail_callback(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Lightning exports MASTER_PORT, LOCAL_RANK... while setting up a DDP strategy: keep them here.
+    monkeypatch.setattr(os, "environ", os.environ.copy())
     strategy = MailboxDiLoCoStrategy(algorithm=ALGO, mailbox=gm.MemoryMailbox(), **FAST)
     extra = GradientMailCallback(algorithm=ALGO, mailbox=gm.MemoryMailbox(), **FAST)
     trainer = Trainer(
@@ -167,3 +170,13 @@ print("ok")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_a_multi_process_launch_without_a_process_group_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torchrun set WORLD_SIZE, but nobody initialized torch.distributed: every process would
+    # otherwise join the run as its own "rank 0" under the same learner id.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cb = GradientMailCallback(algorithm=ALGO, mailbox=gm.MemoryMailbox(), **FAST)
+    with pytest.raises(RuntimeError, match="WORLD_SIZE=2"):
+        cb.driver.start(TinyRegressor())
+    assert cb.session is None
