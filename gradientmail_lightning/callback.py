@@ -122,7 +122,7 @@ class GradientMailCallback(Callback):
         # self.log costs about a millisecond per value: log at the Trainer's logging cadence,
         # and whenever the round moves (for the progress bar).
         moved = self.driver.round != self._logged_round
-        if not moved and trainer.global_step % max(trainer.log_every_n_steps, 1):
+        if not moved and trainer.global_step % max(getattr(trainer, "log_every_n_steps", 1), 1):
             return
         self._logged_round = self.driver.round
         for name, value in self.driver.values().items():
