@@ -15,8 +15,9 @@ class Adapter(Protocol):
         """Trainable parameters in a stable order: name, dtype (F32/F16/BF16), shape."""
         ...
 
-    def read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
-        """Host float32 copies of the named parameters (the caller may keep them)."""
+    def read(self, names: Sequence[str]) -> Mapping[str, np.ndarray]:
+        """Host float32 copies of the named parameters (the caller may keep them). The copies
+        may still be in flight from a device: the mapping waits for them when first read."""
         ...
 
     def write(self, values: Mapping[str, np.ndarray], mixing: float = 0.0) -> None:
