@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from . import keys
 from .clock import Clock
-from .errors import DuplicateLearner
+from .errors import DuplicateLearner, RecordInvalid
+from .mailbox import CreateOutcome
 from .records import Lease
 from .store import RunStore
 
@@ -55,12 +56,26 @@ class LeaseWriter:
             return
         key = keys.lease_key(self.learner, self.seq)
         lease = Lease(learner=self.learner, nonce=self.nonce, seq=self.seq, local_step=local_step, tokens=tokens)
-        self.store.put_record(key, lease)
+        outcome, existing = self.store.put_record(key, lease)
+        if outcome is CreateOutcome.TAKEN and not self._ours(existing, key):
+            # Our next lease key exists with someone else's bytes: another process with our id.
+            # (With our nonce it is our own earlier attempt whose reply was lost, written with
+            # an older step count: a lost acknowledgement, not a duplicate.)
+            raise DuplicateLearner(
+                f"learner id {self.learner!r} is used by another live process (it wrote {key}); "
+                "give each process its own learner_id"
+            )
         old, self.key = self.key, key
         self.seq += 1
         self.renewed_at = self.clock.now()
         if old is not None:
             self.store.mailbox.delete([old])
+
+    def _ours(self, existing: bytes | None, key: str) -> bool:
+        try:
+            return self.store.decode_record(existing, Lease, key).nonce == self.nonce
+        except RecordInvalid:
+            return False
 
     def release(self) -> None:
         if self.key is not None:

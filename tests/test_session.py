@@ -218,3 +218,30 @@ def test_numpy_dict_models_and_threads_share_a_run():
         t.join()
     assert np.array_equal(params[0]["w"], params[1]["w"])
     assert params[0]["w"][0] != 0
+
+
+def test_two_processes_joining_at_once_with_the_same_id_one_is_refused():
+    mb = gm.MemoryMailbox()
+    cfg = gm.DiLoCo(sync_every=4, fragments=1)
+    barrier = threading.Barrier(2)
+    outcomes: list[str] = []
+    sessions = []
+
+    def join():
+        s = gm.Session({"w": np.zeros(4, np.float32)}, algorithm=cfg, mailbox=mb, learner_id="same", **FAST)
+        barrier.wait()
+        try:
+            s.open()
+            sessions.append(s)
+            outcomes.append("joined")
+        except gm.DuplicateLearner:
+            outcomes.append("refused")
+
+    ts = [threading.Thread(target=join) for _ in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    for s in sessions:
+        s.close()
+    assert sorted(outcomes) == ["joined", "refused"]
