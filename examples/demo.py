@@ -145,10 +145,13 @@ class Demo:
         self.t0 = time.time()
         self.overview: Overview | None = None
         self.kill_plan: tuple[Learner, float] | None = None  # (killed learner, restart time)
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the learners share the cores: one thread each
+        self.standby: subprocess.Popen[bytes] | None = None
+        self.standby_file = os.path.join(workdir, "standby.json")
         self.killed_once = False
         self.kill_round: int | None = None  # the round open when a learner was killed
         self.rejoin_round: int | None = None  # the first round the restarted learner could join
-        torch.set_num_threads(1)  # the learners use the cores; the baseline takes them all later
+        torch.set_num_threads(1)  # the learners use the cores; the baseline may take them later
         text = charlm.stdlib_text()
         self.train_data = charlm.encode(text["train"])
         self.heldout = charlm.heldout_batches(
@@ -168,6 +171,30 @@ class Demo:
 
     # ---- processes ---------------------------------------------------------------------
 
+    def start_standby(self) -> None:
+        """A learner process that loads everything now and becomes the restarted learner later."""
+        cmd = [
+            sys.executable,
+            os.path.join(HERE, "demo_learner.py"),
+            "--workdir",
+            self.workdir,
+            "--standby",
+            self.standby_file,
+        ]
+        log = open(os.path.join(self.workdir, "logs", "standby.log"), "ab")  # noqa: SIM115 - child owns it
+        self.standby = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        log.close()
+
+    def restart(self, lr: Learner) -> None:
+        assert lr.killed_at is not None and self.standby is not None
+        go = {"id": lr.id, "steps": self.s.steps - lr.killed_at, "start_step": lr.killed_at}
+        with open(self.standby_file + ".tmp", "w") as f:
+            json.dump(go, f)
+        os.replace(self.standby_file + ".tmp", self.standby_file)  # the standby sees all of it or nothing
+        lr.proc, self.standby = self.standby, None
+        lr.state = "restarting"
+        lr.history.clear()
+
     def start(self, lr: Learner, *, start_step: int = 0) -> None:
         cmd = [
             sys.executable,
@@ -182,8 +209,7 @@ class Demo:
             str(start_step),
         ]
         log = open(os.path.join(self.workdir, "logs", f"{lr.id}.log"), "ab")  # noqa: SIM115 - child owns it
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the learners share the cores: one thread each
-        lr.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        lr.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
         log.close()
         lr.state = "starting" if start_step == 0 else "restarting"
         lr.history.clear()
@@ -201,10 +227,11 @@ class Demo:
         lr.state = "killed"
         self.killed_once = True
         self.kill_round = self.overview.open_round if self.overview else None
-        # Restarted at once: a process takes a few seconds to start, by which time its lease
-        # has lapsed and another learner has taken over the round it was closing.
-        self.kill_plan = (lr, time.time() + 1.0)
-        self.log(f"[bold red]{lr.id} killed with SIGKILL[/] at step {lr.step}{role}; restarting it")
+        # Restarted once its lease has lapsed, so that the others take over what it was doing
+        # first (a learner back under the same id within the lease timeout just carries on).
+        delay = self.s.lease_timeout + 1.0
+        self.kill_plan = (lr, time.time() + delay)
+        self.log(f"[bold red]{lr.id} killed with SIGKILL[/] at step {lr.step}{role}; restarting it in {delay:.0f} s")
 
     def poll_metrics(self, lr: Learner) -> None:
         path = os.path.join(self.workdir, "metrics", f"{lr.id}.jsonl")
@@ -262,7 +289,10 @@ class Demo:
             if time.time() >= at:
                 self.kill_plan = None
                 assert lr.killed_at is not None
-                self.start(lr, start_step=lr.killed_at)
+                if self.standby is not None and self.standby.poll() is None:
+                    self.restart(lr)
+                else:
+                    self.start(lr, start_step=lr.killed_at)
             return
         if self.s.kill_at is None or self.killed_once:
             return
@@ -296,10 +326,10 @@ class Demo:
         return all(lr.state in ("done", "failed") for lr in self.learners) and self.kill_plan is None
 
     def stop_all(self) -> None:
-        for lr in self.learners:
-            if lr.proc is not None and lr.proc.poll() is None:
-                lr.proc.kill()
-                lr.proc.wait()
+        for proc in [lr.proc for lr in self.learners] + [self.standby]:
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 # ---- the baseline ----------------------------------------------------------------------------
@@ -308,7 +338,10 @@ class Demo:
 def train_baseline(s: Settings, data: torch.Tensor, heldout: list[Any], on_step: Any) -> tuple[list, list]:
     """One process, ``learners * batch`` sequences per step for ``steps`` steps: the same
     characters as all learners together, and exactly what synchronous data-parallel computes."""
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    # Every core, unless other programs keep them busy: then one thread, since torch's threads
+    # waiting on each other for a busy core make every step many times slower than one thread.
+    cores = os.cpu_count() or 1
+    torch.set_num_threads(cores if os.getloadavg()[0] < cores / 2 else 1)
     model = charlm.CharTransformer(s.size, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
     g = torch.Generator().manual_seed(1000 * s.seed + 999)
@@ -366,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     shown = 0
     for lr in demo.learners:
         demo.start(lr)
+    if s.kill_at is not None:
+        demo.start_standby()
     try:
         with live or contextlib.nullcontext():
             deadline = time.time() + 30 * 60

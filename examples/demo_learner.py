@@ -124,17 +124,28 @@ class Reporter(Callback):
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", required=True)
-    ap.add_argument("--id", required=True, help="learner id; a restarted learner reuses its id")
-    ap.add_argument("--steps", type=int, required=True, help="optimizer steps to train")
+    ap.add_argument("--id", help="learner id; a restarted learner reuses its id")
+    ap.add_argument("--steps", type=int, help="optimizer steps to train")
     ap.add_argument("--start-step", type=int, default=0, help="steps this learner trained before a restart")
     ap.add_argument("--wait-for", type=int, help="start training once this many learners are live")
     ap.add_argument("--join", action="store_true", help="wait for another learner to create the run, then join it")
+    ap.add_argument("--standby", metavar="FILE", help="load everything, then wait for FILE to say which learner to be")
     args = ap.parse_args(argv)
     with open(os.path.join(args.workdir, "settings.json")) as f:
         s = json.load(f)
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     size = charlm.Size(**s["size"])
     data = charlm.encode(charlm.stdlib_text()["train"])
+    if args.standby:
+        # Python, torch and Lightning take seconds to load; a standby process has loaded them
+        # already, so a restart takes no longer than the protocol needs.
+        while not os.path.exists(args.standby):
+            time.sleep(0.05)
+        with open(args.standby) as f:
+            go = json.load(f)
+        args.id, args.steps, args.start_step = go["id"], go["steps"], go["start_step"]
+    if args.id is None or args.steps is None:
+        ap.error("--id and --steps are required (or --standby)")
     out = JsonLines(os.path.join(args.workdir, "metrics", f"{args.id}.jsonl"))
     out.write("start", pid=os.getpid(), start_step=args.start_step)
 
