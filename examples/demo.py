@@ -208,6 +208,10 @@ class Demo:
             "--start-step",
             str(start_step),
         ]
+        if start_step == 0:
+            # First start: learner-0 creates the run, the others join it, and all of them begin
+            # training together. A restarted learner joins the running run at once.
+            cmd += ["--wait-for", str(self.s.learners)] + (["--join"] if lr is not self.learners[0] else [])
         log = open(os.path.join(self.workdir, "logs", f"{lr.id}.log"), "ab")  # noqa: SIM115 - child owns it
         lr.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
         log.close()
