@@ -107,8 +107,13 @@ class Learner:
             self.tokens_since[f] += samples
             self.seconds_since[f] += elapsed
         self.bridge.local_step, self.bridge.tokens = self.local_step, self.tokens
+        versions = dict(self.versions)
         self.drain()
-        self.maybe_publish()
+        f = max(self.next_round, self.bridge.view.head + 1) % self.run.P
+        if self.versions.get(f) == versions.get(f):
+            # Not in the step a commit replaced the fragment: its training since the last
+            # contribution is gone, the delta would be empty. It goes out after the next step.
+            self.maybe_publish()
         if self.cfg.overlap_steps is not None and wait is not None:
             while self.published and self.local_step - self.published[0].local_step >= self.cfg.overlap_steps:
                 c = wait()
