@@ -11,6 +11,6 @@ or from a shell: ``python -m gradientmail_core.sim --seed 123 --rounds 50 -v``. 
 from __future__ import annotations
 
 from .audit import AuditMailbox, Auditor, Violation
-from .world import SimConfig, SimResult, Simulation, run_seed
+from .world import SimConfig, SimResult, Simulation, run_many, run_seed
 
-__all__ = ["AuditMailbox", "Auditor", "SimConfig", "SimResult", "Simulation", "Violation", "run_seed"]
+__all__ = ["AuditMailbox", "Auditor", "SimConfig", "SimResult", "Simulation", "Violation", "run_many", "run_seed"]

@@ -56,6 +56,7 @@ class Auditor:
         self.stats: Counter[str] = Counter()
         self.run: RunInfo | None = None
         self.blobs: dict[str, bytes] = {}  # every payload ever created, by key
+        self._decoded: dict[tuple[str, str], dict[str, np.ndarray]] = {}
         # round -> learner -> (seq of its creation, its bytes); decoded only when a round is checked
         self.snapshots: dict[int, dict[str, tuple[int, bytes]]] = {}
         self.claims: dict[int, list[tuple[str, bytes]]] = {}  # round -> (writer, bytes) of every claim
@@ -341,13 +342,18 @@ class Auditor:
             return None
 
     def _payload(self, pref: PayloadRef, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray] | None:
+        hit = self._decoded.get((pref.key, pref.sha256))
+        if hit is not None:
+            return hit
         data = self.blobs.get(pref.key)
         if data is None or sha256_hex(data) != pref.sha256 or len(data) != pref.size:
             return None
         try:
-            return decode_payload(data, shapes, compression=keys.compression_of(pref.key))
+            out = decode_payload(data, shapes, compression=keys.compression_of(pref.key))
         except GradientMailError:
             return None
+        self._decoded[(pref.key, pref.sha256)] = out
+        return out
 
     def _state_before(self, r: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None:
         run = self.run

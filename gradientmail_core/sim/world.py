@@ -66,6 +66,18 @@ CRASH_TARGETS: list[tuple[tuple[Op, ...] | None, str]] = [
     (("delete",), ""),
     (("put",), keys.LEASES),
 ]
+SIZE = sum(int(np.prod(s)) for s in SHAPES.values())
+
+
+def _views(flat: np.ndarray) -> dict[str, np.ndarray]:
+    out, at = {}, 0
+    for n, s in SHAPES.items():
+        size = int(np.prod(s))
+        out[n] = flat[at : at + size].reshape(s)
+        at += size
+    return out
+
+
 BROWNOUT_PREFIXES = [keys.ROUNDS, keys.SNAPSHOTS, keys.BLOBS, keys.CLAIMS, keys.LEASES, ""]
 
 
@@ -130,6 +142,7 @@ class SimNode:
     node: Node | None = None
     learner: Learner | None = None
     params: dict[str, np.ndarray] | None = None
+    flat: np.ndarray | None = None
     nprng: np.random.Generator | None = None
     start_pending: bool = False
 
@@ -175,11 +188,8 @@ class Simulation:
         self.last_commit_at = 0.0
         self.final_from = float("inf")
         self.pending_recovery: set[int] = set()
-        self.target = {
-            n: np.asarray(np.random.default_rng([config.seed, 99]).standard_normal(s), np.float32)
-            for n, s in SHAPES.items()
-        }
-        self.init0 = self._init_params(0, 0)
+        self.target_flat = np.asarray(np.random.default_rng([config.seed, 99]).standard_normal(SIZE), np.float32)
+        self.target = _views(self.target_flat)
         self.nodes: dict[str, SimNode] = {}
         d = self.draw
         for i in range(d.nodes):
@@ -201,8 +211,10 @@ class Simulation:
                 samples=self.rng.choice([2, 4, 8]),
                 faulty=faulty,
             )
-        for sn in self.nodes.values():
-            self._push(self.rng.uniform(0.0, 1.0), sn.name, "start", sn.gen)
+        for i, sn in enumerate(self.nodes.values()):
+            # most start together; some join the running run later
+            at = self.rng.uniform(0.0, 1.0) if i == 0 or self.rng.random() < 0.7 else self.rng.uniform(3.0, 15.0)
+            self._push(at, sn.name, "start", sn.gen)
             sn.start_pending = True
         if config.faults:
             self._push(self.rng.expovariate(1 / d.chaos_every), "", "chaos", 0)
@@ -213,15 +225,16 @@ class Simulation:
         r = self.rng
         n = self.config.nodes or r.choice([3, 3, 3, 4, 4, 5, 6])
         P = r.choice([1, 2, 2, 3])
-        H = P * r.choice([1, 2, 3])
+        H = P * r.choice([2, 3, 4])
         cfg = DiLoCo(
             sync_every=H,
             fragments=P,
             in_flight=r.randint(1, P),
             quorum_size=r.choice([1, 1, 2]),
             merge=RDA() if r.random() < 0.5 else WeightedMean(),
-            outer_lr=r.choice([0.7, 1.0]),
-            outer_momentum=r.choice([0.0, 0.9]),
+            # DiLoCo's Nesterov (0.7, 0.9), a gentler one, and local SGD (1, 0)
+            outer_lr=(lr_beta := r.choice([(0.7, 0.9), (0.4, 0.8), (1.0, 0.0)]))[0],
+            outer_momentum=lr_beta[1],
         )
         opts = NodeOptions(poll_interval=0.25, lease_timeout=2.0, round_timeout=1.5)
         return _Draw(
@@ -259,9 +272,9 @@ class Simulation:
             Fault(kind="flip", ops=("get",), prefix=keys.BLOBS, probability=d.p_flip),
         ]
 
-    def _init_params(self, index: int, incarnation: int) -> dict[str, np.ndarray]:
+    def _init_params(self, index: int, incarnation: int) -> np.ndarray:
         g = np.random.default_rng([self.config.seed, index, incarnation, 1])
-        return {n: np.asarray(g.standard_normal(s), np.float32) for n, s in SHAPES.items()}
+        return np.asarray(g.standard_normal(SIZE), np.float32)
 
     # ---- the event loop -----------------------------------------------------------------
 
@@ -276,6 +289,8 @@ class Simulation:
             print(line)
 
     def run(self) -> SimResult:
+        d = self.draw
+        self._trace(f"seed {self.config.seed}: {d.nodes} nodes, {d.cfg}, {d.options}")
         try:
             self._loop()
         except _Abort as e:
@@ -285,7 +300,9 @@ class Simulation:
             self._check_end()
         violations = [str(v) for v in self.auditor.violations] + self.violations
         stats = self.stats + self.auditor.stats
-        losses = (self._loss(self.init0), self._loss(self._newest_params()) if self.auditor.run else 0.0)
+        losses = (0.0, 0.0)
+        if self.auditor.run is not None:
+            losses = (self._loss(self._newest_params(initial=True)), self._loss(self._newest_params()))
         return SimResult(
             self.config,
             violations,
@@ -375,7 +392,8 @@ class Simulation:
         sn.faulty.clock = sn.clock
         self.clock_started[sn.name] = sn.clock.now()  # a fresh process has seen no lease before now
         sn.faulty.pending_crash = None
-        sn.params = self._init_params(sn.index, sn.incarnation)
+        sn.flat = self._init_params(sn.index, sn.incarnation)
+        sn.params = _views(sn.flat)  # the model's tensors are views of one buffer: one op trains all
         sn.nprng = np.random.default_rng([self.config.seed, sn.index, sn.incarnation, 2])
         adapter = NumpyAdapter(sn.params)
         emit = self._emit(sn)
@@ -457,10 +475,10 @@ class Simulation:
         self._schedule_tick(sn, self.T + poll / sn.drift * self.rng.uniform(0.9, 1.1))
 
     def _step(self, sn: SimNode) -> None:
-        assert sn.learner is not None and sn.params is not None and sn.nprng is not None and sn.node is not None
-        for n, p in sn.params.items():
-            p -= np.float32(0.1) * (p - self.target[n])
-            p += np.float32(0.02) * sn.nprng.standard_normal(p.shape).astype(np.float32)
+        assert sn.learner is not None and sn.flat is not None and sn.nprng is not None and sn.node is not None
+        flat = sn.flat
+        flat -= np.float32(0.1) * (flat - self.target_flat)
+        flat += np.float32(0.02) * sn.nprng.standard_normal(SIZE, np.float32)
         sn.learner.step(sn.samples)
         if sn.node.bridge.outbox:  # a contribution is ready: the session wakes its background thread
             at = self.T + 0.01 / sn.drift
@@ -478,7 +496,7 @@ class Simulation:
         self.stats["crashes"] += 1
         self._note_crash(sn)
         sn.state = "down"
-        sn.node = sn.learner = sn.params = sn.clock = None
+        sn.node = sn.learner = sn.params = sn.flat = sn.clock = None
         sn.faulty.pending_crash = None
         sn.stalled_until = 0.0
         delay = self.rng.uniform(0.2, 3 * self.draw.options.lease_timeout) if self.phase == "faults" else 0.1
@@ -495,7 +513,7 @@ class Simulation:
             pass  # the lease then goes stale on its own
         self.stats["leaves"] += 1
         sn.state = "left"
-        sn.node = sn.learner = sn.params = sn.clock = None
+        sn.node = sn.learner = sn.params = sn.flat = sn.clock = None
         sn.faulty.pending_crash = None
         sn.gen += 1
         if self.rng.random() < 0.7:
@@ -655,9 +673,10 @@ class Simulation:
         self.deadline = self.T + 4 * o.lease_timeout + 4 * o.round_timeout + 10.0
 
     def _settled(self) -> bool:
-        if self.T - self.final_from < 2 * self.draw.options.lease_timeout:
-            return False
-        if self.T - self.last_commit_at < 2 * self.draw.options.lease_timeout:
+        # A few polls after the last commit (rounds still in flight may land), every node must
+        # be at the newest commit with nothing left to send.
+        quiet = 4 * self.draw.options.poll_interval
+        if self.T - self.final_from < quiet or self.T - self.last_commit_at < quiet:
             return False
         head = self.auditor.head
         return all(
@@ -668,10 +687,10 @@ class Simulation:
 
     # ---- the end ------------------------------------------------------------------------
 
-    def _newest_params(self) -> dict[str, np.ndarray]:
+    def _newest_params(self, initial: bool = False) -> dict[str, np.ndarray]:
         run = self.auditor.run
         assert run is not None
-        newest = self.auditor.newest()
+        newest = {} if initial else self.auditor.newest()
         out: dict[str, np.ndarray] = {}
         for f in range(run.P):
             rec = newest.get(f)
