@@ -62,7 +62,6 @@ class Auditor:
         self.claims: dict[int, list[tuple[str, bytes]]] = {}  # round -> (writer, bytes) of every claim
         self.tape: dict[int, RoundRecord] = {}
         self.last_listing: dict[str, int] = {}  # node -> seq of its last full listing
-        self.last_lease_listing: dict[str, int] = {}  # node -> seq of its last listing of leases/
         self.round_blob_writes: dict[str, dict[int, int]] = {}  # node -> round -> seq of its last round payload
         self.on_commit: list[Callable[[int, RoundRecord], None]] = []  # for the simulator
         self.on_lease: list[Callable[[str], None]] = []  # a learner's lease changed
@@ -126,8 +125,6 @@ class Auditor:
         self.seq += 1
         if prefix == "":
             self.last_listing[node] = self.seq
-        elif prefix == keys.LEASES:
-            self.last_lease_listing[node] = self.seq
 
     def get(self) -> None:
         self.seq += 1

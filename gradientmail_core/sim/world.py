@@ -175,6 +175,7 @@ class Simulation:
         # learner -> its recent lease writes: (auditor seq, {observer: the observer's clock then})
         self.lease_writes: dict[str, list[tuple[int, dict[tuple[str, int], float]]]] = {}
         self.clock_started: dict[str, float] = {}  # node -> its current clock's reading at (re)start
+        self.lease_listed: dict[str, tuple[float, int]] = {}  # node -> (liveness.listed_at, auditor seq)
         self.flog = FaultLog(keep_events=config.verbose)
         self.T = 0.0
         self.queue: list[tuple[float, int, str, str, int]] = []
@@ -435,6 +436,8 @@ class Simulation:
             self._crash(sn, "crashed right after joining")
             return
         sn.node, sn.learner, sn.state, sn.failures = node, learner, "up", 0
+        self.lease_listed.pop(sn.name, None)
+        self._note_lease_listing(sn)
         self.stats["starts"] += 1
         self._schedule_tick(sn, self.T + self.rng.uniform(0.0, 0.1))
         self._push(self.T + sn.step_period * self.rng.uniform(0.5, 1.5), sn.name, "step", sn.gen)
@@ -468,6 +471,7 @@ class Simulation:
             raise _Abort(
                 f"{sn.name}'s tick raised {type(e).__name__}: {e} (a Session would die here)\n{traceback.format_exc()}"
             ) from e
+        self._note_lease_listing(sn)
         if sn.faulty.pending_crash is not None:
             self._crash(sn, sn.faulty.pending_crash.describe())
             return
@@ -533,9 +537,13 @@ class Simulation:
         """A lease may be judged lost only once it is gone, or when the newest version of it the
         observer could have listed has been there for lease_timeout on the observer's own clock
         (ground truth from the auditor: when each lease was written, when the observer listed)."""
-        if not self.store.list(keys.lease_prefix(learner)) or observer.clock is None:
+        if not self.store.list(keys.lease_prefix(learner)) or observer.clock is None or observer.node is None:
             return
-        listed = self.auditor.last_lease_listing.get(observer.name, 0)
+        # The observer's newest complete listing of leases/ (a paginated one that failed midway
+        # does not count): made during this tick if its listed_at moved since the last tick.
+        stored = self.lease_listed.get(observer.name)
+        la = observer.node.liveness.listed_at
+        listed = self.auditor.seq if stored is None or stored[0] != la else stored[1]
         seen = [clocks for seq, clocks in self.lease_writes.get(learner, []) if seq < listed]
         me = (observer.name, observer.incarnation)
         since = seen[-1][me] if seen and me in seen[-1] else self.clock_started[observer.name]
@@ -546,6 +554,14 @@ class Simulation:
                 f"{elapsed:.3f} s ago on {observer.name}'s clock (lease_timeout {self.draw.options.lease_timeout})"
             )
             raise _Abort("a live lease was judged lost")
+
+    def _note_lease_listing(self, sn: SimNode) -> None:
+        """Remember when (in store operations) the node's liveness view last listed leases/;
+        within one tick no other node writes, so the end of the tick is as good as the moment."""
+        if sn.node is not None:
+            la = sn.node.liveness.listed_at
+            if self.lease_listed.get(sn.name, (None, 0))[0] != la:
+                self.lease_listed[sn.name] = (la, self.auditor.seq)
 
     def _committed(self, r: int, rec: object) -> None:
         self.last_commit_at = self.T
