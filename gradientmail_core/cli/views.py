@@ -146,5 +146,5 @@ def rounds(records: Sequence[RoundRecord], *, title: str | None = None) -> Table
 def status(ov: Overview, url: str, renewed: Mapping[str, float | None] | None = None) -> RenderableType:
     parts: list[RenderableType] = [summary(ov, url), Text(), learners(ov, renewed)]
     if ov.recent:
-        parts.append(rounds(ov.recent, title=f"Last {len(ov.recent)} rounds"))
+        parts += [Text(), rounds(ov.recent, title=f"Last {len(ov.recent)} rounds")]
     return Group(*parts)
