@@ -103,8 +103,10 @@ def test_closer_killed_mid_round_is_taken_over(tmp_path):
     assert len({t["learner"] for t in took}) >= 1
     # someone took over from the dead closer, saying why (on a loaded machine a live closer
     # may also be timed out later: that is churn, not an error)
-    from_a = [t for t in took if t["previous"] == "a"]
-    assert from_a and from_a[0]["reason"] in ("lease_lost", "timeout")
+    # (if the kill lands between a's commit and its claim of the next round, that round is
+    # simply unclaimed and claimed by a follower)
+    from_a = [t for t in took if t["previous"] == "a" or t["reason"] == "unclaimed"]
+    assert from_a and from_a[0]["reason"] in ("lease_lost", "timeout", "unclaimed")
     assert "a" not in {r.closer for r in recs[-3:]}
     assert identical(b.params(), c.params())
 
