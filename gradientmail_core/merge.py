@@ -28,6 +28,7 @@ _CHUNK = 1 << 20
 # Per thread: a reused float64 scratch chunk, and (inside ``memo_norms``) the squared norms of
 # the contributions already computed, so a commit reads each contribution once per quantity.
 _local = threading.local()
+_AXPY_CHUNK = 1 << 16  # float32 elements (256 KiB)
 
 
 def contribution_weight(tokens: int, steps: int) -> float:
@@ -43,7 +44,7 @@ def weighted_mean(deltas: Sequence[np.ndarray], weights: Sequence[float]) -> np.
     for d, p_i in zip(deltas, p, strict=True):
         d = _f32(d)
         assert d.shape == out.shape, (d.shape, out.shape)
-        out += np.float32(p_i) * d
+        _axpy(out, np.float32(p_i), d)
     return out
 
 
@@ -64,7 +65,7 @@ def rda(deltas: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
         if n > 0.0:
             radius += p_i * n
             # One float32 multiply per element: scale folded into a single float64-computed scalar.
-            direction += np.float32(p_i / n) * d
+            _axpy(direction, np.float32(p_i / n), d)
     n_dir = _norm(direction)
     if n_dir == 0.0:
         return np.zeros_like(direction)
@@ -209,6 +210,19 @@ def _dot(a: np.ndarray, b: np.ndarray) -> float:
         np.multiply(xs, xs if a is b else y[s : s + _CHUNK], out=out, dtype=np.float64)
         total += float(np.add.reduce(out))
     return total
+
+
+def _axpy(out: np.ndarray, scale: np.float32, d: np.ndarray) -> None:
+    """``out += scale * d`` (float32, the same two roundings), chunk by chunk through a scratch
+    buffer that stays in cache instead of a fresh full-size temporary per contribution."""
+    o, x = out.reshape(-1), d.reshape(-1)
+    buf = getattr(_local, "axpy", None)
+    if buf is None or buf.size < min(o.size, _AXPY_CHUNK):
+        buf = _local.axpy = np.empty(min(o.size, _AXPY_CHUNK), np.float32)
+    for s in range(0, o.size, _AXPY_CHUNK):
+        t = buf[: o[s : s + _AXPY_CHUNK].size]
+        np.multiply(x[s : s + _AXPY_CHUNK], scale, out=t)
+        o[s : s + _AXPY_CHUNK] += t
 
 
 def _scratch(n: int) -> np.ndarray:
