@@ -197,12 +197,12 @@ def plot(
 
     if records:
         draw_participants(ax_rounds, records)
-    for key, what in (("kill_round", "killed"), ("rejoin_round", "rejoined")):
+    for key, what, height in (("kill_round", "killed", 0.66), ("rejoin_round", "rejoined", 0.56)):
         if r.get(key) is not None:
             ax_rounds.axvline(r[key] - 0.5, color="black", ls=":", lw=1)
             ax_rounds.annotate(
                 f"{', '.join(r['killed'])} {what}",
-                (r[key] - 0.5, 0.62),
+                (r[key] - 0.5, height),
                 xycoords=("data", "axes fraction"),
                 xytext=(4, 0),
                 textcoords="offset points",
