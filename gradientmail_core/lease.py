@@ -104,9 +104,13 @@ class Liveness:
             parsed = keys.parse_lease_key(k)
             if parsed:
                 newest[parsed[0]] = k  # keys are listed in order: the last one is the newest
+        # After a gap of a whole timeout between our listings we do not know that any lease
+        # stayed unchanged: a learner that restarted meanwhile (its lease deleted, its sequence
+        # starting over) may be back at the very key we saw last. Start watching afresh.
+        blind = now - self.listed_at >= self.timeout
         for learner, k in newest.items():
             prev = self.seen.get(learner)
-            if prev is None or prev.key != k:
+            if prev is None or prev.key != k or blind:
                 self.seen[learner] = _Seen(k, now)
         for gone in set(self.seen) - set(newest):
             del self.seen[gone]
