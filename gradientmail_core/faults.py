@@ -257,7 +257,8 @@ class FaultyMailbox:
 
     def delete(self, keys: Iterable[str]) -> None:
         todo = builtins.list(keys) if not isinstance(keys, str) else keys
-        first = todo[0] if todo and not isinstance(todo, str) else ""
+        # Rules match the smallest key: callers may build the batch from a set, in any order.
+        first = min(todo) if todo and not isinstance(todo, str) else ""
         fired = self._enter("delete", first)
         self._before("delete", first, fired)
         self.inner.delete(todo)

@@ -106,7 +106,7 @@ def test_a_healthy_run_keeps_its_closer_and_commits_every_round():
         r = run_seed(seed, ROUNDS, faults=False)
         assert r.ok, r.summary()
         assert not any(k.startswith("took_over/") for k in r.stats) and not r.stats["Superseded"]
-        assert not any(k.count("/") == 1 for k in r.faults) and r.rounds == ROUNDS  # (pages are no fault)
+        assert not any(k.count("/") == 1 for k in r.faults) and r.rounds >= ROUNDS  # (pages are no fault)
 
 
 def test_the_same_seed_gives_the_same_trace():
