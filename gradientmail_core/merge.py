@@ -29,6 +29,7 @@ _CHUNK = 1 << 20
 # the contributions already computed, so a commit reads each contribution once per quantity.
 _local = threading.local()
 _AXPY_CHUNK = 1 << 16  # float32 elements (256 KiB)
+_LEAF = 1 << 15  # float64 elements (256 KiB) a reduction handles at once, in cache
 
 
 def contribution_weight(tokens: int, steps: int) -> float:
@@ -135,15 +136,15 @@ def mean_pairwise_cosine(deltas: Sequence[Delta]) -> float | None:
     # chunk by chunk, tensors in sorted-name order.
     square = 0.0
     size = max(np.size(units[0][0][k]) for k in units[0][0])
-    acc, tmp = np.empty(min(size, _CHUNK), np.float64), np.empty(min(size, _CHUNK), np.float64)
+    acc, tmp = np.empty(min(size, _LEAF), np.float64), np.empty(min(size, _LEAF), np.float64)
     for k in sorted(units[0][0]):
         flats = [(np.asarray(d[k]).reshape(-1), inv) for d, inv in units]
-        for s in range(0, flats[0][0].size, _CHUNK):
-            a = acc[: min(_CHUNK, flats[0][0].size - s)]
+        for s in range(0, flats[0][0].size, _LEAF):
+            a = acc[: min(_LEAF, flats[0][0].size - s)]
             t = tmp[: a.size]
-            np.multiply(flats[0][0][s : s + _CHUNK], flats[0][1], out=a, dtype=np.float64)
+            np.multiply(flats[0][0][s : s + _LEAF], flats[0][1], out=a, dtype=np.float64)
             for x, inv in flats[1:]:
-                np.multiply(x[s : s + _CHUNK], inv, out=t, dtype=np.float64)
+                np.multiply(x[s : s + _LEAF], inv, out=t, dtype=np.float64)
                 a += t
             np.multiply(a, a, out=t)
             square += float(np.add.reduce(t))
@@ -200,16 +201,29 @@ def _dot(a: np.ndarray, b: np.ndarray) -> float:
     x = np.asarray(a).reshape(-1)
     y = np.asarray(b).reshape(-1)
     assert x.shape == y.shape, (np.shape(a), np.shape(b))
+    if a is b:
+        y = x
     total = 0.0
-    buf = _scratch(min(x.size, _CHUNK))
+    buf = _scratch(min(x.size, _LEAF))
     for s in range(0, x.size, _CHUNK):
-        xs = x[s : s + _CHUNK]
-        out = buf[: xs.size]
-        # The product of the float64 casts, into one reused buffer: the same values as
-        # ``xs.astype(f64) * ys.astype(f64)`` without three fresh 8 MiB temporaries per chunk.
-        np.multiply(xs, xs if a is b else y[s : s + _CHUNK], out=out, dtype=np.float64)
-        total += float(np.add.reduce(out))
+        total += _pairwise_dot(x, y, s, min(s + _CHUNK, x.size), buf)
     return total
+
+
+def _pairwise_dot(x: np.ndarray, y: np.ndarray, lo: int, hi: int, buf: np.ndarray) -> float:
+    """``np.add.reduce`` of the float64 products ``x[lo:hi] * y[lo:hi]``, bit for bit, without
+    materialising them: numpy sums pairwise (halves rounded down to a multiple of 8, down to
+    blocks of 128), so splitting the same way and reducing cache-sized leaves gives the same
+    tree of additions as one reduce over the whole chunk."""
+    n = hi - lo
+    if n <= _LEAF:
+        out = buf[:n]
+        # The product of the float64 casts (exact for float32 inputs).
+        np.multiply(x[lo:hi], y[lo:hi], out=out, dtype=np.float64)
+        return float(np.add.reduce(out))
+    half = n // 2
+    half -= half % 8
+    return _pairwise_dot(x, y, lo, lo + half, buf) + _pairwise_dot(x, y, lo + half, hi, buf)
 
 
 def _axpy(out: np.ndarray, scale: np.float32, d: np.ndarray) -> None:
