@@ -78,6 +78,12 @@ class Learner:
         self.adapter.write(c.theta, self.cfg.mixing)
         self.anchors[c.fragment] = c.theta
         self.versions[c.fragment] = c.version
+        # Replacing the fragment drops the training it held (all of it, or 1 - mixing of it),
+        # so the next contribution reports only the steps its delta still carries.
+        f, keep = c.fragment, self.cfg.mixing
+        self.steps_since[f] = round(self.steps_since[f] * keep)
+        self.tokens_since[f] = round(self.tokens_since[f] * keep)
+        self.seconds_since[f] *= keep
         self.aligned = max(self.aligned, c.round)
         while self.published and self.published[0].round <= self.aligned:
             self.published.popleft()
