@@ -172,8 +172,9 @@ class FileMailbox:
             try:
                 os.link(tmp, final)
             except FileExistsError:
-                if os.path.isdir(final):
-                    raise ValueError(f"mailbox key {key!r} names a directory of other keys in {self.path!r}") from None
+                # Something occupies the name (an object, or a directory someone planted there):
+                # the key is taken. A directory reads back as absent, so create_once reports the
+                # store as unavailable for this key and the node stalls on it instead of crashing.
                 return False
             except FileNotFoundError:
                 continue  # a concurrent delete pruned the empty parent between makedirs and link

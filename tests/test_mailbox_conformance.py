@@ -680,3 +680,16 @@ def test_s3_backend_loads_boto3_lazily_and_names_the_extra(monkeypatch: pytest.M
     monkeypatch.setitem(sys.modules, "boto3", None)  # makes `import boto3` fail
     with pytest.raises(MissingExtra, match=r"gradientmail\[s3\]"):
         S3Mailbox("bucket", "p")
+
+
+def test_file_mailbox_directory_planted_at_a_key_is_taken_not_a_crash(tmp_path):
+    from gradientmail_core.errors import MailboxUnavailable
+    from gradientmail_core.file_mailbox import FileMailbox
+    from gradientmail_core.mailbox import create_once
+
+    mb = FileMailbox(tmp_path)
+    (tmp_path / "rounds" / "0000000001.json").mkdir(parents=True)
+    assert mb.put_if_absent("rounds/0000000001.json", b"{}") is False
+    assert mb.get("rounds/0000000001.json") is None
+    with pytest.raises(MailboxUnavailable):
+        create_once(mb, "rounds/0000000001.json", b"{}")
