@@ -327,3 +327,30 @@ def test_a_corrupt_round_record_is_a_clear_error(
 def test_a_bad_url_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert "unknown mailbox URL scheme" in one_line_error(capsys, "status", "ftp://host/run")
     assert "s3:// URLs only" in one_line_error(capsys, "status", "memory://x", "--endpoint-url", "http://h")
+
+
+def test_an_authenticated_run_needs_its_secret_file(tmp_path):
+    import numpy as np
+
+    import gradientmail_core as gm
+    from gradientmail_core.cli import main
+
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    params = {"w": np.zeros(4, np.float32)}
+    url = f"file://{tmp_path / 'mb'}"
+    with gm.Session(
+        params,
+        algorithm=gm.DiLoCo(sync_every=2, fragments=1),
+        mailbox=gm.open_mailbox(url),
+        learner_id="a",
+        poll_interval=0.02,
+        lease_timeout=2,
+        secret_file=secret,
+        callbacks=(),
+    ) as s:
+        for _ in range(4):
+            params["w"] += 1
+            s.step()
+    assert main(["rounds", url]) == 2
+    assert main(["rounds", url, "--json", "--secret-file", str(secret)]) == 0

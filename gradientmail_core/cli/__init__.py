@@ -22,6 +22,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..errors import GradientMailError, MailboxUnavailable, MissingExtra, ProtocolError, RecordInvalid
+from ..keys import MANIFEST
 from ..mailbox import Mailbox, open_mailbox
 from ..overview import NoRun
 
@@ -33,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("url", help="the run's mailbox: file:///path, s3://bucket/prefix or memory://name")
     common.add_argument("--endpoint-url", help="S3-compatible endpoint (R2, MinIO, moto), for s3:// URLs")
     common.add_argument("--region", help="S3 region, for s3:// URLs")
+    common.add_argument(
+        "--secret-file", help="the run secret of an authenticated run (objects without its tag are ignored)"
+    )
 
     p = argparse.ArgumentParser(prog="gradientmail", description="Watch and inspect a gradientmail run.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -120,12 +124,38 @@ def _explain(url: str, e: BaseException) -> str:
     return f"{url}: {first}"
 
 
+def _is_authenticated(mailbox: Mailbox) -> bool:
+    import json
+
+    data = mailbox.get(MANIFEST)
+    try:
+        return data is not None and json.loads(data).get("mac") is not None
+    except (ValueError, AttributeError):
+        return False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from . import commands
 
     try:
         mailbox = open_url(args.url, endpoint_url=args.endpoint_url, region=args.region)
+        if not args.secret_file and _is_authenticated(mailbox):
+            raise ValueError(
+                "this run is authenticated (its manifest is signed): pass --secret-file with the run secret"
+            )
+        if args.secret_file:
+            # Read an authenticated run through the same guarded view its nodes use: tagged
+            # keys translated, unauthenticated objects hidden.
+            from ..auth import policy
+            from ..guard import GuardedMailbox
+            from ..records import Manifest
+            from ..store import RunStore
+
+            auth = policy(None, args.secret_file)
+            guarded = GuardedMailbox(mailbox, auth=auth)
+            RunStore(guarded, auth=auth).read_record(MANIFEST, Manifest)  # verifies it, binds the run key
+            mailbox = guarded
         return int(getattr(commands, args.command)(mailbox, args) or 0)
     except (GradientMailError, ValueError, OSError) as e:
         print(f"gradientmail {args.command}: error: {_explain(args.url, e)}", file=sys.stderr)
