@@ -24,6 +24,7 @@ class LeaseWriter:
         self.seq = 0
         self.key: str | None = None
         self.renewed_at = float("-inf")
+        self._behind: list[str] = []  # our older lease keys not deleted yet
 
     def acquire(self, *, poll: float) -> None:
         """Write the first lease. Refuses when another live process holds this learner id.
@@ -69,7 +70,9 @@ class LeaseWriter:
         self.seq += 1
         self.renewed_at = self.clock.now()
         if old is not None:
-            self.store.mailbox.delete([old])
+            self._behind.append(old)
+            self.store.mailbox.delete(list(self._behind))
+            self._behind.clear()
 
     def _ours(self, existing: bytes | None, key: str) -> bool:
         try:
@@ -79,7 +82,9 @@ class LeaseWriter:
 
     def release(self) -> None:
         if self.key is not None:
-            self.store.mailbox.delete([self.key])
+            # With any key a failed delete left behind: it would look like our lease, unchanged,
+            # until it timed out.
+            self.store.mailbox.delete([*self._behind, self.key])
             self.key = None
 
 
