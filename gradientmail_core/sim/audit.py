@@ -64,7 +64,7 @@ class Auditor:
         self.last_listing: dict[str, int] = {}  # node -> seq of its last full listing
         self.round_blob_writes: dict[str, dict[int, int]] = {}  # node -> round -> seq of its last round payload
         self.on_commit: list[Callable[[int, RoundRecord], None]] = []  # for the simulator
-        self.on_lease: list[Callable[[str], None]] = []  # a learner's lease changed
+        self.on_lease: list[Callable[[str], None]] = []  # a learner's lease keys changed (put or delete)
 
     # ---- reporting ----------------------------------------------------------------------
 
@@ -153,6 +153,12 @@ class Auditor:
                 r = snap[0] if snap else (b.round if b is not None and b.kind == "snapshot" else None)
                 if r is not None and r > head:
                     self.fail(node, f"deleted {k}, a contribution to round {r}, which has not committed (head {head})")
+
+    def deleted(self, doomed: list[str]) -> None:
+        """After a delete reached the store: report the leases it changed."""
+        for learner in sorted({p[0] for k in doomed if (p := keys.parse_lease_key(k)) is not None}):
+            for cb in self.on_lease:
+                cb(learner)
 
     # ---- a new round record -------------------------------------------------------------
 
@@ -406,3 +412,4 @@ class AuditMailbox:
         todo = builtins.list(keys)
         self.auditor.delete(self.node, todo)
         self.inner.delete(todo)
+        self.auditor.deleted(todo)

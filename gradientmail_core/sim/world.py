@@ -172,8 +172,8 @@ class Simulation:
         self.auditor = Auditor(self.store)
         self.auditor.on_commit.append(self._committed)
         self.auditor.on_lease.append(self._lease_changed)
-        # learner -> its recent lease writes: (auditor seq, {observer: the observer's clock then})
-        self.lease_writes: dict[str, list[tuple[int, dict[tuple[str, int], float]]]] = {}
+        # learner -> when its newest lease key changed: (auditor seq, the key or None, {observer: its clock})
+        self.lease_writes: dict[str, list[tuple[int, str | None, dict[tuple[str, int], float]]]] = {}
         self.clock_started: dict[str, float] = {}  # node -> its current clock's reading at (re)start
         self.lease_listed: dict[str, tuple[float, int]] = {}  # node -> (liveness.listed_at, auditor seq)
         self.flog = FaultLog(keep_events=config.verbose)
@@ -524,34 +524,44 @@ class Simulation:
             self._schedule_start(sn, self.rng.uniform(0.5, 10.0))
 
     def _lease_changed(self, learner: str) -> None:
-        writes = self.lease_writes.setdefault(learner, [])
-        writes.append(
-            (
-                self.auditor.seq,
-                {(o.name, o.incarnation): o.clock.now() for o in self.nodes.values() if o.clock is not None},
-            )
-        )
-        del writes[:-16]
+        """Record when the learner's newest lease key (what observers judge by) changes."""
+        listed = self.store.list(keys.lease_prefix(learner))
+        newest = listed[-1] if listed else None
+        history = self.lease_writes.setdefault(learner, [])
+        if history and history[-1][1] == newest:
+            return
+        clocks = {(o.name, o.incarnation): o.clock.now() for o in self.nodes.values() if o.clock is not None}
+        history.append((self.auditor.seq, newest, clocks))
+        del history[:-32]
 
     def _check_lease_judgement(self, observer: SimNode, learner: str) -> None:
-        """A lease may be judged lost only once it is gone, or when the newest version of it the
-        observer could have listed has been there for lease_timeout on the observer's own clock
-        (ground truth from the auditor: when each lease was written, when the observer listed)."""
-        if not self.store.list(keys.lease_prefix(learner)) or observer.clock is None or observer.node is None:
-            return
+        """A live learner's lease may be judged lost only if, at the observer's last complete
+        listing, it was gone, or its newest key had been the newest for lease_timeout on the
+        observer's own clock (ground truth from the store's history, not from the engine's
+        bookkeeping)."""
+        target = self.nodes.get(learner)
+        if observer.clock is None or observer.node is None or target is None or target.state != "up":
+            return  # only a live learner can be wrongly judged lost
         # The observer's newest complete listing of leases/ (a paginated one that failed midway
         # does not count): made during this tick if its listed_at moved since the last tick.
         stored = self.lease_listed.get(observer.name)
         la = observer.node.liveness.listed_at
         listed = self.auditor.seq if stored is None or stored[0] != la else stored[1]
-        seen = [clocks for seq, clocks in self.lease_writes.get(learner, []) if seq < listed]
+        history = [h for h in self.lease_writes.get(learner, []) if h[0] < listed]
+        if not history or history[-1][1] is None:
+            return  # gone when it listed
+        newest = history[-1][1]
+        i = len(history) - 1
+        while i > 0 and history[i - 1][1] == newest:
+            i -= 1
         me = (observer.name, observer.incarnation)
-        since = seen[-1][me] if seen and me in seen[-1] else self.clock_started[observer.name]
+        since = max(history[i][2].get(me, float("-inf")), self.clock_started[observer.name])
         elapsed = observer.clock.now() - since
         if elapsed < self.draw.options.lease_timeout:
             self.violations.append(
-                f"at {self.T:.2f} s {observer.name} judged {learner}'s lease lost, but it changed only "
-                f"{elapsed:.3f} s ago on {observer.name}'s clock (lease_timeout {self.draw.options.lease_timeout})"
+                f"at {self.T:.2f} s {observer.name} judged {learner}'s lease lost, but {newest} became its newest "
+                f"lease only {elapsed:.3f} s before, on {observer.name}'s clock (lease_timeout "
+                f"{self.draw.options.lease_timeout})"
             )
             raise _Abort("a live lease was judged lost")
 
