@@ -237,7 +237,7 @@ class Simulation:
             outer_lr=(lr_beta := r.choice([(0.7, 0.9), (0.4, 0.8), (1.0, 0.0)]))[0],
             outer_momentum=lr_beta[1],
         )
-        opts = NodeOptions(poll_interval=0.25, lease_timeout=2.0, round_timeout=1.5)
+        opts = NodeOptions(poll_interval=0.5, lease_timeout=3.0, round_timeout=2.0)
         return _Draw(
             nodes=n,
             cfg=cfg,
@@ -428,7 +428,7 @@ class Simulation:
             if isinstance(e, InjectedCrash):
                 self._note_crash(sn)
             sn.faulty.pending_crash = None
-            self._schedule_start(sn, self.rng.uniform(0.2, 2.0))
+            self._schedule_start(sn, self.rng.uniform(0.5, 4.0))  # a supervisor restarts it
             return
         except Exception as e:
             raise _Abort(f"{sn.name} failed to join: {type(e).__name__}: {e}\n{traceback.format_exc()}") from e
