@@ -33,7 +33,7 @@ from __future__ import annotations
 import builtins
 import random
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -165,6 +165,7 @@ class FaultyMailbox:
         self.calls = 0
         # Create-once writes whose outcome the caller could not know, until it reads them back.
         self.uncertain: dict[str, bytes] = {}
+        self.tap: Callable[[Op, str], None] | None = None
 
     # ---- scripting ----------------------------------------------------------------------
 
@@ -195,6 +196,7 @@ class FaultyMailbox:
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         data = bytes(data)
+        self._tap("put", key)
         fired = self._enter("put", key)
         retry = self._take(fired, "retry_412")
         try:
@@ -217,6 +219,7 @@ class FaultyMailbox:
         return created
 
     def get(self, key: str) -> bytes | None:
+        self._tap("get", key)
         fired = self._enter("get", key)
         self._before("get", key, fired)
         data = self.inner.get(key)
@@ -235,6 +238,7 @@ class FaultyMailbox:
         return data
 
     def list(self, prefix: str, after: str = "") -> builtins.list[str]:
+        self._tap("list", prefix)
         if self.page_size is None:
             fired = self._enter("list", prefix)
             self._before("list", prefix, fired)
@@ -259,6 +263,7 @@ class FaultyMailbox:
         todo = builtins.list(keys) if not isinstance(keys, str) else keys
         # Rules match the smallest key: callers may build the batch from a set, in any order.
         first = min(todo) if todo and not isinstance(todo, str) else ""
+        self._tap("delete", first)
         fired = self._enter("delete", first)
         self._before("delete", first, fired)
         self.inner.delete(todo)
@@ -268,6 +273,15 @@ class FaultyMailbox:
         return f"FaultyMailbox({self.inner!r}, node={self.node!r}, {len(self.rules)} rules)"
 
     # ---- machinery ----------------------------------------------------------------------
+
+    def _tap(self, op: Op, key: str) -> None:
+        """Before each operation (once, however many pages): deliver a crash left pending by the
+        previous reply, then let ``tap`` run (a simulation preempts the caller here: other
+        nodes act while this request is "slow")."""
+        if self.pending_crash is not None:
+            raise InjectedCrash(self.pending_crash.describe())
+        if self.tap is not None and self.enabled:
+            self.tap(op, key)
 
     def _enter(self, op: Op, key: str) -> builtins.list[Fault]:
         """Deliver a crash left pending by the previous reply, then pick the rules that fire."""

@@ -28,6 +28,8 @@ MUST_REACH = [
     "took_over/timeout",
     "took_over/unclaimed",
     "Superseded",
+    "commit_race_lost",  # two closers wrote one round record: one lost the create-once race
+    "preemptions",
     # a closer that crashed after writing its round payloads and before the record: recomputed
     "recovered_between_payload_and_record",
     # contributions rejected by the closer, each reason checked by the auditor

@@ -12,7 +12,7 @@ MAX_SEEDS = 300
 
 # What should catch each mutant (a substring of the first violation), to keep the check honest.
 CAUGHT_BY = {
-    "skip_readback": ("never claimed it", "no progress", "differ", "steady"),
+    "skip_readback": ("never claimed it", "aligned fragment", "no progress", "differ", "steady"),
     "accept_stale": ("is stale",),
     "sweep_newest": ("the newest of its fragment",),
     "no_claim_next": ("reason='unclaimed'",),

@@ -62,6 +62,7 @@ class Auditor:
         self.claims: dict[int, list[tuple[str, bytes]]] = {}  # round -> (writer, bytes) of every claim
         self.tape: dict[int, RoundRecord] = {}
         self.last_listing: dict[str, int] = {}  # node -> seq of its last full listing
+        self.lease_listing: dict[str, int] = {}  # node -> seq of its last listing of leases/
         self.round_blob_writes: dict[str, dict[int, int]] = {}  # node -> round -> seq of its last round payload
         self.on_commit: list[Callable[[int, RoundRecord], None]] = []  # for the simulator
         self.on_lease: list[Callable[[str], None]] = []  # a learner's lease keys changed (put or delete)
@@ -91,8 +92,11 @@ class Auditor:
     def put(self, node: str, key: str, data: bytes, created: bool) -> None:
         self.seq += 1
         if not created:
-            if keys.parse_round_key(key) is not None and key not in self.store.list(key):
-                self.fail(node, f"put_if_absent({key}) returned False but no record exists")
+            if keys.parse_round_key(key) is not None:
+                if key not in self.store.list(key):
+                    self.fail(node, f"put_if_absent({key}) returned False but no record exists")
+                elif self.store.get(key) != data:
+                    self.stats["commit_race_lost"] += 1  # two closers wrote this round: one lost
             return
         if key.startswith(keys.BLOBS):
             self.blobs[key] = data
@@ -125,6 +129,8 @@ class Auditor:
         self.seq += 1
         if prefix == "":
             self.last_listing[node] = self.seq
+        elif prefix == keys.LEASES:
+            self.lease_listing[node] = self.seq
 
     def get(self) -> None:
         self.seq += 1

@@ -161,6 +161,8 @@ class _Draw:
     p_latency: float
     p_flip: float
     chaos_every: float
+    p_preempt: float
+    p_preempt_contested: float
 
 
 class Simulation:
@@ -188,6 +190,7 @@ class Simulation:
         self.deadline = float("inf")
         self.last_commit_at = 0.0
         self.final_from = float("inf")
+        self.preempting = False
         self.pending_recovery: set[int] = set()
         self.target_flat = np.asarray(np.random.default_rng([config.seed, 99]).standard_normal(SIZE), np.float32)
         self.target = _views(self.target_flat)
@@ -204,6 +207,7 @@ class Simulation:
             )
             if config.faults:
                 faulty.rules = self._background_faults(name)
+                faulty.tap = self._tapper(name)
             self.nodes[name] = SimNode(
                 name,
                 i,
@@ -249,7 +253,39 @@ class Simulation:
             p_latency=r.uniform(0.0, 0.1),
             p_flip=r.uniform(0.0, 0.08),
             chaos_every=r.uniform(1.5, 5.0),
+            p_preempt=r.uniform(0.0, 0.03),
+            p_preempt_contested=r.uniform(0.05, 0.5),
         )
+
+    def _tapper(self, name: str) -> Callable[[Op, str], None]:
+        """Preemption: while this node's request is "slow", another node ticks (often right
+        before a commit or a claim), as concurrent processes interleave. This is what makes two
+        closers race for one round record, GC run while a commit is in flight, and so on."""
+
+        def tap(op: Op, key: str) -> None:
+            if self.phase != "faults" or self.preempting:
+                return
+            contested = op == "put" and (key.startswith(keys.ROUNDS) or key.startswith(keys.CLAIMS))
+            if self.rng.random() >= (self.draw.p_preempt_contested if contested else self.draw.p_preempt):
+                return
+            others = [
+                o for o in self.nodes.values() if o.name != name and o.state == "up" and self.T >= o.stalled_until
+            ]
+            if not others:
+                return
+            r = keys.parse_round_key(key) if contested else None
+            rivals = [o for o in others if o.node is not None and o.node.collector and o.node.collector.round == r]
+            other = self.rng.choice(rivals or others)  # a rival closer of the same round, if any
+            self._trace(f"{self.T:.6f} {name} {op} {key} is slow: {other.name} acts meanwhile")
+            self.stats["preemptions"] += 1
+            self.preempting = True
+            try:
+                self.stats["ticks"] += 1
+                self._tick(other)
+            finally:
+                self.preempting = False
+
+        return tap
 
     def _background_faults(self, name: str) -> list[Fault]:
         d = self.draw
@@ -379,6 +415,8 @@ class Simulation:
             if self.T >= self.steady_from and isinstance(e, ev.TookOver | ev.Superseded):
                 self.violations.append(f"at {self.T:.2f} s, in the steady phase: {e.describe()}")
                 raise _Abort("a steady run must keep its closer")
+            if isinstance(e, ev.Aligned):
+                self._check_aligned(sn, e)
             if isinstance(e, ev.BackgroundFailed | ev.GaveUp):
                 self.violations.append(f"{e.describe()}")
 
@@ -523,6 +561,28 @@ class Simulation:
         if self.rng.random() < 0.7:
             self._schedule_start(sn, self.rng.uniform(0.5, 10.0))
 
+    def _check_aligned(self, sn: SimNode, e: ev.Aligned) -> None:
+        """A learner aligns only with committed parameters: bit-identical to the theta of the
+        round record it names."""
+        rec = self.auditor.tape.get(e.round)
+        run = self.auditor.run
+        if rec is None or run is None or rec.theta is None or sn.learner is None:
+            self.violations.append(f"at {self.T:.2f} s {sn.name} aligned with round {e.round}, which never committed")
+            raise _Abort("aligned with an uncommitted round")
+        theta = self.auditor._payload(rec.theta, run.shapes[e.fragment])
+        mine = sn.learner.anchors.get(e.fragment, {})
+        if (
+            theta is None
+            or rec.fragment != e.fragment
+            or rec.version != e.version
+            or any(n not in mine or not np.array_equal(mine[n], v) for n, v in theta.items())
+        ):
+            self.violations.append(
+                f"at {self.T:.2f} s {sn.name} aligned fragment {e.fragment} with parameters that differ from "
+                f"round {e.round}'s committed ones"
+            )
+            raise _Abort("aligned with parameters nobody committed")
+
     def _lease_changed(self, learner: str) -> None:
         """Record when the learner's newest lease key (what observers judge by) changes."""
         listed = self.store.list(keys.lease_prefix(learner))
@@ -546,7 +606,7 @@ class Simulation:
         # does not count): made during this tick if its listed_at moved since the last tick.
         stored = self.lease_listed.get(observer.name)
         la = observer.node.liveness.listed_at
-        listed = self.auditor.seq if stored is None or stored[0] != la else stored[1]
+        listed = self.auditor.lease_listing.get(observer.name, 0) if stored is None or stored[0] != la else stored[1]
         history = [h for h in self.lease_writes.get(learner, []) if h[0] < listed]
         if not history or history[-1][1] is None:
             return  # gone when it listed
@@ -566,12 +626,12 @@ class Simulation:
             raise _Abort("a live lease was judged lost")
 
     def _note_lease_listing(self, sn: SimNode) -> None:
-        """Remember when (in store operations) the node's liveness view last listed leases/;
-        within one tick no other node writes, so the end of the tick is as good as the moment."""
+        """Remember when (in store operations) the node's liveness view last listed leases/
+        completely: its listed_at moved during this tick, so its last listing completed."""
         if sn.node is not None:
             la = sn.node.liveness.listed_at
             if self.lease_listed.get(sn.name, (None, 0))[0] != la:
-                self.lease_listed[sn.name] = (la, self.auditor.seq)
+                self.lease_listed[sn.name] = (la, self.auditor.lease_listing.get(sn.name, 0))
 
     def _committed(self, r: int, rec: object) -> None:
         self.last_commit_at = self.T
