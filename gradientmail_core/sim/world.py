@@ -252,7 +252,7 @@ class Simulation:
             p_retry=r.uniform(0.0, 0.05),
             p_latency=r.uniform(0.0, 0.1),
             p_flip=r.uniform(0.0, 0.08),
-            chaos_every=r.uniform(1.5, 5.0),
+            chaos_every=r.uniform(2.5, 6.0),
             p_preempt=r.uniform(0.0, 0.03),
             p_preempt_contested=r.uniform(0.05, 0.5),
         )
