@@ -115,10 +115,15 @@ class Node:
     def _join(self, created: bool) -> dict[int, dict[str, np.ndarray]]:
         self.lease.acquire(poll=self.opts.poll_interval)
         self._list_leases()
-        round_keys = [k for k in self.store.mailbox.list(keys.ROUNDS) if keys.parse_round_key(k) is not None]
-        recs = newest_records(self.store, self.run, round_keys)
-        for f in range(self.run.P):
-            theta = fetch_theta(self.store, self.run, f, recs.get(f))
+        for _ in range(5):
+            round_keys = [k for k in self.store.mailbox.list(keys.ROUNDS) if keys.parse_round_key(k) is not None]
+            recs = newest_records(self.store, self.run, round_keys)
+            thetas = {f: fetch_theta(self.store, self.run, f, recs.get(f)) for f in range(self.run.P)}
+            # A payload gone while we read means the run committed 2P more rounds meanwhile (GC
+            # keeps 2P): newer records exist, read the tape again.
+            if all(t is not None for t in thetas.values()):
+                break
+        for f, theta in thetas.items():
             if theta is None:
                 raise ProtocolError(f"the newest parameters of fragment {f} are missing from the mailbox")
             version = recs[f].version if f in recs else 0
