@@ -410,8 +410,10 @@ class Node:
         if cached is not None and cached.version == version:
             return cached
         theta = fetch_theta(self.store, self.run, f, rec)
+        # Missing payloads mean this node's view is stale (paused after its listing, the run
+        # committed 2P rounds meanwhile and collected them): transient, catch up next poll.
         if theta is None:
-            raise ProtocolError(f"fragment {f}: the parameters of version {version} are missing from the mailbox")
+            raise MailboxUnavailable(f"fragment {f}: the parameters of version {version} are gone; newer commits exist")
         if rec is None:
             state = FragmentState.initial(theta)
         else:
@@ -423,7 +425,9 @@ class Node:
             }
             outer = self.store.get_payload(rec.outer, shapes, max_bytes=3 * payload_cap(self.run, f))
             if outer is None:
-                raise ProtocolError(f"fragment {f}: the outer state of round {rec.round} is missing")
+                raise MailboxUnavailable(
+                    f"fragment {f}: the outer state of round {rec.round} is gone; newer commits exist"
+                )
             state = FragmentState(
                 version, theta, {n: outer[f"master/{n}"] for n in names}, {n: outer[f"momentum/{n}"] for n in names}
             )
