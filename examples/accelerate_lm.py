@@ -104,6 +104,11 @@ def run_node(args: argparse.Namespace) -> None:
         loss = evaluate(unwrapped, heldout_batches(encode(text["heldout"]), batches=8, batch=32, block=size.block))
         print(f"node {args.node_id}: held-out loss {loss:.3f} nats/char after {handle.steps} steps", flush=True)
     accelerator.end_training()
+    if torch.distributed.is_initialized():
+        # Tear gloo down while both ranks are still here: a rank that exits with the process
+        # group alive can abort in C++ ("terminate called without an active exception").
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def launch(args: argparse.Namespace) -> None:

@@ -125,6 +125,11 @@ def main() -> None:
         **{n: p.detach().numpy() for n, p in unwrapped.named_parameters()},
     )
     accelerator.end_training()
+    if torch.distributed.is_initialized():
+        # Tear gloo down while both ranks are still here: a rank that exits with the process
+        # group alive can abort in C++ ("terminate called without an active exception").
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
