@@ -21,7 +21,9 @@ import numpy as np
 import gradientmail_core as gm
 
 SHAPES = {"embed.weight": (16, 8), "layers.0.w": (8, 8), "layers.1.w": (8, 8), "head.b": (8,)}
-ALGORITHM = dict(sync_every=6, fragments=2, quorum_size=1)
+# overlap_steps=0: a learner waits for its round before training on, so when training stops
+# no round is due but unpublished and every learner can end at the same newest commit.
+ALGORITHM = dict(sync_every=6, fragments=2, quorum_size=1, overlap_steps=0)
 
 
 def target() -> dict[str, np.ndarray]:

@@ -19,6 +19,7 @@ CAUGHT_BY = {
     "remote_clock_lease": ("lease lost",),
     "skip_sha_check": ("differ from the merge", "differs from the recomputed", "different from the newest commit"),
     "count_twice": ("differ from the merge",),
+    "stale_view_is_fatal": ("raised ProtocolError",),
 }
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .. import closer, keys, mailbox, node, store
+from ..errors import MailboxUnavailable, ProtocolError
 from ..lease import LeaseWriter
 from ..mailbox import CreateOutcome
 from ..records import Lease
@@ -135,6 +136,22 @@ def count_twice() -> contextlib.AbstractContextManager[None]:
     return _patched((closer, "merge", merge))
 
 
+def stale_view_is_fatal() -> contextlib.AbstractContextManager[None]:
+    """The bug fixed in 0461177: a node that becomes closer on a stale view (paused after its
+    listing while the run committed and collected 2P rounds) dies on the missing parameters."""
+    orig = node.Node._fragment_state
+
+    def fragment_state(self: node.Node, f: int) -> Any:
+        try:
+            return orig(self, f)
+        except MailboxUnavailable as e:
+            if "newer commits exist" in str(e):
+                raise ProtocolError(str(e)) from e
+            raise
+
+    return _patched((node.Node, "_fragment_state", fragment_state))
+
+
 MUTANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "skip_readback": skip_readback,
     "accept_stale": accept_stale,
@@ -143,6 +160,7 @@ MUTANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "remote_clock_lease": remote_clock_lease,
     "skip_sha_check": skip_sha_check,
     "count_twice": count_twice,
+    "stale_view_is_fatal": stale_view_is_fatal,
 }
 
 

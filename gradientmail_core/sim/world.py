@@ -163,6 +163,8 @@ class _Draw:
     chaos_every: float
     p_preempt: float
     p_preempt_contested: float
+    p_pause: float
+    p_pause_contested: float
 
 
 class Simulation:
@@ -255,6 +257,8 @@ class Simulation:
             chaos_every=r.uniform(2.5, 6.0),
             p_preempt=r.uniform(0.0, 0.03),
             p_preempt_contested=r.uniform(0.05, 0.5),
+            p_pause=r.uniform(0.0, 0.0015),
+            p_pause_contested=r.uniform(0.0, 0.06),
         )
 
     def _tapper(self, name: str) -> Callable[[Op, str], None]:
@@ -266,6 +270,16 @@ class Simulation:
             if self.phase != "faults" or self.preempting:
                 return
             contested = op == "put" and (key.startswith(keys.ROUNDS) or key.startswith(keys.CLAIMS))
+            if self.rng.random() < (self.draw.p_pause_contested if contested else self.draw.p_pause):
+                seconds = self.rng.uniform(0.3, 2.5 * self.draw.options.lease_timeout)
+                self._trace(f"{self.T:.6f} {name} paused for {seconds:.3f} s inside {op} {key}")
+                self.stats["chaos/pause_mid_call"] += 1
+                self.preempting = True
+                try:
+                    self._pause_inside(self.nodes[name], seconds)
+                finally:
+                    self.preempting = False
+                return
             if self.rng.random() >= (self.draw.p_preempt_contested if contested else self.draw.p_preempt):
                 return
             others = [
@@ -352,15 +366,18 @@ class Simulation:
             losses,
         )
 
+    def _advance_to(self, at: float) -> None:
+        if at > self.T:
+            for sn in self.nodes.values():
+                if sn.clock is not None:
+                    sn.clock.advance(at - self.T)
+            self.T = at
+
     def _loop(self) -> None:
         rounds = self.config.rounds
         while self.queue:
             at, _, name, kind, gen = heapq.heappop(self.queue)
-            if at > self.T:
-                for sn in self.nodes.values():
-                    if sn.clock is not None:
-                        sn.clock.advance(at - self.T)
-                self.T = at
+            self._advance_to(at)
             if self.auditor.violations:
                 raise _Abort("stopped at the first invariant violation")
             if self.phase == "faults" and (
@@ -381,22 +398,43 @@ class Simulation:
                     self._chaos()
                     self._push(self.T + self.rng.expovariate(1 / self.draw.chaos_every), "", "chaos", 0)
                 continue
-            sn = self.nodes[name]
-            if kind == "start":
-                if gen == sn.gen and sn.state in ("down", "left"):
-                    self._start(sn)
+            self._dispatch(name, kind, gen)
+
+    def _dispatch(self, name: str, kind: str, gen: int) -> None:
+        sn = self.nodes[name]
+        if kind == "start":
+            if gen == sn.gen and sn.state in ("down", "left"):
+                self._start(sn)
+            return
+        if gen != (sn.tick_gen if kind == "tick" else sn.gen) or sn.state != "up":
+            return
+        if self.T < sn.stalled_until:
+            self._push(sn.stalled_until, name, kind, gen)
+            return
+        if kind == "tick":
+            self.stats["ticks"] += 1
+            self._tick(sn)
+        elif kind == "step" and self.phase != "final":
+            self.stats["steps"] += 1
+            self._step(sn)
+
+    def _pause_inside(self, paused: SimNode, seconds: float) -> None:
+        """The node is paused (SIGSTOP) in the middle of a store call: the others run on for
+        ``seconds`` (its events and the chaos timer wait), then its call proceeds, on its now
+        stale view of the run."""
+        until = self.T + seconds
+        held = []
+        while self.queue and self.queue[0][0] <= until:
+            item = heapq.heappop(self.queue)
+            at, _, name, kind, gen = item
+            if name == paused.name or kind == "chaos":
+                held.append(item)
                 continue
-            if gen != (sn.tick_gen if kind == "tick" else sn.gen) or sn.state != "up":
-                continue
-            if self.T < sn.stalled_until:
-                self._push(sn.stalled_until, name, kind, gen)
-                continue
-            if kind == "tick":
-                self.stats["ticks"] += 1
-                self._tick(sn)
-            elif kind == "step" and self.phase != "final":
-                self.stats["steps"] += 1
-                self._step(sn)
+            self._advance_to(at)
+            self._dispatch(name, kind, gen)
+        self._advance_to(until)
+        for item in held:
+            heapq.heappush(self.queue, item)
 
     # ---- node actions -------------------------------------------------------------------
 
