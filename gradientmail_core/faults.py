@@ -292,22 +292,27 @@ class FaultyMailbox:
             return []
         fired: builtins.list[Fault] = []
         r = None
+        state = self._state
         for rule in self.rules:
-            if rule.ops is not None and op not in rule.ops:
+            ops = rule.ops
+            if ops is not None and op not in ops:
                 continue
             if rule.node is not None and rule.node != self.node:
                 continue
-            if not key.startswith(rule.prefix):
+            if rule.prefix and not key.startswith(rule.prefix):
                 continue
-            if rule.kind == "flip" and (op != "get" or not key.startswith(keys.BLOBS)):
+            kind = rule.kind
+            if kind == "flip" and (op != "get" or not key.startswith(keys.BLOBS)):
                 continue
-            if rule.kind == "retry_412" and op != "put":
+            if kind == "retry_412" and op != "put":
                 continue
             if rule.rounds is not None:
                 r = round_of(key) if r is None else r
                 if r is None or not rule.rounds[0] <= r <= rule.rounds[1]:
                     continue
-            st = self._state.setdefault(id(rule), _RuleState())
+            st = state.get(id(rule))
+            if st is None:
+                st = state[id(rule)] = _RuleState()
             if rule.times is not None and st.fired >= rule.times:
                 continue
             st.matched += 1
