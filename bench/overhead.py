@@ -1,28 +1,48 @@
-"""Step overhead: the same training loop with and without a gm.Session, in one run.
+"""Step overhead: the same training loop with and without gradientmail, side by side.
 
-Runs alternating blocks of steps (plain, session, plain, session, ...) so drift in the
-machine's speed hits both arms equally, and prints the ratio of median step times. The
-session trains against a FileMailbox in a temp dir as a lone learner, so the same process
-also closes every round (merge + outer step + payload writes on the background thread):
-the worst case for the training thread.
+Arms (each a fresh worker process, so one arm's background thread never runs during another's
+block; workers alternate arm by arm, the order flipping every pair, so drift in the machine's
+speed hits every arm alike):
 
-    python bench/overhead.py                 # ~20 ms and ~200 ms steps
-    python bench/overhead.py --target-ms 20 --blocks 6
+- ``plain``:     a torch loop (forward, backward, AdamW step),
+- ``session``:   the same loop with ``session.step()`` after each optimizer step,
+- ``lightning``: the same model and optimizer in a ``lightning.Trainer`` (one CPU device),
+- ``lightning-gm``: the same Trainer with ``strategy=MailboxDiLoCoStrategy(...)``.
+
+gradientmail runs as a lone learner on a ``FileMailbox`` (fsync on) in a temp dir, so the same
+process also closes every round (judge, merge, outer step, payload writes): the worst case for
+the training process. Torch trains on one thread, leaving the other core to the background, as
+on a node whose accelerator does the training.
+
+Per block, after a warm-up of one round: wall time per step (median and mean), CPU time of the
+training thread per step, and CPU time of the whole process per step (training + background).
+Ratios are per pair of adjacent blocks (this arm / its baseline), then the median over pairs.
+Beside them, two direct figures per step, as a share of the step: the wall time spent inside
+gradientmail's call on the training thread, and the background's CPU time.
+
+    python bench/overhead.py                          # 20 ms and 200 ms steps, all arms
+    python bench/overhead.py --target-ms 20 --pairs 8 --arms plain session
+    git worktree add /tmp/before <commit>             # before/after in one run:
+    python bench/overhead.py --arms plain session --engine before=/tmp/before
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
-import torch
-
-import gradientmail_core as gm
+BASELINE = {"session": "plain", "lightning-gm": "lightning"}
 
 
-def make(width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(width: int):
+    import torch
+
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(256, width),
@@ -34,85 +54,300 @@ def make(width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
-def step(model, opt, x) -> None:
-    loss = model(x).pow(2).mean()
+def batches(batch: int):
+    """Inputs, and targets from a fixed random linear teacher: the loss stays away from zero, so
+    no arm drifts into float32 subnormals (which slow a CPU step down several times)."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    teacher = torch.randn(256, 256, generator=g) / 16
+    xs = [torch.randn(batch, 256, generator=g) for _ in range(8)]
+    return [(x, x @ teacher) for x in xs]
+
+
+def calibrate(target_ms: float, batch: int) -> int:
+    """Width of the MLP whose plain step takes about ``target_ms`` on one thread."""
+    import torch
+
+    torch.set_num_threads(1)
+    data = batches(batch)
+    width = 256
+    while True:
+        model, opt = build(width)
+        for i in range(3):
+            _step(model, opt, data[i % 8])
+        t0 = time.perf_counter()
+        for i in range(5):
+            _step(model, opt, data[i % 8])
+        ms = (time.perf_counter() - t0) / 5 * 1000
+        if ms >= target_ms or width >= 8192:
+            return width
+        width = int(width * max(1.1, min(2.0, (target_ms / ms) ** 0.5)))
+
+
+def _step(model, opt, xy) -> None:
+    x, y = xy
+    loss = (model(x) - y).pow(2).mean()
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()
 
 
-def calibrate(target_ms: float, batch: int) -> int:
-    x = torch.randn(batch, 256)
-    width = 256
-    while True:
-        model, opt = make(width)
-        for _ in range(3):
-            step(model, opt, x)
-        t0 = time.perf_counter()
-        for _ in range(5):
-            step(model, opt, x)
-        ms = (time.perf_counter() - t0) / 5 * 1000
-        if ms >= target_ms or width >= 8192:
-            return width
-        width = int(width * max(1.2, min(2.0, (target_ms / ms) ** 0.5)))
+# ---- workers (one block of one arm, in a fresh process) -------------------------------------
 
 
-def measure(target_ms: float, blocks: int, steps: int, sync_every: int) -> dict:
-    torch.set_num_threads(1)  # leave the other core to the background thread, as on a real node
-    batch = 64
-    width = calibrate(target_ms, batch)
-    x = torch.randn(batch, 256)
-    plain_model, plain_opt = make(width)
-    model, opt = make(width)
-    n_params = sum(p.numel() for p in model.parameters())
-    times: dict[str, list[float]] = {"plain": [], "session": []}
+class Timed:
+    """Wraps the call gradientmail adds to a step and sums its wall and CPU time while ``on``:
+    the overhead on the training thread itself, measured directly (not as a noisy difference)."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.on, self.wall, self.cpu = fn, False, 0.0, 0.0
+
+    def __call__(self, *a, **k):
+        if not self.on:
+            return self.fn(*a, **k)
+        w, c = time.perf_counter(), time.thread_time()
+        try:
+            return self.fn(*a, **k)
+        finally:
+            self.wall += time.perf_counter() - w
+            self.cpu += time.thread_time() - c
+
+
+def worker(
+    arm: str, width: int, steps: int, warmup: int, batch: int, sync_every: int, fragments: int, poll: float
+) -> dict:
+    import torch
+
+    import gradientmail_core as gm
+
+    torch.set_num_threads(1)
+    cfg = gm.DiLoCo(sync_every=sync_every, fragments=fragments)
     with tempfile.TemporaryDirectory() as d:
-        cfg = gm.DiLoCo(sync_every=sync_every, fragments=4)
-        with gm.Session(
-            model, algorithm=cfg, mailbox=gm.FileMailbox(d), learner_id="bench", poll_interval=0.2, callbacks=()
-        ) as session:
-            for _ in range(blocks):
-                for arm in ("plain", "session"):
-                    for _ in range(steps):
-                        t0 = time.perf_counter()
-                        if arm == "plain":
-                            step(plain_model, plain_opt, x)
-                        else:
-                            step(model, opt, x)
-                            session.step(samples=batch)
-                        times[arm].append(time.perf_counter() - t0)
-            rounds = session.rounds_seen
-    plain, with_session = statistics.median(times["plain"]), statistics.median(times["session"])
-    mean_ratio = statistics.fmean(times["session"]) / statistics.fmean(times["plain"])
+        session_opts = dict(learner_id="bench", poll_interval=poll, callbacks=())
+        if arm in ("plain", "session"):
+            model, opt = build(width)
+            data = batches(batch)
+            marks: list[tuple[float, float, float]] = []
+            session = (
+                gm.Session(model, algorithm=cfg, mailbox=gm.FileMailbox(d), **session_opts)
+                if arm == "session"
+                else None
+            )
+            timed = Timed(session.step if session is not None else lambda samples: None)
+            if session is not None:
+                session.open()
+            for i in range(warmup + steps + 1):
+                if i >= warmup:
+                    marks.append((time.perf_counter(), time.thread_time(), time.process_time()))
+                    timed.on = i < warmup + steps
+                _step(model, opt, data[i % 8])
+                timed(samples=batch)
+            if session is not None:
+                session._shutdown()  # leave without waiting for rounds in flight: not timed
+        else:
+            marks, timed = _lightning(arm, width, steps, warmup, batch, cfg, d, session_opts)
+        rounds = len(gm.FileMailbox(d).list("rounds/")) if arm in BASELINE else 0
+    walls = [b[0] - a[0] for a, b in zip(marks, marks[1:])]
     return {
-        "width": width,
-        "params": n_params,
-        "plain_ms": plain * 1000,
-        "session_ms": with_session * 1000,
-        "median_ratio": with_session / plain,
-        "mean_ratio": mean_ratio,
+        "arm": arm,
+        "median": statistics.median(walls),
+        "mean": statistics.fmean(walls),
+        "thread_cpu": (marks[-1][1] - marks[0][1]) / steps,
+        "process_cpu": (marks[-1][2] - marks[0][2]) / steps,
         "rounds": rounds,
+        "load": os.getloadavg()[0],
+        "call_wall": timed.wall / steps,
+        "call_cpu": timed.cpu / steps,
     }
+
+
+def _lightning(arm, width, steps, warmup, batch, cfg, d, session_opts):
+    import lightning.pytorch as pl
+    import torch
+
+    import gradientmail_core as gm
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net, _ = build(width)
+
+        def training_step(self, b, i):
+            return (self.net(b[0]) - b[1]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    marks: list[tuple[float, float, float]] = []
+    timed = Timed(None)
+
+    class Clock(pl.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, b, i) -> None:
+            if trainer.global_step > warmup:
+                marks.append((time.perf_counter(), time.thread_time(), time.process_time()))
+                timed.on = len(marks) <= steps
+
+    n = warmup + steps + 2
+    xy = batches(batch)
+    data = torch.utils.data.TensorDataset(
+        torch.cat([xy[i % 8][0] for i in range(n)]), torch.cat([xy[i % 8][1] for i in range(n)])
+    )
+    loader = torch.utils.data.DataLoader(data, batch_size=batch)
+    kwargs = {}
+    if arm == "lightning-gm":
+        from gradientmail_lightning import MailboxDiLoCoStrategy
+
+        kwargs["strategy"] = strategy = MailboxDiLoCoStrategy(algorithm=cfg, mailbox=gm.FileMailbox(d), **session_opts)
+        timed.fn = strategy.callback.on_train_batch_end
+        strategy.callback.on_train_batch_end = timed  # the per-step work of the integration
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=n,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Clock()],
+        **kwargs,
+    )
+    trainer.fit(Module(), loader)
+    return marks[: steps + 1], timed
+
+
+# ---- the parent: alternate workers, pair blocks, print ratios --------------------------------
+
+
+def baseline(arm: str) -> str | None:
+    return BASELINE.get(arm.split("@")[0])
+
+
+def run_block(arm: str, args: argparse.Namespace, width: int, steps: int, warmup: int) -> dict:
+    name, _, engine = arm.partition("@")
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        name,
+        "--width",
+        str(width),
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+        "--batch",
+        str(args.batch),
+        "--sync-every",
+        str(args.sync_every),
+        "--fragments",
+        str(args.fragments),
+        "--poll",
+        str(args.poll),
+    ]
+    # One torch thread in every arm (Lightning's DDP strategies otherwise set one per core).
+    # Fixed malloc thresholds: glibc otherwise tunes them to the sizes a process has freed, and
+    # the session arm's payload buffers then made its training steps ~15% cheaper than plain's.
+    env = {
+        **os.environ,
+        "PYTHONWARNINGS": "ignore",
+        "OMP_NUM_THREADS": "1",
+        "MALLOC_MMAP_THRESHOLD_": str(256 << 20),
+        "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
+    }
+    if engine:  # an arm on another checkout of gradientmail (--engine NAME=PATH): before/after
+        env["PYTHONPATH"] = os.pathsep.join([dict(args.engine)[engine], env.get("PYTHONPATH", "")])
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        raise RuntimeError(f"worker {arm} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure(target_ms: float, args: argparse.Namespace) -> None:
+    width = calibrate(target_ms, args.batch)
+    round_steps = args.sync_every // args.fragments
+    steps = max(int(args.seconds * 1000 / target_ms), 2 * round_steps)
+    warmup = round_steps + 5
+    arms = args.arms + [f"session@{name}" for name, _ in args.engine]
+    blocks: dict[str, list[dict]] = {a: [] for a in arms}
+    for p in range(args.pairs):
+        for arm in arms if p % 2 == 0 else list(reversed(arms)):
+            blocks[arm].append(run_block(arm, args, width, steps, warmup))
+    n_params = sum(p.numel() for p in build(width)[0].parameters())
+    loads = [b["load"] for bs in blocks.values() for b in bs]
+    print(
+        f"\n~{target_ms:.0f} ms step: MLP width {width} ({n_params:,} params), {steps} timed steps per block, "
+        f"{args.pairs} blocks per arm; load average {min(loads):.1f}-{max(loads):.1f}"
+    )
+    print(
+        f"{'arm':>16} | {'median ms':>9} {'mean ms':>8} | {'train CPU ms':>12} {'process CPU ms':>14} | "
+        f"{'wall ratio':>10} {'(mean)':>7} {'train CPU':>9} {'proc CPU':>8} | {'in gm call':>10} "
+        f"{'bg CPU':>7} | rounds/block"
+    )
+    for arm in arms:
+        bs = blocks[arm]
+        med = statistics.median(b["median"] for b in bs) * 1e3
+        mean = statistics.median(b["mean"] for b in bs) * 1e3
+        tcpu = statistics.median(b["thread_cpu"] for b in bs) * 1e3
+        pcpu = statistics.median(b["process_cpu"] for b in bs) * 1e3
+        base = baseline(arm)
+        if base in blocks:
+            pairs = list(zip(bs, blocks[base]))
+            r_med = statistics.median(a["median"] / b["median"] for a, b in pairs)
+            r_mean = statistics.median(a["mean"] / b["mean"] for a, b in pairs)
+            r_t = statistics.median(a["thread_cpu"] / b["thread_cpu"] for a, b in pairs)
+            r_p = statistics.median(a["process_cpu"] / b["process_cpu"] for a, b in pairs)
+            ratios = f"{r_med:>10.3f} {r_mean:>7.3f} {r_t:>9.3f} {r_p:>8.3f}"
+        else:
+            ratios = f"{'(baseline)':>10} {'':>7} {'':>9} {'':>8}"
+        rounds = statistics.median(b["rounds"] for b in bs)
+        # Direct figures: wall time inside gradientmail's call on the training thread, and the
+        # background's CPU, each per step as a share of the arm's median step.
+        call = statistics.median(b["call_wall"] / b["median"] for b in bs)
+        bg = statistics.median((b["process_cpu"] - b["thread_cpu"]) / b["median"] for b in bs)
+        direct = f"{100 * call:>9.2f}% {100 * bg:>6.1f}%" if base else f"{'':>10} {'':>7}"
+        print(
+            f"{arm:>16} | {med:>9.2f} {mean:>8.2f} | {tcpu:>12.2f} {pcpu:>14.2f} | {ratios} | {direct} | {rounds:g}",
+            flush=True,
+        )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target-ms", type=float, nargs="*", default=[20.0, 200.0])
-    ap.add_argument("--blocks", type=int, default=6)
-    ap.add_argument("--steps", type=int, default=0, help="steps per block (default: about 2 s of work)")
-    ap.add_argument("--sync-every", type=int, default=40)
+    ap.add_argument("--arms", nargs="*", default=["plain", "session", "lightning", "lightning-gm"])
+    ap.add_argument("--pairs", type=int, default=5, help="blocks per arm")
+    ap.add_argument("--seconds", type=float, default=3.0, help="timed seconds per block (at least two rounds)")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--sync-every", type=int, default=100)
+    ap.add_argument("--fragments", type=int, default=4)
+    ap.add_argument("--poll", type=float, default=1.0, help="the session's poll_interval")
+    ap.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        type=lambda v: tuple(v.split("=", 1)),
+        metavar="NAME=PATH",
+        help="add an arm session@NAME run on the gradientmail checkout at PATH (e.g. a git worktree of an "
+        "older commit): before/after in one run",
+    )
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--width", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--steps", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--warmup", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    print("step time with vs without gm.Session (lone learner that also closes every round)")
+    if args.worker:
+        r = worker(
+            args.worker, args.width, args.steps, args.warmup, args.batch, args.sync_every, args.fragments, args.poll
+        )
+        print(json.dumps(r))
+        return
     print(
-        f"{'target':>7} | {'params':>9} | {'plain ms':>9} | {'session ms':>10} | {'median':>7} | {'mean':>7} | rounds"
+        f"step time with vs without gradientmail (lone learner closing every round, FileMailbox, "
+        f"sync_every={args.sync_every}, fragments={args.fragments}, poll_interval={args.poll})"
     )
     for target in args.target_ms:
-        steps = args.steps or max(10, int(2000 / target))
-        r = measure(target, args.blocks, steps, args.sync_every)
-        print(
-            f"{target:>5.0f}ms | {r['params']:>9,} | {r['plain_ms']:>9.2f} | {r['session_ms']:>10.2f} | "
-            f"{r['median_ratio']:>7.3f} | {r['mean_ratio']:>7.3f} | {r['rounds']}"
-        )
+        measure(target, args)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,10 @@ Drives N learners single-threaded over one in-memory mailbox with a fake clock, 
 behind its own counting wrapper, so the figures are exact request counts (no timing).
 Setup of the reference figure: 4 fragments, quorum 3, about 5 polls per round.
 
+Target: requests per node per round do not grow with the node count beyond the snapshots a
+closer must read (a record and a payload per contribution): the follower columns stay flat
+and the closer's GETs grow by two per node.
+
     python bench/requests.py            # 3, 8 and 32 nodes
     python bench/requests.py --nodes 3 --rounds 200
 """
@@ -66,7 +70,10 @@ def measure(n_nodes: int, rounds: int, *, fragments: int = 4, quorum: int = 3, p
     committed = members[0][2].head - start_head
     totals = {op: sum(m[1].counts.get(op, 0) for m in members) for op in ("LIST", "GET", "PUT", "DELETE")}
     per_node = {op: v / committed / n_nodes for op, v in totals.items()}
-    closer = max(members, key=lambda m: m[2].stats.committed)[1].counts
+    closer_member = max(members, key=lambda m: m[2].stats.committed)
+    closer = closer_member[1].counts
+    others = [m for m in members if m is not closer_member]
+    follower = {op: sum(m[1].counts.get(op, 0) for m in others) / len(others) / committed for op in totals}
     cost = (totals["LIST"] + totals["PUT"]) * PRICE_PUT_LIST + totals["GET"] * PRICE_GET
     return {
         "nodes": n_nodes,
@@ -74,6 +81,7 @@ def measure(n_nodes: int, rounds: int, *, fragments: int = 4, quorum: int = 3, p
         "per_node": per_node,
         "lists_per_round_total": totals["LIST"] / committed,
         "closer_per_round": {op: closer.get(op, 0) / committed for op in ("LIST", "GET", "PUT", "DELETE")},
+        "follower_per_round": follower,
         "usd_per_round": cost / committed,
     }
 
@@ -86,16 +94,20 @@ def main() -> None:
     print("requests per committed round (4 fragments, quorum 3, ~5 polls per round, lease_timeout 120 s)")
     print(
         f"{'nodes':>5} | {'LIST/node':>9} {'GET/node':>9} {'PUT/node':>9} {'DEL/node':>9} | "
-        f"{'LIST total':>10} {'vs prior art':>12} | {'closer L/G/P/D':>22} | {'USD/round':>10}"
+        f"{'LIST total':>10} {'vs prior art':>12} | {'closer L/G/P/D':>22} | {'follower L/G/P/D':>22} | "
+        f"{'USD/round':>10}"
     )
     for n in args.nodes:
         r = measure(n, args.rounds)
         p, c = r["per_node"], r["closer_per_round"]
         ratio = r["lists_per_round_total"] / PRIOR_ART_LISTS
         closer = f"{c['LIST']:.1f}/{c['GET']:.1f}/{c['PUT']:.1f}/{c['DELETE']:.1f}"
+        f_ = r["follower_per_round"]
+        follower = f"{f_['LIST']:.2f}/{f_['GET']:.2f}/{f_['PUT']:.2f}/{f_['DELETE']:.2f}"
         print(
             f"{n:>5} | {p['LIST']:>9.2f} {p['GET']:>9.2f} {p['PUT']:>9.2f} {p['DELETE']:>9.2f} | "
-            f"{r['lists_per_round_total']:>10.1f} {ratio:>11.2f}x | {closer:>22} | {r['usd_per_round']:>10.6f}"
+            f"{r['lists_per_round_total']:>10.1f} {ratio:>11.2f}x | {closer:>22} | {follower:>22} | "
+            f"{r['usd_per_round']:>10.6f}"
         )
 
 

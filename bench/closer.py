@@ -1,0 +1,183 @@
+"""Closer latency: time from quorum to a durable commit, against the physical floor of a merge.
+
+A merge must read every accepted contribution at least once, so the floor is the time to read
+``contributions x params x 4`` bytes once from memory (measured here, on the same arrays, as a
+float32 sum: one streaming read). The commit time is what ``Node._close`` does after quorum,
+timed in its three parts on a ``FileMailbox`` with fsync on:
+
+- ``compute``: ``closer.compute_commit`` (merge, outer step, cast, payload encoding, sha256),
+- ``write``:   the payload writes (create-once, fsync),
+- ``record``:  the round record (create-once, fsync): the commit point.
+
+Judging (fetch + sha256 + decode of each snapshot, done as snapshots arrive, before quorum)
+is timed separately. Contributions are F32 deltas, uncompressed; one fragment of ``params``.
+
+    python bench/closer.py                          # 25M and 100M params x 2, 8, 16 contributions
+    python bench/closer.py --params 25e6 --contributions 2 8
+
+100M x 16 holds 6.4 GB of decoded deltas (plus the closer's 1.2 GB of state); the script skips
+a size whose deltas would not fit in 60% of the memory available when it starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gradientmail_core as gm  # noqa: E402
+from gradientmail_core import keys  # noqa: E402
+from gradientmail_core.adapters.base import NumpyAdapter  # noqa: E402
+from gradientmail_core.closer import Collector, Estimates, FragmentState, compute_commit  # noqa: E402
+from gradientmail_core.mailbox import CreateOutcome, create_once  # noqa: E402
+from gradientmail_core.payload import encode_payload  # noqa: E402
+from gradientmail_core.records import Snapshot  # noqa: E402
+from gradientmail_core.run import open_run  # noqa: E402
+from gradientmail_core.store import RunStore  # noqa: E402
+
+TENSOR = 1 << 22  # 4M params per tensor: a large transformer matrix
+
+
+def available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def model(n_params: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    sizes = [TENSOR] * (n_params // TENSOR) + ([n_params % TENSOR] if n_params % TENSOR else [])
+    return {f"layers.{i}.w": (0.02 * rng.standard_normal(s, dtype=np.float32)) for i, s in enumerate(sizes)}
+
+
+def read_floor(arrays: list[np.ndarray], repeats: int = 3) -> float:
+    """Seconds to stream every array once through the CPU (best of ``repeats``)."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for a in arrays:
+            np.add.reduce(a, axis=None)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure(n_params: int, n_contrib: int, root: str) -> dict:
+    params = model(n_params)
+    cfg = gm.DiLoCo(sync_every=n_contrib, fragments=1, quorum_size=n_contrib)
+    mailbox = gm.FileMailbox(root)  # fsync on: the commit is durable when the record is written
+    store = RunStore(mailbox)
+    run, _ = open_run(store, NumpyAdapter(params), cfg, learner="closer", compression="", rng=random.Random(0))
+    # Each contributor's snapshot of round 0: an F32 delta payload and its record.
+    for i in range(n_contrib):
+        rng = np.random.default_rng(1 + i)
+        delta = {n: (1e-3 * rng.standard_normal(p.shape, dtype=np.float32)) for n, p in params.items()}
+        data = encode_payload(delta, "F32", kind="delta")
+        del delta
+        learner = f"l{i:02d}"
+        ref = store.put_payload(lambda sha, lr=learner: keys.snapshot_blob_key(0, lr, sha, ""), data)
+        del data
+        snap = Snapshot(
+            learner=learner,
+            round=0,
+            local_step=n_contrib,
+            steps=n_contrib,
+            tokens=64 * n_contrib,
+            base_version=0,
+            step_seconds=0.1,
+            schema_digest=run.digest,
+            payload=ref,
+            final=False,
+            nonce="0123abcd",
+        )
+        store.put_record(keys.snapshot_key(0, learner), snap)
+    gc.collect()
+
+    c = Collector(0, run, FragmentState.initial(params), 0.0, Estimates())
+    judge = []
+    for i in range(n_contrib):
+        t0 = time.perf_counter()
+        j = c.judge_snapshot(store, f"l{i:02d}")
+        judge.append(time.perf_counter() - t0)
+        assert j.reason is None, j.reason
+    c.update({j for j in c.judged}, 1.0, quorum_size=n_contrib, gap=1, in_flight=1, overlap_steps=None)
+    deltas = [a for j in c.accepted() for a in j.delta.values()]
+    floor = read_floor(deltas)
+    del deltas
+
+    t0 = time.perf_counter()
+    commit = compute_commit(c, closer="closer", live=n_contrib, compression="", sync_seconds=None, now=1.0)
+    t1 = time.perf_counter()
+    for key, data in commit.payloads.items():
+        outcome, _ = create_once(mailbox, key, data)
+        assert outcome is not CreateOutcome.TAKEN
+    t2 = time.perf_counter()
+    outcome, _ = store.put_record(keys.round_key(0), commit.record)
+    t3 = time.perf_counter()
+    assert outcome is CreateOutcome.CREATED
+    contrib_bytes = 4 * n_params * n_contrib
+    return {
+        "compute": t1 - t0,
+        "write": t2 - t1,
+        "record": t3 - t2,
+        "total": t3 - t0,
+        "floor": floor,
+        "judge_each": statistics.median(judge),
+        "judge_total": sum(judge),
+        "bytes": contrib_bytes,
+        "written": sum(len(d) for d in commit.payloads.values()),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", type=float, nargs="*", default=[25e6, 100e6])
+    ap.add_argument("--contributions", type=int, nargs="*", default=[2, 8, 16])
+    ap.add_argument("--dir", default=None, help="where the FileMailbox lives (default: a temp dir)")
+    args = ap.parse_args()
+    print(f"closer latency on FileMailbox (fsync on), F32 deltas, one fragment; load average {os.getloadavg()}")
+    head = (
+        f"{'params':>7} {'contrib':>7} | {'floor s':>7} {'GB/s':>5} | {'compute':>8} {'write':>6} {'record':>6} "
+        f"{'total s':>8} | {'x floor':>7} | {'judge each s':>12} {'judge/floor':>11}"
+    )
+    print(head)
+    print("-" * len(head))
+    for p in args.params:
+        n_params = int(p)
+        for n in args.contributions:
+            need = 4 * n_params * (n + 6)  # deltas + closer state + outputs
+            if need > 0.6 * available_bytes():
+                print(
+                    f"{n_params / 1e6:>6.0f}M {n:>7} | skipped: needs ~{need / 2**30:.1f} GiB, "
+                    f"{available_bytes() / 2**30:.1f} GiB available"
+                )
+                continue
+            with tempfile.TemporaryDirectory(dir=args.dir) as d:
+                r = measure(n_params, n, d)
+            gc.collect()
+            print(
+                f"{n_params / 1e6:>6.0f}M {n:>7} | {r['floor']:>7.3f} {r['bytes'] / r['floor'] / 1e9:>5.1f} | "
+                f"{r['compute']:>8.2f} {r['write']:>6.2f} {r['record']:>6.3f} {r['total']:>8.2f} | "
+                f"{r['total'] / r['floor']:>6.1f}x | {r['judge_each']:>12.2f} "
+                f"{r['judge_total'] / r['floor']:>10.1f}x",
+                flush=True,
+            )
+    print(f"load average after: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()

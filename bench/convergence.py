@@ -1,0 +1,345 @@
+"""Convergence at equal compute: DiLoCo variants against synchronous data parallel.
+
+A small character-level transformer (``examples/charlm.py``) on the standard library's own
+source files (every ``heldout_every``-th file held out). Every arm trains 4 learners x ``steps``
+optimizer steps of ``batch`` sequences with the same AdamW, so all see the same number of
+tokens; the loss reported is the held-out loss of the newest *committed* parameters.
+
+Arms:
+
+- ``data-parallel``: gradients averaged over the 4 workers every step (one model, batch 4 x b),
+- ``diloco-H20`` / ``diloco-H50``: standard DiLoCo (``fragments=1, in_flight=1,
+  overlap_steps=0, WeightedMean, quorum 4``), every learner waits at each sync,
+- ``streaming-F32`` / ``streaming-F4``: Streaming DiLoCo (5 fragments, H=50, overlap 5 steps,
+  mixing 0.5), deltas in F32 or F4,
+- ``decoupled-hetero``: Decoupled DiLoCo (4 fragments, H=20, quorum 3, RDA, no waiting) with
+  learner 3 taking three times as long per step as the others,
+- ``diloco-H20`` is run with that same straggler: it waits for it at every sync, so its
+  curve against steps is standard DiLoCo's and its clock is the straggler's.
+
+Learners are driven single-threaded (``Node.tick``/``Learner.step`` on a ``MemoryMailbox`` and
+one ``FakeClock``) in simulated time: a fast step takes one time unit, every node polls once
+per unit. The run is reproducible bit for bit and needs one core.
+
+    python bench/convergence.py                 # about 5 minutes on a laptop core
+    python bench/convergence.py --steps 300     # quicker, noisier
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "examples"))
+import _cluster  # noqa: E402
+import charlm  # noqa: E402
+
+import gradientmail_core as gm  # noqa: E402
+from gradientmail_core.adapters import adapter_for  # noqa: E402
+
+LEARNERS = 4
+SIZE = charlm.Size(layers=2, width=64, heads=4, block=64)
+
+
+@dataclass
+class Curve:
+    name: str
+    steps: list[float] = field(default_factory=list)  # optimizer steps of a (fast) learner
+    times: list[float] = field(default_factory=list)  # simulated time units
+    losses: list[float] = field(default_factory=list)
+
+    def add(self, step: float, t: float, loss: float) -> None:
+        self.steps.append(step)
+        self.times.append(t)
+        self.losses.append(loss)
+
+    def final(self) -> float:
+        """The loss of the last evaluation: at the end of training, after the last commit."""
+        return self.losses[-1]
+
+    def at(self, step: float) -> float:
+        """The loss of the last evaluation at or before ``step``."""
+        return [loss for s, loss in zip(self.steps, self.losses) if s <= step][-1]
+
+    def time_to(self, target: float) -> float | None:
+        for t, loss in zip(self.times, self.losses):
+            if loss <= target:
+                return t
+        return None
+
+
+class Data:
+    def __init__(self, heldout_batches: int) -> None:
+        text = charlm.stdlib_text()
+        self.train = charlm.encode(text["train"])
+        self.heldout = charlm.heldout_batches(
+            charlm.encode(text["heldout"]), batches=heldout_batches, batch=32, block=SIZE.block
+        )
+
+    def generator(self, seed: int) -> torch.Generator:
+        return torch.Generator().manual_seed(seed)
+
+    def batch(self, g: torch.Generator, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return charlm.sample_batch(self.train, batch=batch, block=SIZE.block, generator=g)
+
+
+def optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+
+def train_step(model, opt, x, y) -> None:
+    loss = model.loss(x, y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+
+
+# ---- arms ----------------------------------------------------------------------------------------
+
+
+def data_parallel(data: Data, args: argparse.Namespace) -> Curve:
+    """4 workers averaging gradients every step = one model on their 4 batches at once."""
+    model = charlm.CharTransformer(SIZE, seed=0)
+    opt = optimizer(model, args.lr)
+    gens = [data.generator(100 + i) for i in range(LEARNERS)]
+    curve = Curve("data-parallel")
+    curve.add(0, 0, charlm.evaluate(model, data.heldout))
+    for s in range(1, args.steps + 1):
+        xs, ys = zip(*(data.batch(g, args.batch) for g in gens))
+        train_step(model, opt, torch.cat(xs), torch.cat(ys))
+        if s % args.eval_every == 0:
+            curve.add(s, s, charlm.evaluate(model, data.heldout))
+    return curve
+
+
+def cluster(
+    name: str,
+    cfg: gm.DiLoCo,
+    data: Data,
+    args: argparse.Namespace,
+    *,
+    step_units: list[int],
+    until: int,
+    hetero: bool = False,
+) -> tuple[Curve, dict]:
+    """Learners taking ``step_units`` time units per step. Each trains ``until`` steps and the run
+    ends when their rounds have committed; with ``hetero``, it ends when the fast learners have
+    trained ``until`` steps, however far the slow ones got."""
+    mailbox, clock = gm.MemoryMailbox(), gm.FakeClock()
+    members, opts, gens = [], [], []
+    for i in range(LEARNERS):
+        model = charlm.CharTransformer(SIZE, seed=0)
+        members.append(_cluster.join(f"l{i}", model, cfg=cfg, mailbox=mailbox, clock=clock, seed=i))
+        opts.append(optimizer(model, args.lr))
+        gens.append(data.generator(100 + i))
+    _cluster.see_each_other(members)
+    evaluator = charlm.CharTransformer(SIZE, seed=0)
+    eval_adapter = adapter_for(evaluator)
+    stats = {"rejected": {}, "steps": [0] * LEARNERS}
+
+    def committed_loss() -> float:
+        for _, theta in members[0].node.thetas.values():
+            eval_adapter.write(theta)
+        return charlm.evaluate(evaluator, data.heldout)
+
+    def blocked(m) -> bool:
+        lr = m.learner
+        overlap = cfg.overlap_steps
+        return overlap is not None and bool(lr.published) and lr.local_step - lr.published[0].local_step >= overlap
+
+    curve = Curve(name)
+    curve.add(0, 0, committed_loss())
+    fast = min(step_units)
+    # A step ends ``step_units`` after it starts; a learner starts its next step when it is
+    # free and not held back by ``overlap_steps`` (the engine's wait, here in simulated time).
+    busy_until: list[int | None] = list(step_units)
+    goal = [until if step_units[i] == fast or not hetero else 0 for i in range(LEARNERS)]
+    t = 0
+    next_eval = args.eval_every
+
+    def finished() -> bool:
+        trained = all(stats["steps"][i] >= goal[i] for i in range(LEARNERS))
+        # Equal-speed and synchronous arms end once their last rounds committed, like data parallel.
+        return trained and (hetero or all(not m.learner.published for m in members))
+
+    while not finished():
+        t += 1
+        clock.advance(1.0)
+        for i, m in enumerate(members):
+            if busy_until[i] == t:
+                x, y = data.batch(gens[i], args.batch)
+                train_step(m.model, opts[i], x, y)
+                m.step(args.batch * SIZE.block)
+                stats["steps"][i] += 1
+                busy_until[i] = None
+        for m in members:
+            m.tick()
+        for i, m in enumerate(members):
+            if busy_until[i] is None and stats["steps"][i] < max(goal) and not blocked(m):
+                busy_until[i] = t + step_units[i]
+        lead = max(stats["steps"][i] for i in range(LEARNERS) if step_units[i] == fast)
+        if lead >= next_eval:
+            curve.add(lead, t, committed_loss())
+            next_eval += args.eval_every
+    if curve.times[-1] != t:
+        curve.add(lead, t, committed_loss())
+    for m in members:
+        for k, v in m.node.stats.rejected.items():
+            stats["rejected"][k] = stats["rejected"].get(k, 0) + v
+    stats["rounds"] = members[0].node.head + 1
+    stats["time"] = t
+    return curve, stats
+
+
+# ---- main ----------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=600, help="optimizer steps per learner")
+    ap.add_argument("--batch", type=int, default=8, help="sequences per learner per step")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--eval-every", type=int, default=20)
+    ap.add_argument("--heldout-batches", type=int, default=8, help="fixed held-out batches of 32 x 64 chars")
+    ap.add_argument("--outer-lr", type=float, default=0.7, help="outer learning rate of every DiLoCo arm")
+    ap.add_argument("--outer-momentum", type=float, default=0.9)
+    ap.add_argument("--arms", nargs="*", default=None, help="run only these arms (data-parallel always runs)")
+    ap.add_argument("--plot", default=str(HERE / "convergence.png"))
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    t_start = time.perf_counter()
+    data = Data(args.heldout_batches)
+    outer = dict(outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
+    standard = dict(fragments=1, in_flight=1, overlap_steps=0, merge=gm.WeightedMean(), quorum_size=LEARNERS, **outer)
+    streaming = dict(
+        **outer,
+        sync_every=50,
+        fragments=5,
+        in_flight=2,
+        overlap_steps=5,
+        mixing=0.5,
+        merge=gm.WeightedMean(),
+        quorum_size=LEARNERS,
+    )
+    straggler = [1, 1, 1, 3]
+    curves: dict[str, Curve] = {}
+    info: dict[str, dict] = {}
+
+    def done(name: str) -> None:
+        c = curves[name]
+        print(
+            f"  {name:>17}: final held-out loss {c.final():.4f}  ({time.perf_counter() - t_start:.0f} s elapsed)",
+            flush=True,
+        )
+
+    print(
+        f"convergence at equal compute: {LEARNERS} learners x {args.steps} steps x {args.batch} x {SIZE.block} "
+        f"chars, model {sum(p.numel() for p in charlm.CharTransformer(SIZE).parameters()):,} params; "
+        f"load average {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
+    curves["data-parallel"] = data_parallel(data, args)
+    done("data-parallel")
+    arms = [
+        ("diloco-H20", gm.DiLoCo(sync_every=20, **standard), straggler),
+        ("diloco-H50", gm.DiLoCo(sync_every=50, **standard), [1] * LEARNERS),
+        ("streaming-F32", gm.DiLoCo(**streaming), [1] * LEARNERS),
+        ("streaming-F4", gm.DiLoCo(**streaming, delta_dtype="F4"), [1] * LEARNERS),
+        ("decoupled-hetero", gm.DiLoCo(sync_every=20, fragments=4, quorum_size=3, **outer), straggler),
+    ]
+    for name, cfg, units in arms:
+        if args.arms is not None and name not in args.arms:
+            continue
+        hetero = name == "decoupled-hetero"
+        until = int(args.steps * 1.5) if hetero else args.steps
+        curves[name], info[name] = cluster(name, cfg, data, args, step_units=units, until=until, hetero=hetero)
+        done(name)
+
+    base = curves["data-parallel"].final()
+    print(f"\nheld-out loss (nats/char) at the end of training, load average {os.getloadavg()[0]:.1f}")
+    print(f"{'arm':>17} | {'final loss':>10} | {'/ data-parallel':>15} | {'rounds':>6} | rejected")
+    for name, c in curves.items():
+        if name == "decoupled-hetero":
+            # It trains past args.steps (50% more time) to find when it reaches the target; its
+            # loss at args.steps fast-learner steps is the figure at equal time.
+            final = c.at(args.steps)
+        else:
+            final = c.final()
+        i = info.get(name, {})
+        print(
+            f"{name:>17} | {final:>10.4f} | {final / base:>15.4f} | {i.get('rounds', '-'):>6} | "
+            f"{i.get('rejected', '-')}"
+        )
+    if "streaming-F4" in curves and "streaming-F32" in curves:
+        f4 = curves["streaming-F4"].final() / curves["streaming-F32"].final()
+        print(f"\nF4 against F32 deltas (streaming): loss ratio {f4:.4f} (target < 1.01)")
+    if "diloco-H20" in curves:
+        ratio = curves["diloco-H20"].final() / base
+        print(f"DiLoCo H=20 against data parallel: loss ratio {ratio:.4f} (target <= 1.02)")
+    if "diloco-H20" not in curves or "decoupled-hetero" not in curves:
+        return
+
+    sync, het = curves["diloco-H20"], curves["decoupled-hetero"]
+    target = base
+    if sync.time_to(target) is None or het.time_to(target) is None:
+        target = max(sync.final(), base)
+        print(
+            f"(data parallel's final loss {base:.4f} is not reached by both; target = synchronous DiLoCo's final "
+            f"loss {target:.4f})"
+        )
+    ts, th = sync.time_to(target), het.time_to(target)
+    if ts is not None and th is not None:
+        print(
+            f"time to loss {target:.4f} with a 3x straggler: synchronous DiLoCo {ts} units, decoupled {th} units: "
+            f"ratio {th / ts:.3f} (target <= 0.6)"
+        )
+    else:
+        print(f"time to loss {target:.4f}: synchronous {ts}, decoupled {th} (not reached)")
+    plot(curves, args.plot, args.steps)
+    print(f"plot: {args.plot}; total {time.perf_counter() - t_start:.0f} s")
+
+
+def plot(curves: dict[str, Curve], path: str, steps: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 5))
+    for name, c in curves.items():
+        a.plot(c.steps, c.losses, label=name)
+    a.set_xlabel("optimizer steps per learner (fast learners for decoupled-hetero)")
+    a.set_ylabel("held-out loss (nats/char)")
+    a.set_title("equal compute: loss against step")
+    a.set_xlim(0, steps * 1.5)
+    lows = [min(c.losses) for c in curves.values()]
+    a.set_ylim(min(lows) - 0.05, min(lows) + 1.0)
+    a.legend()
+    for name in ("diloco-H20", "decoupled-hetero"):
+        c = curves[name]
+        label = (
+            "synchronous DiLoCo H=20 (waits for the straggler)"
+            if name == "diloco-H20"
+            else "decoupled DiLoCo (quorum 3)"
+        )
+        b.plot(c.times, c.losses, label=label)
+    b.axhline(curves["data-parallel"].final(), color="grey", linestyle=":", label="data parallel, final loss")
+    b.set_xlabel("simulated time (units of one fast step)")
+    b.set_ylabel("held-out loss (nats/char)")
+    b.set_title("one learner 3x slower")
+    b.set_ylim(min(lows) - 0.05, min(lows) + 1.0)
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
