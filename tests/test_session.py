@@ -245,3 +245,36 @@ def test_two_processes_joining_at_once_with_the_same_id_one_is_refused():
     for s in sessions:
         s.close()
     assert sorted(outcomes) == ["joined", "refused"]
+
+
+def test_flush_on_close_publishes_the_remaining_steps_as_final_contributions():
+    from gradientmail_core.records import RoundRecord, decode
+
+    mb = gm.MemoryMailbox()
+    cfg = gm.DiLoCo(sync_every=8, fragments=2, flush_on_close=True)
+    params = {"a": np.zeros(3, np.float32), "b": np.zeros(2, np.float32)}
+    seen: list = []
+    with gm.Session(
+        params,
+        algorithm=cfg,
+        mailbox=mb,
+        learner_id="a",
+        poll_interval=0.02,
+        lease_timeout=2.0,
+        callbacks=(seen.append,),
+    ) as s:
+        for _ in range(10):  # rounds 0 and 1 are due at steps 4 and 8; 2 more steps are left over
+            for p in params.values():
+                p += np.float32(1.0)
+            s.step(samples=1)
+            s._stop.wait(0.05)
+        s.learner.drain()
+        before_close = {n: p.copy() for n, p in params.items()}
+    recs = [decode(mb.get(k), RoundRecord, key=k) for k in mb.list(keys.ROUNDS)]
+    finals = [r for r in recs if r.final]
+    assert finals and all(p.final for r in finals for p in r.participants)
+    assert any(isinstance(e, gm.events.Published) and e.final and e.steps > 0 for e in seen)
+    # a lone learner's final contributions are committed without momentum: the run ends on
+    # exactly the parameters it had trained, not on an outer step past them
+    for n in params:
+        np.testing.assert_allclose(params[n], before_close[n], rtol=0, atol=1e-6)
