@@ -14,7 +14,7 @@ from .acceptance import PayloadStatus, judge
 from .errors import MissingExtra, PayloadCorrupt, RecordInvalid
 from .merge import contribution_weight, mean_pairwise_cosine, memo_norms, merge, outlier_mask
 from .outer import final_step, outer_step
-from .payload import encode_payload, sha256_hex
+from .payload import decode_payload, encode_payload, sha256_hex
 from .quant import dequantize, quantize
 from .records import Participant, PayloadRef, Rejection, RoundRecord, Snapshot
 from .run import RunInfo, payload_cap
@@ -99,11 +99,15 @@ class Collector:
     def accepted(self) -> list[Judged]:
         return [j for j in self.judged.values() if j.reason is None]
 
-    def judge_snapshot(self, store: RunStore, learner: str) -> Judged:
-        """Fetch and judge ``learner``'s snapshot for this round (SPEC 3.6)."""
+    def judge_snapshot(self, store: RunStore, learner: str, *, own: tuple[Snapshot, bytes] | None = None) -> Judged:
+        """Fetch and judge ``learner``'s snapshot for this round (SPEC 3.6).
+
+        ``own``: the closer's own snapshot and payload bytes, as it wrote them: judged the same
+        way without reading them back (two GETs and a download of the payload fewer per round).
+        """
         key = keys.snapshot_key(self.round, learner)
         try:
-            snap = store.read_record(key, Snapshot)
+            snap = own[0] if own is not None else store.read_record(key, Snapshot)
         except RecordInvalid:
             return self._record(Judged(learner, "corrupt"))
         if snap is None:
@@ -119,7 +123,12 @@ class Collector:
                 status = "corrupt"  # checked before any read: the ref may name any object
             else:
                 try:
-                    payload = store.get_payload(snap.payload, expected, max_bytes=payload_cap(self.run, self.fragment))
+                    cap = payload_cap(self.run, self.fragment)
+                    if own is not None:
+                        compression = keys.compression_of(snap.payload.key)
+                        payload = decode_payload(own[1], expected, compression=compression, max_bytes=cap)
+                    else:
+                        payload = store.get_payload(snap.payload, expected, max_bytes=cap)
                     status = "ok" if payload is not None else "missing"
                 except (PayloadCorrupt, MissingExtra):  # MissingExtra: a zstd payload, zstandard absent
                     status = "corrupt"

@@ -98,6 +98,9 @@ class Node:
         self.collector: Collector | None = None
         self.follow: _Follow | None = None
         self.snapshot_keys: dict[int, set[str]] = {}
+        # This node's snapshots of rounds not yet committed, as written: its own contribution is
+        # judged from them when it closes the round, instead of being read back from the store.
+        self.own_snapshots: dict[int, tuple[Snapshot, bytes]] = {}
         self.rounds_seen = 0
         self.stats = NodeStats()
         self._last_sync: float | None = None
@@ -216,6 +219,8 @@ class Node:
             self.emit(ev.Skipped(self.me, pub.round, "this learner id already contributed to the round"))
             return
         self.stats.published += 1
+        if outcome is CreateOutcome.CREATED:  # known to be what the store holds (not a retry's read-back)
+            self.own_snapshots[pub.round] = (snap, data)
         self.snapshot_keys.setdefault(pub.round, set()).add(self.me)
         self.emit(ev.Published(self.me, pub.round, pub.fragment, pub.steps, pub.tokens, len(data), pub.final))
 
@@ -293,6 +298,8 @@ class Node:
         self.head = rec.round
         self.rounds_seen += 1
         self.follow = None
+        for r in [r for r in self.own_snapshots if r <= rec.round]:
+            del self.own_snapshots[r]
         if theta is None:
             return  # pruned already: a newer record of this fragment is on the tape
         self.thetas[f] = (rec.version, theta)
@@ -436,7 +443,9 @@ class Node:
 
     def _collect(self, c: Collector) -> None:
         for learner in sorted(self.snapshot_keys.get(c.round, set()) - set(c.judged)):
-            j = c.judge_snapshot(self.store, learner)
+            j = c.judge_snapshot(
+                self.store, learner, own=self.own_snapshots.get(c.round) if learner == self.me else None
+            )
             if j.reason is not None:
                 self.stats.rejected[j.reason] = self.stats.rejected.get(j.reason, 0) + 1
                 self.emit(ev.ContributionRejected(self.me, c.round, learner, j.reason))
