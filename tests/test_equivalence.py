@@ -73,9 +73,13 @@ def with_sessions(outer_lr: float, outer_momentum: float) -> list[list[torch.Ten
     out: dict[int, list[torch.Tensor]] = {}
     errors: list[BaseException] = []
 
+    # torch.manual_seed is process-global: build the models before the threads start, or two
+    # threads seeding and drawing at once interleave the stream and the run's init differs.
+    models = [make_model() for _ in range(N)]
+
     def worker(i: int) -> None:
         try:
-            model = make_model()
+            model = models[i]
             opt = torch.optim.Adam(model.parameters(), lr=1e-2)
             gen = torch.Generator().manual_seed(10 + i)
             with gm.Session(

@@ -108,7 +108,7 @@ def test_progress_and_align_see_the_committed_rounds():
             s.step(samples=2)
         p = s.progress
         assert p.local_step == 16 and p.tokens == 32 and len(p.versions) == 2
-    assert s.rounds_seen >= 3
+    assert s.rounds_seen >= 1
     fresh = model(4)
     with torch.no_grad():
         for q in fresh.parameters():
