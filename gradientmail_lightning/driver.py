@@ -239,7 +239,7 @@ class SessionDriver:
     # ---- checkpoints --------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain values only (loadable with ``torch.load(weights_only=True)``)."""
+        """Plain values only (loadable by torch's weights-only checkpoint loader)."""
         return {
             "format": _STATE_FORMAT,
             "learner_id": self.learner_id,
