@@ -11,14 +11,20 @@ import threading
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+
+from .adapters.base import Captured, DevicePipeline
 
 
 @dataclass(frozen=True)
 class Publish:
     """A contribution the training thread handed over: the fragment's parameters now, and
-    the anchor they are relative to. The node computes ``anchor - local`` off-thread."""
+    the anchor they are relative to. The node computes ``anchor - local`` off-thread.
+
+    With a device pipeline both stay on the device: ``captured`` holds them, and encodes the
+    delta there; ``anchor`` and ``local`` are empty."""
 
     round: int
     fragment: int
@@ -30,11 +36,13 @@ class Publish:
     local_step: int
     step_seconds: float
     final: bool = False
+    captured: Captured | None = None
 
 
 @dataclass(frozen=True)
 class CommitNotice:
-    """A committed round's new parameters, for the training thread to align with."""
+    """A committed round's new parameters, for the training thread to align with; with a
+    device pipeline, ``staged`` is the theta already on its way to the device."""
 
     round: int
     fragment: int
@@ -43,6 +51,7 @@ class CommitNotice:
     nbytes: int = 0
     participants: tuple[str, ...] = ()
     cosine: float | None = None
+    staged: Any = None
 
 
 @dataclass(frozen=True)
@@ -66,6 +75,9 @@ class Bridge:
         self.wake = threading.Event()
         self.local_step = 0
         self.tokens = 0
+        # The adapter's device pipeline, if any (set by the learner): the node stages commits
+        # on the device with it, off the training thread.
+        self.pipeline: DevicePipeline | None = None
 
     def publish(self, p: Publish) -> None:
         with self.lock:

@@ -2,7 +2,9 @@
 hands contributions to the node, and aligns with commits in place between steps.
 
 Nothing here does I/O. The only blocking is ``overlap_steps`` (and ``close``), which wait
-on the commit queue the node fills.
+on the commit queue the node fills. With an adapter's device pipeline (``adapters/base.py``)
+publishing and aligning only queue device work: a snapshot of the fragment, and the copies
+(or blends) from a theta the node already staged on the device.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import events as ev
-from .adapters.base import Adapter
+from .adapters.base import Adapter, pipeline_of
 from .bridge import Bridge, CommitNotice, Publish
 from .clock import Clock
 from .run import RunInfo
@@ -40,6 +42,7 @@ class Learner:
         emit: Callable[[ev.Event], None],
     ) -> None:
         self.adapter, self.run, self.bridge, self.clock, self.me, self.emit = adapter, run, bridge, clock, learner, emit
+        self.pipeline = bridge.pipeline = pipeline_of(adapter)
         self.cfg = run.cfg
         self.local_step = 0
         self.tokens = 0
@@ -60,7 +63,10 @@ class Learner:
     def start(self, head: int, thetas: Mapping[int, Mapping[str, np.ndarray]], versions: Mapping[int, int]) -> None:
         """Load the newest committed parameters into the model before the first step."""
         for f, theta in thetas.items():
-            self.adapter.write(theta)
+            if self.pipeline is not None:
+                self.pipeline.align(self.pipeline.stage(theta))
+            else:
+                self.adapter.write(theta)
             self.anchors[f] = theta
             self.versions[f] = versions[f]
         self.aligned = head
@@ -75,7 +81,10 @@ class Learner:
         """Align fragment ``c.fragment`` with a commit, in place (blending with ``mixing``)."""
         if c.version <= self.versions.get(c.fragment, -1):
             return
-        self.adapter.write(c.theta, self.cfg.mixing)
+        if self.pipeline is not None:
+            self.pipeline.align(c.staged if c.staged is not None else self.pipeline.stage(c.theta), self.cfg.mixing)
+        else:
+            self.adapter.write(c.theta, self.cfg.mixing)
         self.anchors[c.fragment] = c.theta
         self.versions[c.fragment] = c.version
         # Replacing the fragment drops the training it held (all of it, or 1 - mixing of it),
@@ -146,19 +155,21 @@ class Learner:
         f = r % self.run.P
         steps = self.steps_since[f]
         if steps > 0:
-            local = self.adapter.read(self.run.fragments[f])
+            names = self.run.fragments[f]
+            captured = self.pipeline.capture(names) if self.pipeline is not None else None
             self.bridge.publish(
                 Publish(
                     round=r,
                     fragment=f,
                     base_version=self.versions[f],
-                    anchor=self.anchors[f],
-                    local=local,
+                    anchor=self.anchors[f] if captured is None else {},
+                    local=self.adapter.read(names) if captured is None else {},
                     steps=steps,
                     tokens=self.tokens_since[f],
                     local_step=self.local_step,
                     step_seconds=self.seconds_since[f] / steps,
                     final=final,
+                    captured=captured,
                 )
             )
             self.published.append(_Pending(r, self.local_step))

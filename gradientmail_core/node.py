@@ -23,7 +23,7 @@ from .closer import Collector, Estimates, FragmentState, compute_commit, rebuild
 from .errors import MailboxUnavailable, PayloadCorrupt, ProtocolError, RecordInvalid
 from .lease import LeaseWriter, Liveness
 from .mailbox import CreateOutcome, create_once
-from .payload import encode_payload
+from .payload import encode_payload, encode_quantized
 from .records import Claim, RoundRecord, Snapshot
 from .run import RunInfo, fetch_theta, newest_records, payload_cap
 from .schedule import gap
@@ -197,9 +197,14 @@ class Node:
             self.emit(ev.Skipped(self.me, pub.round, "round already committed"))
             return
         cfg, compression = self.run.cfg, self.opts.compression
-        delta = {n: np.subtract(pub.anchor[n], pub.local[n], dtype=np.float32) for n in pub.local}
         dtypes = cfg.delta_dtype or self.run.fragment_dtypes(pub.fragment)
-        data = encode_payload(delta, dtypes, kind="delta", compression=compression)
+        if pub.captured is not None:  # the delta is computed and quantized on the device
+            names = self.run.fragments[pub.fragment]
+            quantized = pub.captured.encode(dict.fromkeys(names, dtypes) if isinstance(dtypes, str) else dtypes)
+            data = encode_quantized(quantized, kind="delta", compression=compression)
+        else:
+            delta = {n: np.subtract(pub.anchor[n], pub.local[n], dtype=np.float32) for n in pub.local}
+            data = encode_payload(delta, dtypes, kind="delta", compression=compression)
         ref = self.store.put_payload(lambda sha: keys.snapshot_blob_key(pub.round, self.me, sha, compression), data)
         snap = Snapshot(
             learner=self.me,
@@ -303,6 +308,7 @@ class Node:
         if theta is None:
             return  # pruned already: a newer record of this fragment is on the tape
         self.thetas[f] = (rec.version, theta)
+        pipeline = self.bridge.pipeline  # moves the theta to the device here, off the training thread
         self.bridge.inbox.put(
             CommitNotice(
                 rec.round,
@@ -312,6 +318,7 @@ class Node:
                 rec.theta.size if rec.theta else 0,
                 tuple(p.learner for p in rec.participants),
                 rec.cosine,
+                staged=pipeline.stage(theta) if pipeline is not None else None,
             )
         )
 

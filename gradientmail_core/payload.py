@@ -126,20 +126,42 @@ def encode_payload(
     compression: str = "",
 ) -> bytes:
     """float32 tensors -> payload bytes, each stored in its dtype. Equal input gives equal bytes."""
-    if compression not in COMPRESSIONS:
-        raise ValueError(f"unknown compression {compression!r}, expected one of {sorted(COMPRESSIONS)}")
     if isinstance(dtypes, str):
         dtypes = dict.fromkeys(tensors, dtypes)
     if set(dtypes) != set(tensors):
         raise ValueError(f"dtypes name {sorted(set(dtypes) ^ set(tensors))[:10]} not matching the tensors")
-    for name in tensors:
+    _check(dtypes, compression)
+    shapes = {name: tuple(np.shape(x)) for name, x in tensors.items()}
+    return _encode(lambda name: quant.quantize(tensors[name], dtypes[name]), dtypes, shapes, kind, compression)
+
+
+def encode_quantized(tensors: Mapping[str, quant.QTensor], *, kind: str, compression: str = "") -> bytes:
+    """Tensors quantized already (by a device-side quantizer) -> payload bytes: the bytes
+    ``encode_payload`` gives for the float32 tensors they are the quantization of."""
+    dtypes = {name: q.dtype for name, q in tensors.items()}
+    _check(dtypes, compression)
+    return _encode(tensors.__getitem__, dtypes, {n: q.shape for n, q in tensors.items()}, kind, compression)
+
+
+def _check(dtypes: Mapping[str, str], compression: str) -> None:
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"unknown compression {compression!r}, expected one of {sorted(COMPRESSIONS)}")
+    for name, dtype in dtypes.items():
         if not name or "#" in name or name == safetensors_io.METADATA_KEY:
             raise ValueError(f"invalid tensor name {name!r}: empty, reserved, or containing '#'")
-        if dtypes[name] not in quant.DTYPES:
-            raise ValueError(f"tensor {name!r}: unknown dtype {dtypes[name]!r}, expected one of {quant.DTYPES}")
+        if dtype not in quant.DTYPES:
+            raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}, expected one of {quant.DTYPES}")
 
+
+def _encode(
+    quantized: Callable[[str], quant.QTensor],
+    dtypes: Mapping[str, str],
+    shapes: Mapping[str, tuple[int, ...]],
+    kind: str,
+    compression: str,
+) -> bytes:
     def encode_one(name: str) -> dict[str, tuple[str, Sequence[int], Any]]:
-        q = quant.quantize(tensors[name], dtypes[name])
+        q = quantized(name)
         arrays = [q.data] if q.scale is None else [q.data, q.scale]
         out: dict[str, tuple[str, Sequence[int], Any]] = {}
         for (suffix, st_dtype, shape), arr in zip(_storage_layout(q.shape, q.dtype), arrays, strict=True):
@@ -151,14 +173,14 @@ def encode_payload(
         return out
 
     stored: dict[str, tuple[str, Sequence[int], Any]] = {}
-    for part in _map(encode_one, list(tensors), sum(np.size(x) for x in tensors.values()) * 4):
+    for part in _map(encode_one, list(dtypes), sum(safetensors_io.numel(s) for s in shapes.values()) * 4):
         stored.update(part)
     metadata = {
         "format": FORMAT,
         "kind": kind,
         "compression": COMPRESSIONS[compression],
         "dtypes": _canonical(dict(dtypes)),
-        "shapes": _canonical({name: list(np.shape(x)) for name, x in tensors.items()}),
+        "shapes": _canonical({name: list(shape) for name, shape in shapes.items()}),
     }
     return safetensors_io.write(stored, metadata)
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
+from ..quant import QTensor
 from ..records import TensorSpec
 
 
@@ -23,6 +24,42 @@ class Adapter(Protocol):
     def write(self, values: Mapping[str, np.ndarray], mixing: float = 0.0) -> None:
         """Set the named parameters in place to ``mixing*current + (1-mixing)*value``."""
         ...
+
+
+class Captured(Protocol):
+    """A fragment's parameters and anchor as they were at ``DevicePipeline.capture``."""
+
+    def encode(self, dtypes: Mapping[str, str]) -> dict[str, QTensor]:
+        """Background thread: ``anchor - local`` in float32, quantized to ``dtypes`` on the device,
+        as host ``QTensor``s holding the bytes ``quant.quantize`` gives for the same delta."""
+        ...
+
+
+class DevicePipeline(Protocol):
+    """Optional adapter capability, offered as ``adapter.pipeline`` (None or absent: the host path).
+
+    For parameters on an accelerator: deltas, their quantization and the alignment run where the
+    parameters are, and only encoded bytes cross to the host. The pipeline keeps each fragment's
+    anchor (the theta last aligned with) on the device; the learner and node still keep the host
+    thetas, for ``write_newest`` and the closer. The training thread only queues device work.
+    """
+
+    def capture(self, names: Sequence[str]) -> Captured:
+        """Training thread: snapshot the named parameters and their anchors (device work only)."""
+        ...
+
+    def stage(self, theta: Mapping[str, np.ndarray]) -> Any:
+        """Background thread: start moving a commit's theta to the device; an opaque handle."""
+        ...
+
+    def align(self, staged: Any, mixing: float = 0.0) -> None:
+        """Training thread: ``write(theta, mixing)`` from a staged theta, which becomes the anchor."""
+        ...
+
+
+def pipeline_of(adapter: Adapter) -> DevicePipeline | None:
+    pipeline: DevicePipeline | None = getattr(adapter, "pipeline", None)
+    return pipeline
 
 
 class NumpyAdapter:

@@ -4,16 +4,25 @@ Parameters on a CUDA device are read without stalling the training thread: each 
 ``non_blocking``, into a pinned host buffer, and a CUDA event recorded after the copies; the
 mapping handed back waits on that event only when the background thread first reads a value.
 A plain ``.to("cpu")`` would instead wait for all the GPU work queued so far.
+
+That host path is what ``read``/``write`` do. With the parameters on one CUDA device the adapter
+also offers ``pipeline`` (``TorchPipeline``, the ``DevicePipeline`` capability), which the learner
+and node use instead: the delta, its quantization and the alignment run on the device, and only
+encoded bytes cross to the host. ``TorchAdapter(model, device_pipeline=True)`` turns it on for
+CPU parameters too (the same code, with CPU tensors; how the tests run it).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ..errors import MissingExtra
+from ..quant import QTensor
 from ..records import TensorSpec
 
 try:
@@ -21,11 +30,13 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without torch
     raise MissingExtra("torch") from e
 
+from . import torch_quant as tq  # noqa: E402 (needs torch, checked above)
+
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
 class TorchAdapter:
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, *, device_pipeline: bool | None = None) -> None:
         self.model = model
         # named_parameters() already yields a tied parameter once, under its first name.
         self.params: dict[str, torch.nn.Parameter] = {n: p for n, p in model.named_parameters() if p.requires_grad}
@@ -37,6 +48,12 @@ class TorchAdapter:
                     f"parameter {name!r} has dtype {p.dtype}; gradientmail trains float32, bfloat16 and "
                     "float16 parameters (cast the model, or freeze this parameter)"
                 )
+        devices = {p.device for p in self.params.values()}
+        if device_pipeline is None:
+            device_pipeline = len(devices) == 1 and next(iter(devices)).type == "cuda"
+        if device_pipeline and len(devices) != 1:
+            raise ValueError(f"device_pipeline=True needs every trainable parameter on one device, found {devices}")
+        self.pipeline = TorchPipeline(self.params, _Device(next(iter(devices)))) if device_pipeline else None
 
     def schema(self) -> list[TensorSpec]:
         return [TensorSpec(name=n, dtype=_DTYPES[p.dtype], shape=list(p.shape)) for n, p in self.params.items()]
@@ -98,3 +115,134 @@ class _HostCopies(Mapping[str, np.ndarray]):
 
     def __len__(self) -> int:
         return len(self._names)
+
+
+# ---------------------------------------------------------------------------------------------
+# The device pipeline
+
+
+class _Device:
+    """Where the pipeline's work runs. On CUDA: the background's work goes to a side stream, and
+    each thread orders its work after the other's with events (never a host wait, except for the
+    background's final device-to-host copies). On the CPU everything runs inline: no-ops."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+
+    def side(self) -> contextlib.AbstractContextManager[Any]:
+        """Run the enclosed work on the side stream."""
+        return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
+
+    def mark(self) -> Any:
+        """An event after the work queued so far on the current stream."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def after(self, event: Any) -> None:
+        """Order the current stream's next work after ``event`` (no host wait)."""
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def used_here(self, tensors: Any) -> None:
+        """Tensors allocated on another stream, now used on the current one: the caching allocator
+        must not hand their memory out again before this stream is done with them."""
+        if self.cuda:
+            stream = torch.cuda.current_stream(self.device)
+            for t in tensors:
+                t.record_stream(stream)
+
+    def upload(self, value: np.ndarray) -> torch.Tensor:
+        """A float32 host array -> a tensor on the device (on CUDA, queued from pinned memory)."""
+        value = np.require(value, np.float32, "C")  # keeps 0-d arrays 0-d
+        src = torch.from_numpy(value if value.flags.writeable else value.copy())
+        if not self.cuda:
+            return src.clone()  # the pipeline's own copy: nothing aliases the host theta
+        host = torch.empty(src.shape, dtype=torch.float32, pin_memory=True)
+        host.copy_(src)
+        return host.to(self.device, non_blocking=True)
+
+    def download(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Device tensors -> CPU tensors, waiting (on this thread) for them to arrive."""
+        if not self.cuda:
+            return tensors
+        out = []
+        for t in tensors:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            out.append(host)
+        event = torch.cuda.Event()
+        event.record()
+        event.synchronize()
+        return out
+
+
+@dataclass(frozen=True, eq=False)
+class _Staged:
+    """A commit's theta on the device, in each parameter's dtype, ready once ``event`` is."""
+
+    anchors: dict[str, torch.Tensor]
+    event: Any
+
+
+class TorchPipeline:
+    """The ``DevicePipeline`` of a torch model whose parameters are on one device.
+
+    Anchors are kept in each parameter's dtype: a theta is the decoding of a payload stored in
+    the parameter's dtype (``closer.cast``), so that dtype holds it exactly.
+    """
+
+    def __init__(self, params: Mapping[str, torch.nn.Parameter], device: _Device) -> None:
+        self.params, self.device = params, device
+        self.anchors: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def capture(self, names: Sequence[str]) -> _Captured:
+        # A device-to-device copy queued on the training stream, after the step that made it.
+        local = {n: self.params[n].detach().clone() for n in names}
+        return _Captured(self.device, {n: self.anchors[n] for n in names}, local, self.device.mark())
+
+    @torch.no_grad()
+    def stage(self, theta: Mapping[str, np.ndarray]) -> _Staged:
+        with self.device.side():
+            anchors = {n: self.device.upload(v).to(self.params[n].dtype) for n, v in theta.items()}
+            return _Staged(anchors, self.device.mark())
+
+    @torch.no_grad()
+    def align(self, staged: _Staged, mixing: float = 0.0) -> None:
+        self.device.after(staged.event)
+        self.device.used_here(staged.anchors.values())
+        # NumpyAdapter.write's formula, op for op: mixing*current + (1-mixing)*value in float32,
+        # each product and the sum rounded once (no lerp, no fused multiply-add), then cast.
+        keep, take = float(np.float32(mixing)), float(np.float32(1.0 - mixing))
+        for n, anchor in staged.anchors.items():
+            p = self.params[n]
+            if mixing:
+                mixed = p.float() * keep
+                mixed += anchor.float() * take
+                p.copy_(mixed)
+            else:
+                p.copy_(anchor)
+            self.anchors[n] = anchor
+
+
+class _Captured:
+    def __init__(self, device: _Device, anchors: dict[str, torch.Tensor], local: dict[str, torch.Tensor], event: Any):
+        self.device, self.anchors, self.local, self.event = device, anchors, local, event
+
+    @torch.no_grad()
+    def encode(self, dtypes: Mapping[str, str]) -> dict[str, QTensor]:
+        with self.device.side():
+            self.device.after(self.event)
+            self.device.used_here(self.local.values())
+            quantized = {}
+            for n, local in self.local.items():
+                # The node's host formula: np.subtract(anchor, local, dtype=float32).
+                quantized[n] = tq.quantize(self.anchors[n].float() - local.float(), dtypes[n])
+            flat = [t for q in quantized.values() for t in (q.data, q.scale) if t is not None]
+            host = iter(self.device.download(flat))
+        return {n: tq.to_qtensor(q, next(host), None if q.scale is None else next(host)) for n, q in quantized.items()}
