@@ -7,7 +7,9 @@ speed hits every arm alike):
 - ``plain``:     a torch loop (forward, backward, AdamW step),
 - ``session``:   the same loop with ``session.step()`` after each optimizer step,
 - ``lightning``: the same model and optimizer in a ``lightning.Trainer`` (one CPU device),
-- ``lightning-gm``: the same Trainer with ``strategy=MailboxDiLoCoStrategy(...)``.
+- ``lightning-gm``: the same Trainer with ``strategy=MailboxDiLoCoStrategy(...)``,
+- ``session-host``: ``session`` with the torch adapter's device pipeline off (``--device`` mode:
+  host copies of every published fragment and host-side alignment, the path before the pipeline).
 
 gradientmail runs as a lone learner on a ``FileMailbox`` (fsync on) in a temp dir, so the same
 process also closes every round (judge, merge, outer step, payload writes): the worst case for
@@ -24,6 +26,15 @@ gradientmail's call on the training thread, and the background's CPU time.
     python bench/overhead.py --target-ms 20 --pairs 8 --arms plain session
     git worktree add /tmp/before <commit>             # before/after in one run:
     python bench/overhead.py --arms plain session --engine before=/tmp/before
+
+``--device`` mode sizes the model by parameter count instead of by step time: ``--params`` of
+parameters in ``--dtype``, a stack of square linear layers on ``--device``, ``--steps`` timed
+steps per block. On CUDA the training loop runs asynchronously, so the clock is read after a
+``torch.cuda.synchronize()`` every ``MARK_EVERY`` steps and the per-step figures are per-mark means.
+The session arm uses the device pipeline (deltas, quantization and alignment on the GPU):
+
+    python bench/overhead.py --device cuda --params 100M --dtype bf16   # arms plain session session-host
+    python bench/overhead.py --device cpu --params 200K --dtype bf16 --steps 40 --pairs 1   # smoke run
 """
 
 from __future__ import annotations
@@ -37,7 +48,10 @@ import sys
 import tempfile
 import time
 
-BASELINE = {"session": "plain", "lightning-gm": "lightning"}
+BASELINE = {"session": "plain", "session-host": "plain", "lightning-gm": "lightning"}
+DEPTH = 8  # square layers of the --device model
+MARK_EVERY = {"cpu": 1, "cuda": 10}  # steps between two clock readings (and, on CUDA, syncs)
+DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
 
 
 def build(width: int):
@@ -85,6 +99,42 @@ def calibrate(target_ms: float, batch: int) -> int:
         width = int(width * max(1.1, min(2.0, (target_ms / ms) ** 0.5)))
 
 
+def parse_count(text: str) -> int:
+    """'100M' -> 100_000_000 (K, M, G suffixes)."""
+    scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1:].upper(), 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
+def sized_width(n_params: int) -> int:
+    """Width (a multiple of 64) of DEPTH square layers holding at least ``n_params`` parameters."""
+    width = 64
+    while DEPTH * (width * width + width) < n_params:
+        width += 64
+    return width
+
+
+def build_sized(width: int, dtype: str, device: str):
+    import torch
+
+    torch.manual_seed(0)
+    layers = []
+    for i in range(DEPTH):
+        layers += [torch.nn.Linear(width, width)] + ([torch.nn.GELU()] if i < DEPTH - 1 else [])
+    model = torch.nn.Sequential(*layers).to(device, getattr(torch, DTYPES[dtype]))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def batches_sized(width: int, batch: int, dtype: str, device: str):
+    """As ``batches``, for the --device model, already on the device."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    teacher = torch.randn(width, width, generator=g) / width**0.5
+    xs = [torch.randn(batch, width, generator=g) for _ in range(8)]
+    as_device = {"device": device, "dtype": getattr(torch, DTYPES[dtype])}
+    return [(x.to(**as_device), (x @ teacher).to(**as_device)) for x in xs]
+
+
 def _step(model, opt, xy) -> None:
     x, y = xy
     loss = (model(x) - y).pow(2).mean()
@@ -115,30 +165,49 @@ class Timed:
 
 
 def worker(
-    arm: str, width: int, steps: int, warmup: int, batch: int, sync_every: int, fragments: int, poll: float
+    arm: str,
+    width: int,
+    steps: int,
+    warmup: int,
+    batch: int,
+    sync_every: int,
+    fragments: int,
+    poll: float,
+    device: str | None = None,
+    dtype: str = "f32",
+    delta_dtype: str | None = None,
 ) -> dict:
     import torch
 
     import gradientmail_core as gm
+    from gradientmail_core.adapters.torch import TorchAdapter
 
     torch.set_num_threads(1)
-    cfg = gm.DiLoCo(sync_every=sync_every, fragments=fragments)
+    cfg = gm.DiLoCo(sync_every=sync_every, fragments=fragments, delta_dtype=delta_dtype)
+    every = MARK_EVERY[device.split(":")[0]] if device else 1
+    sync = torch.cuda.synchronize if device and device.startswith("cuda") else lambda: None
     with tempfile.TemporaryDirectory() as d:
         session_opts = dict(learner_id="bench", poll_interval=poll, callbacks=())
-        if arm in ("plain", "session"):
-            model, opt = build(width)
-            data = batches(batch)
+        if arm in ("plain", "session", "session-host"):
+            model, opt = build_sized(width, dtype, device) if device else build(width)
+            data = batches_sized(width, batch, dtype, device) if device else batches(batch)
             marks: list[tuple[float, float, float]] = []
+            # --device mode: session runs the device pipeline (also on the CPU, for a smoke run of
+            # its code), session-host the host path (host copies of the fragments), as before it
+            trained = model
+            if device and arm != "plain":
+                trained = TorchAdapter(model, device_pipeline=arm == "session")
             session = (
-                gm.Session(model, algorithm=cfg, mailbox=gm.FileMailbox(d), **session_opts)
-                if arm == "session"
+                gm.Session(trained, algorithm=cfg, mailbox=gm.FileMailbox(d), **session_opts)
+                if arm != "plain"
                 else None
             )
             timed = Timed(session.step if session is not None else lambda samples: None)
             if session is not None:
                 session.open()
             for i in range(warmup + steps + 1):
-                if i >= warmup:
+                if i >= warmup and (i - warmup) % every == 0:
+                    sync()
                     marks.append((time.perf_counter(), time.thread_time(), time.process_time()))
                     timed.on = i < warmup + steps
                 _step(model, opt, data[i % 8])
@@ -148,7 +217,7 @@ def worker(
         else:
             marks, timed = _lightning(arm, width, steps, warmup, batch, cfg, d, session_opts)
         rounds = len(gm.FileMailbox(d).list("rounds/")) if arm in BASELINE else 0
-    walls = [b[0] - a[0] for a, b in zip(marks, marks[1:])]
+    walls = [(b[0] - a[0]) / every for a, b in zip(marks, marks[1:])]
     return {
         "arm": arm,
         "median": statistics.median(walls),
@@ -245,6 +314,10 @@ def run_block(arm: str, args: argparse.Namespace, width: int, steps: int, warmup
         "--poll",
         str(args.poll),
     ]
+    if args.device:
+        cmd += ["--device", args.device, "--dtype", args.dtype]
+    if args.delta_dtype:
+        cmd += ["--delta-dtype", args.delta_dtype]
     # One torch thread in every arm (Lightning's DDP strategies otherwise set one per core).
     # Fixed malloc thresholds: glibc otherwise tunes them to the sizes a process has freed, and
     # the session arm's payload buffers then made its training steps ~15% cheaper than plain's.
@@ -267,16 +340,28 @@ def measure(target_ms: float, args: argparse.Namespace) -> None:
     width = calibrate(target_ms, args.batch)
     round_steps = args.sync_every // args.fragments
     steps = max(int(args.seconds * 1000 / target_ms), 2 * round_steps)
-    warmup = round_steps + 5
+    n_params = sum(p.numel() for p in build(width)[0].parameters())
+    compare(args, width, steps, round_steps + 5, f"~{target_ms:.0f} ms step: MLP width {width} ({n_params:,} params)")
+
+
+def measure_device(args: argparse.Namespace) -> None:
+    width = sized_width(parse_count(args.params))
+    every = MARK_EVERY[args.device.split(":")[0]]
+    steps = -(-(args.steps or 300) // every) * every
+    warmup = -(-max(args.sync_every // args.fragments + 5, 20) // every) * every
+    n_params = DEPTH * (width * width + width)
+    compare(args, width, steps, warmup, f"{args.device} {args.dtype}: {DEPTH} layers of {width} ({n_params:,} params)")
+
+
+def compare(args: argparse.Namespace, width: int, steps: int, warmup: int, model: str) -> None:
     arms = args.arms + [f"session@{name}" for name, _ in args.engine]
     blocks: dict[str, list[dict]] = {a: [] for a in arms}
     for p in range(args.pairs):
         for arm in arms if p % 2 == 0 else list(reversed(arms)):
             blocks[arm].append(run_block(arm, args, width, steps, warmup))
-    n_params = sum(p.numel() for p in build(width)[0].parameters())
     loads = [b["load"] for bs in blocks.values() for b in bs]
     print(
-        f"\n~{target_ms:.0f} ms step: MLP width {width} ({n_params:,} params), {steps} timed steps per block, "
+        f"\n{model}, {steps} timed steps per block, "
         f"{args.pairs} blocks per arm; load average {min(loads):.1f}-{max(loads):.1f}"
     )
     print(
@@ -315,7 +400,11 @@ def measure(target_ms: float, args: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target-ms", type=float, nargs="*", default=[20.0, 200.0])
-    ap.add_argument("--arms", nargs="*", default=["plain", "session", "lightning", "lightning-gm"])
+    ap.add_argument(
+        "--arms",
+        nargs="*",
+        help="default: plain session lightning lightning-gm; with --device: plain session session-host",
+    )
     ap.add_argument("--pairs", type=int, default=5, help="blocks per arm")
     ap.add_argument("--seconds", type=float, default=3.0, help="timed seconds per block (at least two rounds)")
     ap.add_argument("--batch", type=int, default=64)
@@ -331,21 +420,45 @@ def main() -> None:
         help="add an arm session@NAME run on the gradientmail checkout at PATH (e.g. a git worktree of an "
         "older commit): before/after in one run",
     )
+    ap.add_argument("--device", help="size the model by --params on this torch device (cuda, cpu) instead")
+    ap.add_argument("--params", default="100M", help="--device mode: parameters, e.g. 100M")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="--device mode: parameter dtype")
+    ap.add_argument("--steps", type=int, help="--device mode: timed steps per block (default 300)")
+    ap.add_argument("--delta-dtype", help="the DiLoCo delta_dtype (F32, F16, BF16, F8_E4M3, F4)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--width", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--steps", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--warmup", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         r = worker(
-            args.worker, args.width, args.steps, args.warmup, args.batch, args.sync_every, args.fragments, args.poll
+            args.worker,
+            args.width,
+            args.steps,
+            args.warmup,
+            args.batch,
+            args.sync_every,
+            args.fragments,
+            args.poll,
+            args.device,
+            args.dtype,
+            args.delta_dtype,
         )
         print(json.dumps(r))
         return
+    if args.arms is None:
+        args.arms = (
+            ["plain", "session", "session-host"] if args.device else ["plain", "session", "lightning", "lightning-gm"]
+        )
+    if args.device and not set(args.arms) <= {"plain", "session", "session-host"}:
+        ap.error("--device mode runs the arms plain, session and session-host (e.g. --arms plain session)")
     print(
         f"step time with vs without gradientmail (lone learner closing every round, FileMailbox, "
-        f"sync_every={args.sync_every}, fragments={args.fragments}, poll_interval={args.poll})"
+        f"sync_every={args.sync_every}, fragments={args.fragments}, poll_interval={args.poll}, "
+        f"delta_dtype={args.delta_dtype})"
     )
+    if args.device:
+        measure_device(args)
+        return
     for target in args.target_ms:
         measure(target, args)
 

@@ -4,6 +4,7 @@ runs, and checked against the host path: same deltas, same blends, the same byte
 
 from __future__ import annotations
 
+import importlib.util
 import random
 import threading
 
@@ -168,12 +169,14 @@ class NoHostCopies(TorchAdapter):
         super().write(values, mixing)
 
 
-def run_cluster(cfg: gm.DiLoCo, *, pipeline: bool, compression: str = "", steps: int = 30) -> tuple[dict, list]:
+def run_cluster(
+    cfg: gm.DiLoCo, *, pipeline: bool, compression: str = "", device: str = "cpu", steps: int = 30
+) -> tuple[dict, list]:
     """Two torch learners driven single-threaded on a fake clock; every object in the store."""
     mailbox, clock = gm.MemoryMailbox(), FakeClock()
     members = []
     for i, name in enumerate(["a", "b"]):
-        model = Net(10 + i)
+        model = Net(10 + i, device)
         adapter = NoHostCopies(model, device_pipeline=pipeline)
         store = RunStore(mailbox)
         run, created = open_run(store, adapter, cfg, learner=name, compression=compression, rng=random.Random(i))
@@ -186,7 +189,7 @@ def run_cluster(cfg: gm.DiLoCo, *, pipeline: bool, compression: str = "", steps:
         learner = Learner(adapter, run, bridge, clock, learner=name, emit=lambda e: None)
         learner.start(node.head, thetas, {f: v for f, (v, _) in node.thetas.items()})
         adapter.training = pipeline
-        members.append((model, node, learner, torch.Generator().manual_seed(i), Net(7)))
+        members.append((model, node, learner, torch.Generator().manual_seed(i), Net(7, device)))
     for _, node, *_ in members:
         node._list_leases()
     for step in range(steps + 40):
@@ -198,21 +201,26 @@ def run_cluster(cfg: gm.DiLoCo, *, pipeline: bool, compression: str = "", steps:
             learner.drain()
         clock.advance(0.05)
     objects = {k: mailbox.get(k) for k in mailbox.list("")}
-    return objects, [[p.detach().clone() for p in m[0].parameters()] for m in members]
+    return objects, [[p.detach().cpu() for p in m[0].parameters()] for m in members]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     ("cfg", "compression"),
     [
         (gm.DiLoCo(sync_every=4, fragments=2, quorum_size=2), ""),
         (gm.DiLoCo(sync_every=6, fragments=2, mixing=0.5, delta_dtype="F4", commit_dtype="F8_E4M3"), ""),
-        (gm.DiLoCo(sync_every=4, fragments=1, in_flight=1, quorum_size=2, delta_dtype="F8_E4M3"), "zstd"),
+        pytest.param(
+            gm.DiLoCo(sync_every=4, fragments=1, in_flight=1, quorum_size=2, delta_dtype="F8_E4M3"),
+            "zstd",
+            marks=pytest.mark.skipif(importlib.util.find_spec("zstandard") is None, reason="zstandard not installed"),
+        ),
     ],
     ids=["param-dtypes", "mixing-f4", "f8-zstd"],
 )
-def test_a_run_on_the_device_path_stores_the_host_paths_bytes(cfg, compression) -> None:
-    host_objects, host_params = run_cluster(cfg, pipeline=False, compression=compression)
-    dev_objects, dev_params = run_cluster(cfg, pipeline=True, compression=compression)
+def test_a_run_on_the_device_path_stores_the_host_paths_bytes(cfg, compression, device) -> None:
+    host_objects, host_params = run_cluster(cfg, pipeline=False, compression=compression, device=device)
+    dev_objects, dev_params = run_cluster(cfg, pipeline=True, compression=compression, device=device)
     rounds = [k for k in host_objects if k.startswith("rounds/")]
     assert len(rounds) >= 4  # rounds committed, with snapshots from both learners' deltas
     assert sorted(dev_objects) == sorted(host_objects)
@@ -223,19 +231,20 @@ def test_a_run_on_the_device_path_stores_the_host_paths_bytes(cfg, compression) 
             assert torch.equal(x, y)
 
 
-def test_sessions_on_the_device_path_match_the_host_path() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_sessions_on_the_device_path_match_the_host_path(device) -> None:
     """Standard DiLoCo (a barrier, every learner in every round) through real Sessions."""
     cfg = gm.DiLoCo(sync_every=3, fragments=1, in_flight=1, overlap_steps=0, quorum_size=2, delta_dtype="BF16")
 
     def run(pipeline: bool) -> list[list[torch.Tensor]]:
         mailbox = gm.MemoryMailbox()
-        models = [Net(20 + i) for i in range(2)]
+        models = [Net(20 + i, device) for i in range(2)]
         errors: list[BaseException] = []
 
         def worker(i: int) -> None:
             try:
                 adapter = TorchAdapter(models[i], device_pipeline=pipeline)
-                g, target = torch.Generator().manual_seed(i), Net(7)
+                g, target = torch.Generator().manual_seed(i), Net(7, device)
                 opts = dict(learner_id=f"w{i}", poll_interval=0.01, lease_timeout=10.0, callbacks=())
                 with gm.Session(adapter, algorithm=cfg, mailbox=mailbox, **opts) as s:
                     s.wait_for(learners=2, timeout=30)
@@ -252,7 +261,7 @@ def test_sessions_on_the_device_path_match_the_host_path() -> None:
         for t in threads:
             t.join(timeout=120)
         assert not errors, errors
-        return [[p.detach().clone() for p in m.parameters()] for m in models]
+        return [[p.detach().cpu() for p in m.parameters()] for m in models]
 
     host, dev = run(False), run(True)
     for a, b in zip(host, dev, strict=True):
