@@ -12,8 +12,8 @@ import numpy as np
 from . import keys
 from .acceptance import PayloadStatus, judge
 from .errors import MissingExtra, PayloadCorrupt, RecordInvalid
-from .merge import contribution_weight, mean_pairwise_cosine, memo_norms, merge, outlier_mask
-from .outer import final_step, outer_step
+from .merge import contribution_weight, memo_norms, merge_with_cosine, outlier_mask, sq_norms
+from .outer import final_step_tensor, outer_step_tensor
 from .payload import decode_payload, encode_payload, sha256_hex
 from .quant import dequantize, quantize
 from .records import Participant, PayloadRef, Rejection, RoundRecord, Snapshot
@@ -66,6 +66,9 @@ class Judged:
     snapshot: Snapshot | None = None
     delta: dict[str, np.ndarray] | None = None
     weight: float = 0.0
+    # Squared norm of each tensor of an accepted delta (``merge.sq_norms``): computed as the
+    # snapshot arrives, so the merge after quorum reads the delta once instead of twice.
+    norms: dict[str, float] | None = None
 
 
 @dataclass
@@ -91,6 +94,8 @@ class Collector:
     judged: dict[str, Judged] = field(default_factory=dict)
     quorum_at: float | None = None
     grace: float = 0.0
+    # The arrays the commit writes the new master and momentum into (``reserve``).
+    reserved: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None = None
 
     @property
     def fragment(self) -> int:
@@ -136,7 +141,22 @@ class Collector:
         weight = contribution_weight(snap.tokens, snap.steps) if reason is None and snap.steps else 0.0
         if reason is None and not weight > 0:
             reason = "zero_steps"
-        return self._record(Judged(learner, reason, snap, payload if reason is None else None, weight))
+        if reason is not None or payload is None:
+            return self._record(Judged(learner, reason, snap, None, weight))
+        self.reserve()
+        return self._record(Judged(learner, reason, snap, payload, weight, sq_norms(payload)))
+
+    def reserve(self) -> None:
+        """Allocate the arrays the commit will write the new master and momentum into, and touch
+        every page of them now: with the first accepted snapshot, so that the page faults of
+        8 bytes per parameter of fresh memory are paid while snapshots arrive, not after quorum."""
+        if self.reserved is None:
+            master, momentum = {}, {}
+            for n, v in self.state.master.items():
+                master[n], momentum[n] = np.empty(v.shape, np.float32), np.empty(v.shape, np.float32)
+                master[n].fill(0)
+                momentum[n].fill(0)
+            self.reserved = master, momentum
 
     def reject_outliers(self, factor: float) -> None:
         """Reject (reason ``outlier``) accepted deltas whose norm is over ``factor`` times the median
@@ -147,7 +167,7 @@ class Collector:
         mask = outlier_mask([j.delta for j in accepted if j.delta is not None], factor=factor)
         for j, outlier in zip(accepted, mask, strict=True):
             if outlier:
-                j.reason, j.delta, j.weight = "outlier", None, 0.0
+                j.reason, j.delta, j.weight, j.norms = "outlier", None, 0.0, None
 
     def _record(self, j: Judged) -> Judged:
         self.judged[j.learner] = j
@@ -188,9 +208,14 @@ class Commit:
     payloads: dict[str, bytes]  # key -> bytes, written before the record
 
 
-@memo_norms()  # the merge, the cosine and the outlier check share the contributions' norms
 def compute_commit(
-    c: Collector, *, closer: str, live: int, compression: str, sync_seconds: float | None, now: float
+    c: Collector,
+    *,
+    closer: str,
+    live: int,
+    compression: str,
+    sync_seconds: float | None,
+    now: float,
 ) -> Commit:
     """Merge the accepted deltas, take the outer step, and build the payloads and record.
 
@@ -198,19 +223,45 @@ def compute_commit(
     recomputes the round after a crash writes the same parameter bytes.
     """
     run, cfg, f = c.run, c.run.cfg, c.fragment
-    if cfg.outlier_factor is not None:
-        c.reject_outliers(cfg.outlier_factor)
-    accepted = sorted(c.accepted(), key=lambda j: j.learner)
-    assert accepted, "a round closes with at least one accepted snapshot"
-    deltas = [j.delta for j in accepted if j.delta is not None]
-    weights = [j.weight for j in accepted]
-    merged = merge(deltas, weights, cfg.merge, clip_norm=cfg.clip_norm)
-    st = c.state
-    final = all(j.snapshot is not None and j.snapshot.final for j in accepted)
-    if final:
-        master, momentum = final_step(st.master, merged), st.momentum
-    else:
-        master, momentum = outer_step(st.master, st.momentum, merged, lr=cfg.outer_lr, beta=cfg.outer_momentum)
+    # The contributions' norms were computed as they were judged; the merge, the cosine and the
+    # outlier check share them.
+    known = [(j.delta[n], v) for j in c.accepted() if j.delta is not None and j.norms for n, v in j.norms.items()]
+    with memo_norms(known):
+        if cfg.outlier_factor is not None:
+            c.reject_outliers(cfg.outlier_factor)
+        accepted = sorted(c.accepted(), key=lambda j: j.learner)
+        assert accepted, "a round closes with at least one accepted snapshot"
+        deltas = [j.delta for j in accepted if j.delta is not None]
+        weights = [j.weight for j in accepted]
+        st = c.state
+        final = all(j.snapshot is not None and j.snapshot.final for j in accepted)
+        new_master: dict[str, np.ndarray] = {}
+        new_momentum: dict[str, np.ndarray] = {}
+        # Taken, not borrowed: they become the new state, so a second attempt at this commit (after
+        # a failed write) must not write into them again.
+        out, c.reserved = c.reserved, None
+
+        def step(name: str, d: np.ndarray, scale: np.float32 | None) -> None:
+            # The outer step takes each merged tensor as the merge finishes it (one buffer, reused).
+            if final:
+                o = None if out is None else out[0][name]
+                new_master[name] = final_step_tensor(st.master[name], d, scale=scale, out=o, name=name)
+            else:
+                new_master[name], new_momentum[name] = outer_step_tensor(
+                    st.master[name],
+                    st.momentum[name],
+                    d,
+                    lr=cfg.outer_lr,
+                    beta=cfg.outer_momentum,
+                    scale=scale,
+                    out=None if out is None else (out[0][name], out[1][name]),
+                    name=name,
+                )
+
+        _, cosine = merge_with_cosine(deltas, weights, cfg.merge, clip_norm=cfg.clip_norm, each=step)
+    assert set(new_master) == set(st.master), "the merge and the outer state must name the same tensors"
+    master = {n: new_master[n] for n in st.master}
+    momentum = st.momentum if final else {n: new_momentum[n] for n in st.master}
     dtypes = run.fragment_dtypes(f)
     payloads: dict[str, bytes] = {}
     change_ref_data = None
@@ -237,6 +288,7 @@ def compute_commit(
             k = keys.round_blob_key(c.round, kind, sha, compression)
             payloads[k] = data
             refs[kind] = PayloadRef(key=k, sha256=sha, size=len(data))
+    theta_digest = shas.get(id(theta_plain)) or sha256_hex(theta_plain)
     e = c.estimates
     steps_seconds = [
         j.snapshot.step_seconds for j in accepted if j.snapshot is not None and j.snapshot.step_seconds > 0
@@ -269,10 +321,10 @@ def compute_commit(
             if j.reason is not None
         ],
         theta=refs["theta"],
-        theta_digest=shas.get(id(theta_plain)) or sha256_hex(theta_plain),
+        theta_digest=theta_digest,
         outer=refs["outer"],
         change=refs.get("change"),
-        cosine=mean_pairwise_cosine(deltas),
+        cosine=cosine,
         final=final,
         live=live,
         quorum_seconds=round(max(c.quorum_at - c.opened_at, 0.0), 6),

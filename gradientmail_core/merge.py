@@ -12,9 +12,10 @@ reductions visit tensors in sorted-name order so a mapping's insertion order doe
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import numpy as np
@@ -28,8 +29,10 @@ _CHUNK = 1 << 20
 # Per thread: a reused float64 scratch chunk, and (inside ``memo_norms``) the squared norms of
 # the contributions already computed, so a commit reads each contribution once per quantity.
 _local = threading.local()
-_AXPY_CHUNK = 1 << 16  # float32 elements (256 KiB)
 _LEAF = 1 << 15  # float64 elements (256 KiB) a reduction handles at once, in cache
+# Elements of every contribution the merge handles at once (a multiple of _LEAF): its float32 and
+# float64 scratch (1.25 MiB) plus one contribution's chunk stay in L2.
+_STEP = 2 * _LEAF
 
 
 def contribution_weight(tokens: int, steps: int) -> float:
@@ -40,13 +43,7 @@ def contribution_weight(tokens: int, steps: int) -> float:
 
 def weighted_mean(deltas: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
     """``sum(w_i * d_i) / sum(w_i)`` in float32, summed in the given order."""
-    p = _normalized(weights, len(deltas))
-    out = np.zeros(np.shape(deltas[0]), dtype=np.float32)
-    for d, p_i in zip(deltas, p, strict=True):
-        d = _f32(d)
-        assert d.shape == out.shape, (d.shape, out.shape)
-        _axpy(out, np.float32(p_i), d)
-    return out
+    return _scaled(*_merge_tensor([_f32(d) for d in deltas], _normalized(weights, len(deltas)), radial=False))
 
 
 def rda(deltas: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
@@ -56,21 +53,7 @@ def rda(deltas: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
     Unlike the mean, disagreeing directions do not shrink the step's length, only its direction;
     directions that cancel exactly give zero.
     """
-    p = _normalized(weights, len(deltas))
-    radius = 0.0
-    direction = np.zeros(np.shape(deltas[0]), dtype=np.float32)
-    for d, p_i in zip(deltas, p, strict=True):
-        d = _f32(d)
-        assert d.shape == direction.shape, (d.shape, direction.shape)
-        n = math.sqrt(_sq(d))
-        if n > 0.0:
-            radius += p_i * n
-            # One float32 multiply per element: scale folded into a single float64-computed scalar.
-            _axpy(direction, np.float32(p_i / n), d)
-    n_dir = _norm(direction)
-    if n_dir == 0.0:
-        return np.zeros_like(direction)
-    return direction * np.float32(radius / n_dir)
+    return _scaled(*_merge_tensor([_f32(d) for d in deltas], _normalized(weights, len(deltas)), radial=True))
 
 
 def merge(
@@ -87,20 +70,57 @@ def merge(
     scales each contribution down to at most that whole-fragment L2 norm (bounds what one bad
     contribution can do). Output names follow the first contribution's order.
     """
+    return merge_with_cosine(deltas, weights, cfg, clip_norm=clip_norm, cosine=False)[0]
+
+
+def merge_with_cosine(
+    deltas: Sequence[Delta],
+    weights: Sequence[float],
+    cfg: WeightedMean | RDA,
+    *,
+    clip_norm: float | None = None,
+    cosine: bool = True,
+    each: Callable[[str, np.ndarray, np.float32 | None], object] | None = None,
+) -> tuple[dict[str, np.ndarray], float | None]:
+    """``(merge(deltas, ...), mean_pairwise_cosine(deltas))``, bit for bit, in one pass.
+
+    Each chunk of every contribution is read from memory once and feeds both the merge's float32
+    accumulator and the cosine's float64 one while it is in cache (the closer's time from quorum
+    to commit is mostly these passes). The cosine is of the contributions as given, before any
+    clipping. ``cosine=False`` skips it (``None``).
+
+    ``each(name, values, scale)``, if given, receives every merged tensor as it is done instead
+    of the returned dict (which is then empty): the merged tensor is ``values * scale`` (a float32
+    multiply) when ``scale`` is not None, else ``values``. ``values`` lives in one buffer reused
+    for the next tensor, so a consumer (the outer step) takes the fragment's merged delta one
+    tensor at a time, without a fragment-sized temporary or a pass of its own for the scaling.
+    """
     assert deltas, "merge needs at least one accepted contribution"
     names = list(deltas[0])
     for d in deltas[1:]:
         assert set(d) == set(names), f"contributions disagree on tensor names: {sorted(set(d) ^ set(names))[:5]}"
-    if clip_norm is not None:
-        deltas = [clip(d, clip_norm) for d in deltas]
+    p = _normalized(weights, len(deltas))
+    merged_in = [clip(d, clip_norm) for d in deltas] if clip_norm is not None else list(deltas)
+    units = _cosine_units(deltas) if cosine else None
+    squares: dict[str, list[float]] = {}
+    shared = None if each is None else np.empty(max((np.size(deltas[0][n]) for n in names), default=0), np.float32)
     out: dict[str, np.ndarray] = {}
     for name in names:
-        tensors = [d[name] for d in deltas]
-        if isinstance(cfg, RDA) and cfg.direct_pattern not in name:
-            out[name] = rda(tensors, weights)
+        radial = isinstance(cfg, RDA) and cfg.direct_pattern not in name
+        cos_in = None if units is None else [None if u is None else (deltas[i][name], u) for i, u in enumerate(units)]
+        values, scale = _merge_tensor(
+            [_f32(d[name]) for d in merged_in],
+            p,
+            radial=radial,
+            cosine=cos_in,
+            squares=squares.setdefault(name, []),
+            out=None if shared is None else shared[: np.size(deltas[0][name])].reshape(np.shape(deltas[0][name])),
+        )
+        if each is None:
+            out[name] = _scaled(values, scale)
         else:
-            out[name] = weighted_mean(tensors, weights)
-    return out
+            each(name, values, scale)
+    return out, _cosine_from(units, squares, len(deltas))
 
 
 def fragment_norm(delta: Delta) -> float:
@@ -125,31 +145,39 @@ def mean_pairwise_cosine(deltas: Sequence[Delta]) -> float | None:
     A health signal for the round record: near 1 the learners agree, near 0 they pull in unrelated
     directions. ``None`` with fewer than two contributions; a pair with a zero vector counts 0.
     """
+    units = _cosine_units(deltas)
+    squares: dict[str, list[float]] = {}
+    if units is not None:
+        for k in deltas[0]:
+            cos = [None if u is None else (deltas[i][k], u) for i, u in enumerate(units)]
+            _merge_tensor([], [], radial=False, cosine=cos, squares=squares.setdefault(k, []))
+    return _cosine_from(units, squares, len(deltas))
+
+
+def _cosine_units(deltas: Sequence[Delta]) -> list[float | None] | None:
+    """``1 / |d_i|`` of each contribution (None for a zero one): the scales of the unit vectors
+    whose sum the cosine needs. None when it needs no pass (fewer than two non-zero contributions)."""
     if len(deltas) < 2:
         return None
-    pairs = len(deltas) * (len(deltas) - 1) // 2
-    units = [(d, 1.0 / n) for d, n in ((d, fragment_norm(d)) for d in deltas) if n > 0.0]
-    if len(units) < 2:
+    units = [1.0 / n if n > 0.0 else None for n in (fragment_norm(d) for d in deltas)]
+    return units if sum(u is not None for u in units) >= 2 else None
+
+
+def _cosine_from(units: Sequence[float | None] | None, squares: Mapping[str, list[float]], n: int) -> float | None:
+    """The sum over pairs of u_i . u_j (u_i = d_i / |d_i|) is (|sum_i u_i|^2 - k) / 2 for k unit
+    vectors: one pass over the contributions instead of one per pair. ``squares`` holds
+    |sum_i u_i|^2 of each tensor's leaves (float64), summed here in sorted-name order."""
+    if n < 2:
+        return None
+    if units is None:
         return 0.0
-    # The sum over pairs of u_i . u_j (u_i = d_i / |d_i|) is (|sum_i u_i|^2 - k) / 2 for k unit
-    # vectors: one pass over the contributions instead of one per pair (n - 1 passes), in float64
-    # chunk by chunk, tensors in sorted-name order.
     square = 0.0
-    size = max(np.size(units[0][0][k]) for k in units[0][0])
-    acc, tmp = np.empty(min(size, _LEAF), np.float64), np.empty(min(size, _LEAF), np.float64)
-    for k in sorted(units[0][0]):
-        flats = [(np.asarray(d[k]).reshape(-1), inv) for d, inv in units]
-        for s in range(0, flats[0][0].size, _LEAF):
-            a = acc[: min(_LEAF, flats[0][0].size - s)]
-            t = tmp[: a.size]
-            np.multiply(flats[0][0][s : s + _LEAF], flats[0][1], out=a, dtype=np.float64)
-            for x, inv in flats[1:]:
-                np.multiply(x[s : s + _LEAF], inv, out=t, dtype=np.float64)
-                a += t
-            np.multiply(a, a, out=t)
-            square += float(np.add.reduce(t))
+    for k in sorted(squares):
+        for v in squares[k]:
+            square += v
+    k_units = sum(u is not None for u in units)
     # Clamp: rounding can push the mean of (anti)parallel vectors a hair past 1.
-    return max(-1.0, min(1.0, (square - len(units)) / 2 / pairs))
+    return max(-1.0, min(1.0, (square - k_units) / 2 / (n * (n - 1) // 2)))
 
 
 def outlier_mask(deltas: Sequence[Delta], *, factor: float) -> list[bool]:
@@ -201,42 +229,172 @@ def _dot(a: np.ndarray, b: np.ndarray) -> float:
     x = np.asarray(a).reshape(-1)
     y = np.asarray(b).reshape(-1)
     assert x.shape == y.shape, (np.shape(a), np.shape(b))
-    if a is b:
-        y = x
-    total = 0.0
     buf = _scratch(min(x.size, _LEAF))
-    for s in range(0, x.size, _CHUNK):
-        total += _pairwise_dot(x, y, s, min(s + _CHUNK, x.size), buf)
+    leaves = []
+    for lo, hi in _dot_leaves(x.size):
+        out = buf[: hi - lo]
+        # The product of the float64 casts (exact for float32 inputs); square is the faster loop.
+        if a is b:
+            np.square(x[lo:hi], out=out, dtype=np.float64)
+        else:
+            np.multiply(x[lo:hi], y[lo:hi], out=out, dtype=np.float64)
+        leaves.append(float(np.add.reduce(out)))
+    return _dot_total(x.size, leaves)
+
+
+@functools.lru_cache(maxsize=256)
+def _dot_leaves(size: int) -> tuple[tuple[int, int], ...]:
+    """The ranges ``_dot`` reduces at once, in ascending order.
+
+    Chunks of ``_CHUNK``, each split the way ``np.add.reduce`` sums pairwise (halves rounded down
+    to a multiple of 8, down to blocks of 128) until the pieces fit ``_LEAF``: summing the leaves
+    along the same tree (``_dot_total``) gives the same additions, bit for bit, as one reduce over
+    the whole chunk, without materialising its float64 products."""
+    out: list[tuple[int, int]] = []
+
+    def split(lo: int, hi: int) -> None:
+        if hi - lo <= _LEAF:
+            out.append((lo, hi))
+            return
+        half = (hi - lo) // 2
+        half -= half % 8
+        split(lo, lo + half)
+        split(lo + half, hi)
+
+    for s in range(0, size, _CHUNK):
+        split(s, min(s + _CHUNK, size))
+    return tuple(out)
+
+
+def _dot_total(size: int, leaves: Sequence[float]) -> float:
+    """The leaf sums of ``_dot_leaves(size)`` added along the same tree: chunks in order, each
+    chunk's pairwise tree left before right."""
+    it = iter(leaves)
+
+    def tree(lo: int, hi: int) -> float:
+        if hi - lo <= _LEAF:
+            return next(it)
+        half = (hi - lo) // 2
+        half -= half % 8
+        return tree(lo, lo + half) + tree(lo + half, hi)
+
+    total = 0.0
+    for s in range(0, size, _CHUNK):
+        total += tree(s, min(s + _CHUNK, size))
     return total
 
 
-def _pairwise_dot(x: np.ndarray, y: np.ndarray, lo: int, hi: int, buf: np.ndarray) -> float:
-    """``np.add.reduce`` of the float64 products ``x[lo:hi] * y[lo:hi]``, bit for bit, without
-    materialising them: numpy sums pairwise (halves rounded down to a multiple of 8, down to
-    blocks of 128), so splitting the same way and reducing cache-sized leaves gives the same
-    tree of additions as one reduce over the whole chunk."""
-    n = hi - lo
-    if n <= _LEAF:
-        out = buf[:n]
-        # The product of the float64 casts (exact for float32 inputs).
-        np.multiply(x[lo:hi], y[lo:hi], out=out, dtype=np.float64)
-        return float(np.add.reduce(out))
-    half = n // 2
-    half -= half % 8
-    return _pairwise_dot(x, y, lo, lo + half, buf) + _pairwise_dot(x, y, lo + half, hi, buf)
+def _merge_tensor(
+    xs: Sequence[np.ndarray],
+    p: Sequence[float],
+    *,
+    radial: bool,
+    cosine: Sequence[tuple[np.ndarray, float] | None] | None = None,
+    squares: list[float] | None = None,
+    out: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.float32 | None]:
+    """One tensor merged from float32 contributions ``xs`` with normalised weights ``p`` (RDA when
+    ``radial``, else the weighted mean), as ``(values, scale)``: the merge is ``values * scale``
+    when ``scale`` is not None (RDA's length applied to its direction), else ``values``. ``out``:
+    the buffer ``values`` is written into (default: a new array). With ``cosine``
+    (``(d_i, 1 / |d_i|)`` per contribution, None for those left out), also appends to
+    ``squares`` the float64 ``|sum_i d_i / |d_i||^2`` of each ``_LEAF``-sized leaf.
+
+    One pass, ``_STEP`` elements at a time: every contribution's chunk is read from memory once,
+    while in cache it is added into both accumulators, and the merged chunk's own float64
+    squares (RDA's direction norm) are summed as its leaves complete. Each accumulator sees the
+    same operations in the same order as a pass of its own would (``out += float32(s_i) * d_i``
+    onto zeros for the merge, contributions in the order given), so the bytes are those of
+    separate passes.
+    """
+    shape = np.shape(xs[0]) if xs else next(np.shape(c[0]) for c in cosine or () if c is not None)
+    size = int(np.prod(shape, dtype=np.int64))
+    scales: list[np.float32 | None] = []
+    radius = 0.0
+    for x, p_i in zip(xs, p, strict=True):
+        assert x.shape == shape, (x.shape, shape)
+        if not radial:
+            scales.append(np.float32(p_i))
+            continue
+        n = math.sqrt(_sq(x))
+        if n > 0.0:
+            radius += p_i * n
+            # One float32 multiply per element: scale folded into a single float64-computed scalar.
+            scales.append(np.float32(p_i / n))
+        else:
+            scales.append(None)  # unit(0) = 0: no direction
+    if out is None:
+        out = np.empty(shape if xs else 0, np.float32)
+    assert out.dtype == np.float32 and out.flags.c_contiguous and out.size == (size if xs else 0)
+    o = out.reshape(-1)
+    flats = [x.reshape(-1) for x in xs]
+    cos = [None if c is None else (np.asarray(c[0]).reshape(-1), c[1]) for c in cosine or ()]
+    assert all(c is None or c[0].size == size for c in cos), size
+    step = min(max(size, 1), _STEP)
+    t32, acc, t64 = _buffers(step)
+    leaves = _dot_leaves(size) if radial and xs else ()
+    leaf_sums: list[float] = []
+    zero = np.float32(0.0)
+    for s in range(0, size, _STEP):
+        e = min(s + _STEP, size)
+        oc, t, a, t6 = o[s:e], t32[: e - s], acc[: e - s], t64[: e - s]
+        first_merge = first_cos = True
+        for i in range(max(len(flats), len(cos))):
+            sc = scales[i] if i < len(flats) else None
+            if sc is not None:
+                if first_merge:
+                    # 0 + t, as accumulating onto zeros would (-0.0 becomes +0.0), without a pass
+                    # to zero the chunk first.
+                    np.multiply(flats[i][s:e], sc, out=oc)
+                    oc += zero
+                    first_merge = False
+                else:
+                    np.multiply(flats[i][s:e], sc, out=t)
+                    oc += t
+            c = cos[i] if i < len(cos) else None
+            if c is not None:
+                # float64(d) * inv: an exact cast, then one rounding (as multiply(..., dtype=float64)).
+                np.copyto(a if first_cos else t6, c[0][s:e])
+                if first_cos:
+                    np.multiply(a, c[1], out=a)
+                    first_cos = False
+                else:
+                    np.multiply(t6, c[1], out=t6)
+                    a += t6
+        if first_merge:
+            oc.fill(0)  # no contribution has a direction here
+        if not first_cos:
+            assert squares is not None
+            np.multiply(a, a, out=t6)
+            for ls in range(0, e - s, _LEAF):
+                squares.append(float(np.add.reduce(t6[ls : ls + _LEAF])))
+        # The merged chunk's leaves are complete: their self-dot while they are in cache.
+        while len(leaf_sums) < len(leaves) and leaves[len(leaf_sums)][1] <= e:
+            lo, hi = leaves[len(leaf_sums)]
+            b = t64[: hi - lo]
+            np.square(o[lo:hi], out=b, dtype=np.float64)
+            leaf_sums.append(float(np.add.reduce(b)))
+    if not radial:
+        return out, None
+    n_dir = math.sqrt(_dot_total(size, leaf_sums))
+    if n_dir == 0.0:
+        out.fill(0)  # +0.0 everywhere (the direction may hold -0.0)
+        return out, None
+    return out, np.float32(radius / n_dir)
 
 
-def _axpy(out: np.ndarray, scale: np.float32, d: np.ndarray) -> None:
-    """``out += scale * d`` (float32, the same two roundings), chunk by chunk through a scratch
-    buffer that stays in cache instead of a fresh full-size temporary per contribution."""
-    o, x = out.reshape(-1), d.reshape(-1)
-    buf = getattr(_local, "axpy", None)
-    if buf is None or buf.size < min(o.size, _AXPY_CHUNK):
-        buf = _local.axpy = np.empty(min(o.size, _AXPY_CHUNK), np.float32)
-    for s in range(0, o.size, _AXPY_CHUNK):
-        t = buf[: o[s : s + _AXPY_CHUNK].size]
-        np.multiply(x[s : s + _AXPY_CHUNK], scale, out=t)
-        o[s : s + _AXPY_CHUNK] += t
+def _scaled(values: np.ndarray, scale: np.float32 | None) -> np.ndarray:
+    if scale is not None:
+        values *= scale
+    return values
+
+
+def _buffers(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-thread scratch of ``n`` elements: float32 product, float64 accumulator, float64 product."""
+    bufs = getattr(_local, "merge", None)
+    if bufs is None or bufs[0].size < n:
+        bufs = _local.merge = (np.empty(n, np.float32), np.empty(n, np.float64), np.empty(n, np.float64))
+    return bufs
 
 
 def _scratch(n: int) -> np.ndarray:
@@ -246,12 +404,19 @@ def _scratch(n: int) -> np.ndarray:
     return buf[:n]
 
 
+def sq_norms(delta: Delta) -> dict[str, float]:
+    """The squared L2 norm of each tensor (float64, the same bits as the merge computes): worked
+    out when a contribution is judged, before quorum, and handed to ``memo_norms``."""
+    return {k: _dot(v, v) for k, v in delta.items()}
+
+
 @contextmanager
-def memo_norms() -> Iterator[None]:
+def memo_norms(known: Iterable[tuple[np.ndarray, float]] = ()) -> Iterator[None]:
     """Within this block (on this thread), remember the squared norm of each tensor computed, by
-    identity: the merge, the cosine and the outlier check then read each contribution once."""
+    identity: the merge, the cosine and the outlier check then read each contribution once.
+    ``known``: ``(tensor, squared norm)`` pairs already computed (``sq_norms``)."""
     outer = getattr(_local, "norms", None)
-    _local.norms = {}
+    _local.norms = {id(a): (a, v) for a, v in known}
     try:
         yield
     finally:
@@ -269,7 +434,3 @@ def _sq(a: np.ndarray) -> float:
     value = _dot(a, a)
     memo[id(a)] = (a, value)
     return value
-
-
-def _norm(a: np.ndarray) -> float:
-    return math.sqrt(_dot(a, a))

@@ -11,9 +11,12 @@ from gradientmail_core.merge import (
     contribution_weight,
     fragment_norm,
     mean_pairwise_cosine,
+    memo_norms,
     merge,
+    merge_with_cosine,
     outlier_mask,
     rda,
+    sq_norms,
     weighted_mean,
 )
 
@@ -164,3 +167,96 @@ def test_outlier_mask_cannot_be_gamed_by_a_colluding_pair_below_half() -> None:
 def test_outlier_factor_must_exceed_one() -> None:
     with pytest.raises(ValueError, match="factor"):
         outlier_mask([{"w": f32(1)}], factor=1.0)
+
+
+# ---- the fused pass: the same bytes as the plain definitions -----------------------------------
+
+# Sizes around the chunking: empty, one element, a partial leaf, several merge steps with a ragged
+# tail, and more than one reduction chunk (1M elements) with an odd remainder.
+_SIZES = [0, 1, 1000, 3 * 32768 + 5, (1 << 20) + (1 << 18) + 12347]
+
+
+def _pairwise_sq(a: np.ndarray) -> float:
+    """The reference norm: numpy's own pairwise float64 sum of the squares, 1M elements at a time."""
+    x = a.reshape(-1).astype(np.float64)
+    return sum((float(np.add.reduce(x[s : s + (1 << 20)] ** 2)) for s in range(0, x.size, 1 << 20)), 0.0)
+
+
+def _reference_rda(deltas: list[np.ndarray], weights: list[float]) -> np.ndarray:
+    p = [w / math.fsum(weights) for w in weights]
+    radius, direction = 0.0, np.zeros_like(deltas[0])
+    for d, p_i in zip(deltas, p):
+        n = math.sqrt(_pairwise_sq(d))
+        if n > 0.0:
+            radius += p_i * n
+            direction += np.float32(p_i / n) * d
+    n_dir = math.sqrt(_pairwise_sq(direction))
+    return np.zeros_like(direction) if n_dir == 0.0 else direction * np.float32(radius / n_dir)
+
+
+def test_norms_are_numpys_pairwise_float64_sums_bit_for_bit() -> None:
+    rng = np.random.default_rng(2)
+    for size in _SIZES:
+        a = rng.standard_normal(size).astype(np.float32)
+        assert sq_norms({"a": a})["a"] == _pairwise_sq(a), size
+        assert fragment_norm({"a": a}) == math.sqrt(_pairwise_sq(a))
+
+
+def test_rda_in_one_pass_gives_the_bytes_of_the_plain_definition() -> None:
+    rng = np.random.default_rng(3)
+    for size in _SIZES[1:]:
+        deltas = [rng.standard_normal(size).astype(np.float32) for _ in range(4)]
+        deltas[2][:] = 0  # a zero contribution counts in the radius only
+        for d in deltas:  # summed onto zeros, products of -0.0 give +0.0, not -0.0
+            d[: size // 2] = -0.0
+        weights = [float(w) for w in rng.uniform(1, 100, 4)]
+        assert rda(deltas, weights).tobytes() == _reference_rda(deltas, weights).tobytes(), size
+
+
+def test_merge_with_cosine_matches_the_separate_merge_and_cosine() -> None:
+    rng = np.random.default_rng(4)
+    shapes = {"embed.w": (300, 64), "big": (_SIZES[-1],), "odd": (129, 257), "one": (1,), "none": (0,)}
+    deltas = [{k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()} for _ in range(5)]
+    deltas[3] = {k: np.zeros_like(v) for k, v in deltas[3].items()}
+    weights = [float(w) for w in rng.uniform(1, 100, 5)]
+    for cfg, clip_norm in [(RDA(), None), (WeightedMean(), None), (RDA(), 300.0)]:
+        merged, cosine = merge_with_cosine(deltas, weights, cfg, clip_norm=clip_norm)
+        plain = merge(deltas, weights, cfg, clip_norm=clip_norm)
+        assert list(merged) == list(plain) == list(shapes)
+        for k in shapes:
+            assert merged[k].tobytes() == plain[k].tobytes(), (cfg, clip_norm, k)
+        assert cosine == mean_pairwise_cosine(deltas)
+    # Against the float64 definition, to rounding.
+    flat = [np.concatenate([d[k].reshape(-1) for k in sorted(d)]).astype(np.float64) for d in deltas]
+    pairs = [(i, j) for i in range(5) for j in range(i + 1, 5)]
+    cosines = [
+        0.0
+        if not (flat[i].any() and flat[j].any())
+        else flat[i] @ flat[j] / np.linalg.norm(flat[i]) / np.linalg.norm(flat[j])
+        for i, j in pairs
+    ]
+    assert cosine == pytest.approx(sum(cosines) / len(pairs), abs=1e-12)
+
+
+def test_merge_can_hand_each_tensor_over_as_values_and_a_scale() -> None:
+    rng = np.random.default_rng(5)
+    deltas = [{"embed": rng.standard_normal(70).astype(np.float32), "w": rng.standard_normal(3000).astype(np.float32)}]
+    deltas.append({k: -v for k, v in deltas[0].items()})  # the directions cancel: RDA gives zeros
+    deltas.append({k: rng.standard_normal(v.shape).astype(np.float32) for k, v in deltas[0].items()})
+    for ds in (deltas[:2], deltas[1:]):
+        plain = merge(ds, [1.0, 2.0], RDA())
+        seen: dict[str, bytes] = {}
+
+        def take(name: str, values: np.ndarray, scale: np.float32 | None, seen: dict = seen) -> None:
+            seen[name] = (values * scale if scale is not None else values.copy()).tobytes()
+
+        merged, _ = merge_with_cosine(ds, [1.0, 2.0], RDA(), each=take)
+        assert merged == {}
+        assert seen == {k: v.tobytes() for k, v in plain.items()}
+
+
+def test_known_norms_are_used_instead_of_recomputed() -> None:
+    d = {"w": f32(3, 4)}
+    with memo_norms([(d["w"], 100.0)]):  # a deliberately wrong norm shows it was used
+        assert fragment_norm(d) == 10.0
+    assert fragment_norm(d) == 5.0

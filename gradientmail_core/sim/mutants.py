@@ -126,14 +126,14 @@ def skip_sha_check() -> contextlib.AbstractContextManager[None]:
 
 def count_twice() -> contextlib.AbstractContextManager[None]:
     """The merge weighs the first accepted contribution twice."""
-    orig = closer.merge
+    orig = closer.merge_with_cosine
 
     def merge(deltas: Any, weights: Any, cfg: Any, **kw: Any) -> Any:
         if len(deltas) > 1:
             deltas, weights = [deltas[0], *deltas], [weights[0], *weights]
         return orig(deltas, weights, cfg, **kw)
 
-    return _patched((closer, "merge", merge))
+    return _patched((closer, "merge_with_cosine", merge))
 
 
 def stale_view_is_fatal() -> contextlib.AbstractContextManager[None]:

@@ -1,0 +1,71 @@
+"""The closer's commit computation: judged snapshots and the commit's new state."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from gradientmail_core import keys
+from gradientmail_core.adapters.base import NumpyAdapter
+from gradientmail_core.closer import Collector, Estimates, FragmentState, compute_commit
+from gradientmail_core.config import DiLoCo
+from gradientmail_core.memory_mailbox import MemoryMailbox
+from gradientmail_core.merge import sq_norms
+from gradientmail_core.payload import encode_payload
+from gradientmail_core.records import Snapshot
+from gradientmail_core.run import open_run
+from gradientmail_core.store import RunStore
+
+SHAPES = {"embed.weight": (40, 16), "h.0.w": (64, 33), "h.0.b": (33,)}
+
+
+def collected(cfg: DiLoCo, n: int, *, stale: int | None = None) -> tuple[Collector, RunStore]:
+    """A collector of round 0 that has judged ``n`` snapshots (``stale``: one against version 1)."""
+    rng = np.random.default_rng(0)
+    params = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+    store = RunStore(MemoryMailbox())
+    run, _ = open_run(store, NumpyAdapter(params), cfg, learner="c", compression="", rng=random.Random(0))
+    for i in range(n):
+        delta = {k: (1e-2 * rng.standard_normal(s)).astype(np.float32) for k, s in SHAPES.items()}
+        learner = f"l{i}"
+        ref = store.put_payload(
+            lambda sha, lr=learner: keys.snapshot_blob_key(0, lr, sha, ""), encode_payload(delta, "F32", kind="delta")
+        )
+        snap = Snapshot(
+            learner=learner,
+            round=0,
+            local_step=4,
+            steps=4,
+            tokens=16 * (i + 1),
+            base_version=1 if i == stale else 0,
+            step_seconds=0.1,
+            schema_digest=run.digest,
+            payload=ref,
+            final=False,
+            nonce="0123abcd",
+        )
+        store.put_record(keys.snapshot_key(0, learner), snap)
+    c = Collector(0, run, FragmentState.initial(params), 0.0, Estimates())
+    for i in reversed(range(n)):
+        c.judge_snapshot(store, f"l{i}")
+    c.update({f"l{i}" for i in range(n)}, 1.0, quorum_size=n, gap=1, in_flight=1, overlap_steps=None)
+    return c, store
+
+
+def test_an_accepted_snapshot_carries_its_tensor_norms_and_a_rejected_one_none() -> None:
+    c, _ = collected(DiLoCo(sync_every=4, fragments=1), 3, stale=1)
+    assert c.judged["l1"].reason == "stale" and c.judged["l1"].norms is None
+    for lr in ("l0", "l2"):
+        j = c.judged[lr]
+        assert j.reason is None and j.delta is not None
+        assert j.norms == sq_norms(j.delta)
+
+
+def test_the_commit_writes_its_new_state_into_the_arrays_reserved_before_quorum() -> None:
+    c, _ = collected(DiLoCo(sync_every=4, fragments=1), 2)
+    assert c.reserved is not None
+    master, momentum = c.reserved
+    commit = compute_commit(c, closer="c", live=2, compression="", sync_seconds=None, now=1.0)
+    assert c.reserved is None
+    assert all(commit.state.master[n] is master[n] and commit.state.momentum[n] is momentum[n] for n in SHAPES)
