@@ -4,7 +4,8 @@ through the ``RunStore`` handed in; the node orchestrates when each step happens
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -216,11 +217,16 @@ def compute_commit(
     compression: str,
     sync_seconds: float | None,
     now: float,
+    write: Callable[[str, bytes], object] | None = None,
 ) -> Commit:
     """Merge the accepted deltas, take the outer step, and build the payloads and record.
 
     Deterministic: contributions are merged in learner-id order, so a closer that
     recomputes the round after a crash writes the same parameter bytes.
+
+    ``write(key, data)``, if given, is called for each payload (theta, outer, then the change: a
+    fixed order, on the calling thread) as soon as its sha256 is known, while the payloads after
+    it are still being hashed on worker threads; the record is built once all are written.
     """
     run, cfg, f = c.run, c.run.cfg, c.fragment
     # The contributions' norms were computed as they were judged; the merge, the cosine and the
@@ -263,32 +269,41 @@ def compute_commit(
     master = {n: new_master[n] for n in st.master}
     momentum = st.momentum if final else {n: new_momentum[n] for n in st.master}
     dtypes = run.fragment_dtypes(f)
-    payloads: dict[str, bytes] = {}
-    change_ref_data = None
-    if cfg.commit_dtype is not None:
-        diff = {n: np.subtract(master[n], st.theta[n], dtype=np.float32) for n in master}
-        change_ref_data = encode_payload(diff, cfg.commit_dtype, kind="change", compression=compression)
-        # Publish exactly what a learner rebuilds from the change; the fp32 master keeps the
-        # rounding error, so it is fed back into the next round's change.
-        theta = rebuild_theta(run, f, st.theta, cast(diff, dict.fromkeys(diff, cfg.commit_dtype)))
-    else:
-        theta = cast(master, dtypes)
-    theta_plain = encode_payload(theta, dtypes, kind="theta", compression="")
-    theta_data = (
-        theta_plain if compression == "" else encode_payload(theta, dtypes, kind="theta", compression=compression)
-    )
-    outer = {**{f"momentum/{n}": v for n, v in momentum.items()}, **{f"master/{n}": v for n, v in master.items()}}
-    outer_data = encode_payload(outer, "F32", kind="outer", compression=compression)
-
-    refs = {}
-    shas: dict[int, str] = {}  # each payload hashed once (the uncompressed theta is also the digest)
-    for kind, data in (("theta", theta_data), ("outer", outer_data), ("change", change_ref_data)):
-        if data is not None:
-            sha = shas[id(data)] = sha256_hex(data)
+    # Each payload is encoded and hashed as a job on a worker thread (the byte joins, sha256 and
+    # zstd overlap each other and the writes, which release the GIL); written in a fixed order.
+    with _Jobs(threaded=run.fragment_bytes(f) >= _THREADED_BYTES) as jobs:
+        change_job = None
+        if cfg.commit_dtype is not None:
+            commit_dtype = cfg.commit_dtype
+            diff = {n: np.subtract(master[n], st.theta[n], dtype=np.float32) for n in master}
+            change_job = jobs.payload(
+                lambda: encode_payload(diff, commit_dtype, kind="change", compression=compression)
+            )
+            # Publish exactly what a learner rebuilds from the change; the fp32 master keeps the
+            # rounding error, so it is fed back into the next round's change.
+            theta = rebuild_theta(run, f, st.theta, cast(diff, dict.fromkeys(diff, cfg.commit_dtype)))
+        else:
+            theta = cast(master, dtypes)
+        plain_job = jobs.payload(lambda: encode_payload(theta, dtypes, kind="theta", compression=""))
+        theta_job = (
+            plain_job
+            if compression == ""
+            else jobs.payload(lambda: encode_payload(theta, dtypes, kind="theta", compression=compression))
+        )
+        outer = {**{f"momentum/{n}": v for n, v in momentum.items()}, **{f"master/{n}": v for n, v in master.items()}}
+        outer_job = jobs.payload(lambda: encode_payload(outer, "F32", kind="outer", compression=compression))
+        payloads: dict[str, bytes] = {}
+        refs = {}
+        for kind, job in (("theta", theta_job), ("outer", outer_job), ("change", change_job)):
+            if job is None:
+                continue
+            data, sha = job()
             k = keys.round_blob_key(c.round, kind, sha, compression)
             payloads[k] = data
             refs[kind] = PayloadRef(key=k, sha256=sha, size=len(data))
-    theta_digest = shas.get(id(theta_plain)) or sha256_hex(theta_plain)
+            if write is not None:
+                write(k, data)
+        theta_digest = plain_job()[1]
     e = c.estimates
     steps_seconds = [
         j.snapshot.step_seconds for j in accepted if j.snapshot is not None and j.snapshot.step_seconds > 0
@@ -334,6 +349,37 @@ def compute_commit(
         x_sync=x_sync,
     )
     return Commit(record, FragmentState(st.version + 1, theta, master, momentum), payloads)
+
+
+# A fragment at least this large encodes and hashes its commit payloads on worker threads; a
+# smaller one (a simulation's, a test's) inline, without starting threads.
+_THREADED_BYTES = 8 << 20
+
+
+class _Jobs:
+    """Payload jobs (encode, then sha256) for one commit, on worker threads or inline."""
+
+    def __init__(self, *, threaded: bool) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="gradientmail-commit") if threaded else None
+
+    def __enter__(self) -> _Jobs:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def payload(self, encode: Callable[[], bytes]) -> Callable[[], tuple[bytes, str]]:
+        """Start ``encode`` and the hash of its bytes; returns a function waiting for ``(bytes, sha256)``."""
+
+        def job() -> tuple[bytes, str]:
+            data = encode()
+            return data, sha256_hex(data)
+
+        if self._pool is None:
+            done = job()
+            return lambda: done
+        return self._pool.submit(job).result
 
 
 def _in_snapshot_blobs(snap: Snapshot, r: int, learner: str) -> bool:

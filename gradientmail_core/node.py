@@ -475,15 +475,23 @@ class Node:
 
     def _close(self, c: Collector, live: int) -> None:
         t0 = self.clock.now()
-        commit = compute_commit(
-            c, closer=self.me, live=live, compression=self.opts.compression, sync_seconds=self._last_sync, now=t0
-        )
-        written = 0
-        for key, data in commit.payloads.items():
+
+        def write(key: str, data: bytes) -> None:
             outcome, _ = create_once(self.store.mailbox, key, data)
             if outcome is CreateOutcome.TAKEN:
                 raise PayloadCorrupt(f"{key}: holds different bytes than its sha256 name says")
-            written += len(data)
+
+        # The payloads are written as they are hashed (the next one hashes during this write).
+        commit = compute_commit(
+            c,
+            closer=self.me,
+            live=live,
+            compression=self.opts.compression,
+            sync_seconds=self._last_sync,
+            now=t0,
+            write=write,
+        )
+        written = sum(len(data) for data in commit.payloads.values())
         rec = commit.record
         outcome, existing = self.store.put_record(keys.round_key(c.round), rec)
         self._last_sync = self.clock.now() - t0

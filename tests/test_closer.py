@@ -1,18 +1,19 @@
-"""The closer's commit computation: judged snapshots and the commit's new state."""
+"""The closer's commit computation: judged snapshots, payload order, hashing on threads."""
 
 from __future__ import annotations
 
 import random
 
 import numpy as np
+import pytest
 
-from gradientmail_core import keys
+from gradientmail_core import closer, keys
 from gradientmail_core.adapters.base import NumpyAdapter
 from gradientmail_core.closer import Collector, Estimates, FragmentState, compute_commit
 from gradientmail_core.config import DiLoCo
 from gradientmail_core.memory_mailbox import MemoryMailbox
 from gradientmail_core.merge import sq_norms
-from gradientmail_core.payload import encode_payload
+from gradientmail_core.payload import encode_payload, sha256_hex
 from gradientmail_core.records import Snapshot
 from gradientmail_core.run import open_run
 from gradientmail_core.store import RunStore
@@ -53,6 +54,21 @@ def collected(cfg: DiLoCo, n: int, *, stale: int | None = None) -> tuple[Collect
     return c, store
 
 
+def commit_bytes(cfg: DiLoCo, n: int, compression: str = "") -> tuple[bytes, dict[str, bytes], list[str]]:
+    c, store = collected(cfg, n)
+    written: list[str] = []
+    commit = compute_commit(
+        c,
+        closer="c",
+        live=n,
+        compression=compression,
+        sync_seconds=None,
+        now=1.0,
+        write=lambda key, data: written.append(key),
+    )
+    return store.encode_record(commit.record), commit.payloads, written
+
+
 def test_an_accepted_snapshot_carries_its_tensor_norms_and_a_rejected_one_none() -> None:
     c, _ = collected(DiLoCo(sync_every=4, fragments=1), 3, stale=1)
     assert c.judged["l1"].reason == "stale" and c.judged["l1"].norms is None
@@ -60,6 +76,43 @@ def test_an_accepted_snapshot_carries_its_tensor_norms_and_a_rejected_one_none()
         j = c.judged[lr]
         assert j.reason is None and j.delta is not None
         assert j.norms == sq_norms(j.delta)
+
+
+@pytest.mark.parametrize("compression", ["", "zstd"])
+def test_payloads_are_written_in_a_fixed_order_before_the_record_exists(compression: str) -> None:
+    if compression:
+        pytest.importorskip("zstandard")
+    cfg = DiLoCo(sync_every=4, fragments=1, commit_dtype="BF16")
+    record, payloads, written = commit_bytes(cfg, 3, compression)
+    assert [keys.parse_blob_key(k).kind for k in written] == ["theta", "outer", "change"]  # type: ignore[union-attr]
+    assert written == list(payloads)
+    for key, data in payloads.items():
+        assert sha256_hex(data) in key
+
+
+def test_hashing_on_threads_commits_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = DiLoCo(sync_every=4, fragments=1)
+    inline = commit_bytes(cfg, 3)
+    monkeypatch.setattr(closer, "_THREADED_BYTES", 0)
+    assert commit_bytes(cfg, 3) == inline
+
+
+def test_a_failed_write_stops_the_commit_before_the_next_payload() -> None:
+    c, _ = collected(DiLoCo(sync_every=4, fragments=1), 2)
+    written: list[str] = []
+
+    def write(key: str, data: bytes) -> None:
+        written.append(key)
+        raise ConnectionError("store down")
+
+    with pytest.raises(ConnectionError):
+        compute_commit(c, closer="c", live=2, compression="", sync_seconds=None, now=1.0, write=write)
+    assert len(written) == 1
+    # The next attempt (the node retries on its next poll) commits what a fresh closer would.
+    again = compute_commit(c, closer="c", live=2, compression="", sync_seconds=None, now=1.0)
+    fresh, _ = collected(DiLoCo(sync_every=4, fragments=1), 2)
+    expected = compute_commit(fresh, closer="c", live=2, compression="", sync_seconds=None, now=1.0)
+    assert again.record == expected.record and again.payloads == expected.payloads
 
 
 def test_the_commit_writes_its_new_state_into_the_arrays_reserved_before_quorum() -> None:
