@@ -5,15 +5,20 @@ A merge must read every accepted contribution at least once, so the floor is the
 float32 sum: one streaming read). The commit time is what ``Node._close`` does after quorum,
 timed in its three parts on a ``FileMailbox`` with fsync on:
 
-- ``compute``: ``closer.compute_commit`` (merge, outer step, cast, payload encoding, sha256),
-- ``write``:   the payload writes (create-once, fsync),
+- ``compute``: ``closer.compute_commit`` up to its first payload write (merge, outer step, cast,
+  payload encoding, the theta payload's sha256),
+- ``write``:   from the first payload write to the end of the last (create-once, fsync; the
+  later payloads are hashed on worker threads meanwhile),
 - ``record``:  the round record (create-once, fsync): the commit point.
 
-Judging (fetch + sha256 + decode of each snapshot, done as snapshots arrive, before quorum)
-is timed separately. Contributions are F32 deltas, uncompressed; one fragment of ``params``.
+Judging (fetch + sha256 + decode of each snapshot and its tensors' norms, done as snapshots
+arrive, before quorum) is timed separately. Contributions are F32 deltas, uncompressed; one
+fragment of ``params``. Each measurement runs in a fresh worker process.
 
     python bench/closer.py                          # 25M and 100M params x 2, 8, 16 contributions
     python bench/closer.py --params 25e6 --contributions 2 8
+    python bench/closer.py --engine before=/tmp/before   # and each row on another checkout
+                                                         # (a git worktree), alternating
 
 100M x 16 holds 6.4 GB of decoded deltas (plus the closer's 1.2 GB of state); the script skips
 a size whose deltas would not fit in 60% of the memory available when it starts.
@@ -23,9 +28,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
+import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -119,28 +127,52 @@ def measure(n_params: int, n_contrib: int, root: str) -> dict:
     floor = read_floor(deltas)
     del deltas
 
-    t0 = time.perf_counter()
-    commit = compute_commit(c, closer="closer", live=n_contrib, compression="", sync_seconds=None, now=1.0)
-    t1 = time.perf_counter()
-    for key, data in commit.payloads.items():
+    marks: list[float] = []
+
+    def write(key: str, data: bytes) -> None:
+        marks.append(time.perf_counter())
         outcome, _ = create_once(mailbox, key, data)
         assert outcome is not CreateOutcome.TAKEN
+        marks.append(time.perf_counter())
+
+    kw = dict(closer="closer", live=n_contrib, compression="", sync_seconds=None, now=1.0)
+    t0 = time.perf_counter()
+    if "write" in inspect.signature(compute_commit).parameters:
+        commit = compute_commit(c, write=write, **kw)  # type: ignore[arg-type]
+    else:  # an engine from before payloads were written as they were hashed
+        commit = compute_commit(c, **kw)  # type: ignore[arg-type]
+        for key, data in commit.payloads.items():
+            write(key, data)
     t2 = time.perf_counter()
     outcome, _ = store.put_record(keys.round_key(0), commit.record)
     t3 = time.perf_counter()
     assert outcome is CreateOutcome.CREATED
-    contrib_bytes = 4 * n_params * n_contrib
     return {
-        "compute": t1 - t0,
-        "write": t2 - t1,
+        "compute": marks[0] - t0,
+        "write": marks[-1] - marks[0],
         "record": t3 - t2,
         "total": t3 - t0,
         "floor": floor,
         "judge_each": statistics.median(judge),
         "judge_total": sum(judge),
-        "bytes": contrib_bytes,
+        "bytes": 4 * n_params * n_contrib,
         "written": sum(len(d) for d in commit.payloads.values()),
+        "load": os.getloadavg()[0],
+        "engine": str(Path(gm.__file__).parent.parent),
     }
+
+
+def run_worker(n_params: int, n_contrib: int, engine: str | None, tmp: str | None) -> dict:
+    env = dict(os.environ)
+    if engine:  # another checkout of gradientmail (--engine NAME=PATH): before/after
+        env["PYTHONPATH"] = os.pathsep.join([engine, env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, __file__, "--worker", str(n_params), str(n_contrib)] + (["--dir", tmp] if tmp else [])
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        raise RuntimeError(
+            f"worker {n_params} x {n_contrib} ({engine or 'this checkout'}) failed:\n{out.stderr[-3000:]}"
+        )
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -148,14 +180,30 @@ def main() -> None:
     ap.add_argument("--params", type=float, nargs="*", default=[25e6, 100e6])
     ap.add_argument("--contributions", type=int, nargs="*", default=[2, 8, 16])
     ap.add_argument("--dir", default=None, help="where the FileMailbox lives (default: a temp dir)")
+    ap.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        type=lambda v: tuple(v.split("=", 1)),
+        metavar="NAME=PATH",
+        help="also run every row on the gradientmail checkout at PATH (e.g. a git worktree of an older "
+        "commit), alternating with this one: before/after in one run",
+    )
+    ap.add_argument("--worker", type=int, nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.worker:
+        with tempfile.TemporaryDirectory(dir=args.dir) as d:
+            print(json.dumps(measure(args.worker[0], args.worker[1], d)))
+        return
     print(f"closer latency on FileMailbox (fsync on), F32 deltas, one fragment; load average {os.getloadavg()}")
+    arms: list[tuple[str, str | None]] = [("this", None), *args.engine]
     head = (
-        f"{'params':>7} {'contrib':>7} | {'floor s':>7} {'GB/s':>5} | {'compute':>8} {'write':>6} {'record':>6} "
-        f"{'total s':>8} | {'x floor':>7} | {'judge each s':>12} {'judge/floor':>11}"
+        f"{'params':>7} {'contrib':>7} {'engine':>7} | {'floor s':>7} {'GB/s':>5} | {'compute':>8} {'write':>6} "
+        f"{'record':>6} {'total s':>8} | {'x floor':>7} | {'judge each s':>12} {'judge/floor':>11} | {'load':>4}"
     )
     print(head)
     print("-" * len(head))
+    rows = []
     for p in args.params:
         n_params = int(p)
         for n in args.contributions:
@@ -166,16 +214,29 @@ def main() -> None:
                     f"{available_bytes() / 2**30:.1f} GiB available"
                 )
                 continue
-            with tempfile.TemporaryDirectory(dir=args.dir) as d:
-                r = measure(n_params, n, d)
-            gc.collect()
-            print(
-                f"{n_params / 1e6:>6.0f}M {n:>7} | {r['floor']:>7.3f} {r['bytes'] / r['floor'] / 1e9:>5.1f} | "
-                f"{r['compute']:>8.2f} {r['write']:>6.2f} {r['record']:>6.3f} {r['total']:>8.2f} | "
-                f"{r['total'] / r['floor']:>6.1f}x | {r['judge_each']:>12.2f} "
-                f"{r['judge_total'] / r['floor']:>10.1f}x",
-                flush=True,
-            )
+            results = {}
+            # Arms alternate, the order flipping every row.
+            for name, path in arms if len(rows) % 2 == 0 else list(reversed(arms)):
+                r = results[name] = run_worker(n_params, n, path, args.dir)
+                print(
+                    f"{n_params / 1e6:>6.0f}M {n:>7} {name:>7} | {r['floor']:>7.3f} "
+                    f"{r['bytes'] / r['floor'] / 1e9:>5.1f} | {r['compute']:>8.2f} {r['write']:>6.2f} "
+                    f"{r['record']:>6.3f} {r['total']:>8.2f} | {r['total'] / r['floor']:>6.1f}x | "
+                    f"{r['judge_each']:>12.2f} {r['judge_total'] / r['floor']:>10.1f}x | {r['load']:>4.1f}",
+                    flush=True,
+                )
+            rows.append((n_params, n, results))
+    if args.engine:
+        print("\nbefore/after (total s, x floor; compute s):")
+        for n_params, n, results in rows:
+            this = results["this"]
+            for name, _ in args.engine:
+                o = results[name]
+                print(
+                    f"{n_params / 1e6:>6.0f}M {n:>3}: {name} {o['total']:.2f} s ({o['total'] / o['floor']:.1f}x) -> "
+                    f"{this['total']:.2f} s ({this['total'] / this['floor']:.1f}x), {o['total'] / this['total']:.2f}x "
+                    f"faster; compute {o['compute']:.2f} -> {this['compute']:.2f} s"
+                )
     print(f"load average after: {os.getloadavg()}")
 
 
