@@ -7,13 +7,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
 from . import keys
 from .acceptance import PayloadStatus, judge
 from .errors import MissingExtra, PayloadCorrupt, RecordInvalid
-from .merge import contribution_weight, memo_norms, merge_with_cosine, outlier_mask, sq_norms
+from .merge import contribution_weight, mean_pairwise_cosine, memo_norms, merge_with_cosine, outlier_mask, sq_norms
 from .outer import final_step_tensor, outer_step_tensor
 from .payload import decode_payload, encode_payload, sha256_hex
 from .quant import dequantize, quantize
@@ -22,6 +23,8 @@ from .run import RunInfo, payload_cap
 from .schedule import nominal_step, version_before
 from .store import RunStore
 from .timing import ema, grace_seconds
+
+T = TypeVar("T")
 
 
 def cast(values: Mapping[str, np.ndarray], dtypes: Mapping[str, str]) -> dict[str, np.ndarray]:
@@ -264,14 +267,19 @@ def compute_commit(
                     name=name,
                 )
 
-        _, cosine = merge_with_cosine(deltas, weights, cfg.merge, clip_norm=cfg.clip_norm, each=step)
+        # A large fragment's cosine (only the record needs it) is summed on a worker while the
+        # payloads are encoded, hashed and written; a small one's in the merge's pass.
+        threaded = run.fragment_bytes(f) >= _THREADED_BYTES
+        _, cosine = merge_with_cosine(
+            deltas, weights, cfg.merge, clip_norm=cfg.clip_norm, cosine=not threaded, each=step
+        )
     assert set(new_master) == set(st.master), "the merge and the outer state must name the same tensors"
     master = {n: new_master[n] for n in st.master}
     momentum = st.momentum if final else {n: new_momentum[n] for n in st.master}
     dtypes = run.fragment_dtypes(f)
     # Each payload is encoded and hashed as a job on a worker thread (the byte joins, sha256 and
     # zstd overlap each other and the writes, which release the GIL); written in a fixed order.
-    with _Jobs(threaded=run.fragment_bytes(f) >= _THREADED_BYTES) as jobs:
+    with _Jobs(threaded=threaded) as jobs:
         change_job = None
         if cfg.commit_dtype is not None:
             commit_dtype = cfg.commit_dtype
@@ -292,6 +300,7 @@ def compute_commit(
         )
         outer = {**{f"momentum/{n}": v for n, v in momentum.items()}, **{f"master/{n}": v for n, v in master.items()}}
         outer_job = jobs.payload(lambda: encode_payload(outer, "F32", kind="outer", compression=compression))
+        cosine_job = jobs.submit(lambda: _cosine(known, deltas)) if threaded else None
         payloads: dict[str, bytes] = {}
         refs = {}
         for kind, job in (("theta", theta_job), ("outer", outer_job), ("change", change_job)):
@@ -304,6 +313,8 @@ def compute_commit(
             if write is not None:
                 write(k, data)
         theta_digest = plain_job()[1]
+        if cosine_job is not None:
+            cosine = cosine_job()
     e = c.estimates
     steps_seconds = [
         j.snapshot.step_seconds for j in accepted if j.snapshot is not None and j.snapshot.step_seconds > 0
@@ -357,10 +368,10 @@ _THREADED_BYTES = 8 << 20
 
 
 class _Jobs:
-    """Payload jobs (encode, then sha256) for one commit, on worker threads or inline."""
+    """A commit's jobs (payloads to encode and hash, the cosine), on worker threads or inline."""
 
     def __init__(self, *, threaded: bool) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="gradientmail-commit") if threaded else None
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="gradientmail-commit") if threaded else None
 
     def __enter__(self) -> _Jobs:
         return self
@@ -369,6 +380,13 @@ class _Jobs:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
 
+    def submit(self, fn: Callable[[], T]) -> Callable[[], T]:
+        """Start ``fn``; returns a function that waits for its result."""
+        if self._pool is None:
+            done = fn()
+            return lambda: done
+        return self._pool.submit(fn).result
+
     def payload(self, encode: Callable[[], bytes]) -> Callable[[], tuple[bytes, str]]:
         """Start ``encode`` and the hash of its bytes; returns a function waiting for ``(bytes, sha256)``."""
 
@@ -376,10 +394,12 @@ class _Jobs:
             data = encode()
             return data, sha256_hex(data)
 
-        if self._pool is None:
-            done = job()
-            return lambda: done
-        return self._pool.submit(job).result
+        return self.submit(job)
+
+
+def _cosine(known: list[tuple[np.ndarray, float]], deltas: list[dict[str, np.ndarray]]) -> float | None:
+    with memo_norms(known):  # the memo is per thread: a worker is handed the known norms
+        return mean_pairwise_cosine(deltas)
 
 
 def _in_snapshot_blobs(snap: Snapshot, r: int, learner: str) -> bool:

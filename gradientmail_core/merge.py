@@ -12,11 +12,14 @@ reductions visit tensors in sorted-name order so a mapping's insertion order doe
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import functools
 import math
+import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -30,6 +33,10 @@ _CHUNK = 1 << 20
 # the contributions already computed, so a commit reads each contribution once per quantity.
 _local = threading.local()
 _LEAF = 1 << 15  # float64 elements (256 KiB) a reduction handles at once, in cache
+# The merge of a large fragment runs on a few threads, over ranges of each tensor (numpy releases
+# the GIL); few, as it runs beside training. Below _PARALLEL_BYTES of contributions, inline.
+WORKERS = min(2, os.cpu_count() or 1)
+_PARALLEL_BYTES = 32 << 20
 # Elements of every contribution the merge handles at once (a multiple of _LEAF): its float32 and
 # float64 scratch (1.25 MiB) plus one contribution's chunk stay in L2.
 _STEP = 2 * _LEAF
@@ -105,21 +112,32 @@ def merge_with_cosine(
     squares: dict[str, list[float]] = {}
     shared = None if each is None else np.empty(max((np.size(deltas[0][n]) for n in names), default=0), np.float32)
     out: dict[str, np.ndarray] = {}
-    for name in names:
-        radial = isinstance(cfg, RDA) and cfg.direct_pattern not in name
-        cos_in = None if units is None else [None if u is None else (deltas[i][name], u) for i, u in enumerate(units)]
-        values, scale = _merge_tensor(
-            [_f32(d[name]) for d in merged_in],
-            p,
-            radial=radial,
-            cosine=cos_in,
-            squares=squares.setdefault(name, []),
-            out=None if shared is None else shared[: np.size(deltas[0][name])].reshape(np.shape(deltas[0][name])),
+    workers = WORKERS if sum(np.size(deltas[0][n]) for n in names) * 4 * len(deltas) >= _PARALLEL_BYTES else 1
+    with contextlib.ExitStack() as stack:
+        pool = (
+            stack.enter_context(ThreadPoolExecutor(workers, thread_name_prefix="gradientmail-merge"))
+            if workers > 1
+            else None
         )
-        if each is None:
-            out[name] = _scaled(values, scale)
-        else:
-            each(name, values, scale)
+        for name in names:
+            radial = isinstance(cfg, RDA) and cfg.direct_pattern not in name
+            cos_in = (
+                None if units is None else [None if u is None else (deltas[i][name], u) for i, u in enumerate(units)]
+            )
+            values, scale = _merge_tensor(
+                [_f32(d[name]) for d in merged_in],
+                p,
+                radial=radial,
+                cosine=cos_in,
+                squares=squares.setdefault(name, []),
+                out=None if shared is None else shared[: np.size(deltas[0][name])].reshape(np.shape(deltas[0][name])),
+                pool=pool,
+                workers=workers,
+            )
+            if each is None:
+                out[name] = _scaled(values, scale)
+            else:
+                each(name, values, scale)
     return out, _cosine_from(units, squares, len(deltas))
 
 
@@ -292,6 +310,8 @@ def _merge_tensor(
     cosine: Sequence[tuple[np.ndarray, float] | None] | None = None,
     squares: list[float] | None = None,
     out: np.ndarray | None = None,
+    pool: ThreadPoolExecutor | None = None,
+    workers: int = 1,
 ) -> tuple[np.ndarray, np.float32 | None]:
     """One tensor merged from float32 contributions ``xs`` with normalised weights ``p`` (RDA when
     ``radial``, else the weighted mean), as ``(values, scale)``: the merge is ``values * scale``
@@ -305,7 +325,9 @@ def _merge_tensor(
     squares (RDA's direction norm) are summed as its leaves complete. Each accumulator sees the
     same operations in the same order as a pass of its own would (``out += float32(s_i) * d_i``
     onto zeros for the merge, contributions in the order given), so the bytes are those of
-    separate passes.
+    separate passes. With a ``pool``, ranges of whole ``_CHUNK``s go to its ``workers`` threads
+    (numpy releases the GIL in each operation); their results are combined in order, so the
+    bytes do not depend on the threads.
     """
     shape = np.shape(xs[0]) if xs else next(np.shape(c[0]) for c in cosine or () if c is not None)
     size = int(np.prod(shape, dtype=np.int64))
@@ -326,17 +348,50 @@ def _merge_tensor(
     if out is None:
         out = np.empty(shape if xs else 0, np.float32)
     assert out.dtype == np.float32 and out.flags.c_contiguous and out.size == (size if xs else 0)
-    o = out.reshape(-1)
     flats = [x.reshape(-1) for x in xs]
     cos = [None if c is None else (np.asarray(c[0]).reshape(-1), c[1]) for c in cosine or ()]
     assert all(c is None or c[0].size == size for c in cos), size
-    step = min(max(size, 1), _STEP)
-    t32, acc, t64 = _buffers(step)
     leaves = _dot_leaves(size) if radial and xs else ()
+
+    def part(lo: int, hi: int) -> tuple[list[float], list[float]]:
+        return _merge_range(out.reshape(-1), flats, scales, cos, leaves, lo, hi)
+
+    # Ranges of whole _CHUNKs (so whole reduction leaves) on the workers, results in order.
+    bounds = list(range(0, size, max(_CHUNK, -(-size // _CHUNK // max(workers, 1)) * _CHUNK))) + [size]
+    if len(bounds) > 2 and pool is not None:
+        parts = list(pool.map(part, bounds[:-1], bounds[1:]))
+    else:
+        parts = [part(0, size)]
+    if squares is not None:
+        for sq_part, _ in parts:
+            squares += sq_part
+    if not radial:
+        return out, None
+    n_dir = math.sqrt(_dot_total(size, [v for _, leaf_part in parts for v in leaf_part]))
+    if n_dir == 0.0:
+        out.fill(0)  # +0.0 everywhere (the direction may hold -0.0)
+        return out, None
+    return out, np.float32(radius / n_dir)
+
+
+def _merge_range(
+    o: np.ndarray,
+    flats: Sequence[np.ndarray],
+    scales: Sequence[np.float32 | None],
+    cos: Sequence[tuple[np.ndarray, float] | None],
+    leaves: Sequence[tuple[int, int]],
+    lo: int,
+    hi: int,
+) -> tuple[list[float], list[float]]:
+    """The pass of ``_merge_tensor`` over elements ``[lo, hi)`` (``lo`` a multiple of ``_CHUNK``):
+    writes ``o[lo:hi]``, returns the cosine's leaf squares and the direction's leaf sums there."""
+    t32, acc, t64 = _buffers(min(max(hi - lo, 1), _STEP))
+    squares: list[float] = []
     leaf_sums: list[float] = []
+    li = bisect.bisect_left(leaves, (lo, lo))
     zero = np.float32(0.0)
-    for s in range(0, size, _STEP):
-        e = min(s + _STEP, size)
+    for s in range(lo, hi, _STEP):
+        e = min(s + _STEP, hi)
         oc, t, a, t6 = o[s:e], t32[: e - s], acc[: e - s], t64[: e - s]
         first_merge = first_cos = True
         for i in range(max(len(flats), len(cos))):
@@ -364,23 +419,16 @@ def _merge_tensor(
         if first_merge:
             oc.fill(0)  # no contribution has a direction here
         if not first_cos:
-            assert squares is not None
             np.multiply(a, a, out=t6)
             for ls in range(0, e - s, _LEAF):
                 squares.append(float(np.add.reduce(t6[ls : ls + _LEAF])))
         # The merged chunk's leaves are complete: their self-dot while they are in cache.
-        while len(leaf_sums) < len(leaves) and leaves[len(leaf_sums)][1] <= e:
-            lo, hi = leaves[len(leaf_sums)]
-            b = t64[: hi - lo]
-            np.square(o[lo:hi], out=b, dtype=np.float64)
+        while li < len(leaves) and leaves[li][1] <= e:
+            b = t64[: leaves[li][1] - leaves[li][0]]
+            np.square(o[leaves[li][0] : leaves[li][1]], out=b, dtype=np.float64)
             leaf_sums.append(float(np.add.reduce(b)))
-    if not radial:
-        return out, None
-    n_dir = math.sqrt(_dot_total(size, leaf_sums))
-    if n_dir == 0.0:
-        out.fill(0)  # +0.0 everywhere (the direction may hold -0.0)
-        return out, None
-    return out, np.float32(radius / n_dir)
+            li += 1
+    return squares, leaf_sums
 
 
 def _scaled(values: np.ndarray, scale: np.float32 | None) -> np.ndarray:
@@ -410,7 +458,7 @@ def sq_norms(delta: Delta) -> dict[str, float]:
     return {k: _dot(v, v) for k, v in delta.items()}
 
 
-@contextmanager
+@contextlib.contextmanager
 def memo_norms(known: Iterable[tuple[np.ndarray, float]] = ()) -> Iterator[None]:
     """Within this block (on this thread), remember the squared norm of each tensor computed, by
     identity: the merge, the cosine and the outlier check then read each contribution once.
