@@ -298,7 +298,9 @@ def compute_commit(
             if compression == ""
             else jobs.payload(lambda: encode_payload(theta, dtypes, kind="theta", compression=compression))
         )
-        outer = {**{f"momentum/{n}": v for n, v in momentum.items()}, **{f"master/{n}": v for n, v in master.items()}}
+        outer = {f"momentum/{n}": v for n, v in momentum.items()}
+        if not run.master_is_theta(f):  # else theta is the master, byte for byte: not written twice
+            outer.update({f"master/{n}": v for n, v in master.items()})
         outer_job = jobs.payload(lambda: encode_payload(outer, "F32", kind="outer", compression=compression))
         cosine_job = jobs.submit(lambda: _cosine(known, deltas)) if threaded else None
         payloads: dict[str, bytes] = {}

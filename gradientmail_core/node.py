@@ -432,19 +432,13 @@ class Node:
             state = FragmentState.initial(theta)
         else:
             assert rec.outer is not None
-            names = self.run.fragments[f]
-            shapes = {
-                **{f"momentum/{n}": self.run.shapes[f][n] for n in names},
-                **{f"master/{n}": self.run.shapes[f][n] for n in names},
-            }
+            shapes = self.run.outer_shapes(f)
             outer = self.store.get_payload(rec.outer, shapes, max_bytes=3 * payload_cap(self.run, f))
             if outer is None:
                 raise MailboxUnavailable(
                     f"fragment {f}: the outer state of round {rec.round} is gone; newer commits exist"
                 )
-            state = FragmentState(
-                version, theta, {n: outer[f"master/{n}"] for n in names}, {n: outer[f"momentum/{n}"] for n in names}
-            )
+            state = FragmentState(version, theta, *self.run.split_outer(f, outer, theta))
         self.closer_states[f] = state
         return state
 

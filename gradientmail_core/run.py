@@ -48,6 +48,28 @@ class RunInfo:
     def fragment_dtypes(self, f: int) -> dict[str, str]:
         return {n: self.dtypes[n] for n in self.fragments[f]}
 
+    def master_is_theta(self, f: int) -> bool:
+        """True when fragment ``f``'s published parameters are its fp32 master (every tensor F32
+        and no ``commit_dtype``): the outer-state payload then holds the momentum only (SPEC 3.3)."""
+        return self.cfg.commit_dtype is None and all(self.dtypes[n] == "F32" for n in self.fragments[f])
+
+    def outer_shapes(self, f: int) -> dict[str, tuple[int, ...]]:
+        """The tensors of fragment ``f``'s outer-state payload: ``momentum/{name}`` and, unless the
+        published parameters are the master, ``master/{name}``."""
+        shapes = self.shapes[f]
+        out = {f"momentum/{n}": s for n, s in shapes.items()}
+        if not self.master_is_theta(f):
+            out.update({f"master/{n}": s for n, s in shapes.items()})
+        return out
+
+    def split_outer(
+        self, f: int, outer: dict[str, np.ndarray], theta: dict[str, np.ndarray]
+    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """``(master, momentum)`` of fragment ``f`` from its decoded outer payload and parameters."""
+        names = self.fragments[f]
+        source, prefix = (theta, "") if self.master_is_theta(f) else (outer, "master/")
+        return {n: source[prefix + n] for n in names}, {n: outer[f"momentum/{n}"] for n in names}
+
     def fragment_bytes(self, f: int) -> int:
         return sum(int(np.prod(s, dtype=np.int64)) * 4 for s in self.shapes[f].values())
 

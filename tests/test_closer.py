@@ -13,7 +13,7 @@ from gradientmail_core.closer import Collector, Estimates, FragmentState, comput
 from gradientmail_core.config import DiLoCo
 from gradientmail_core.memory_mailbox import MemoryMailbox
 from gradientmail_core.merge import sq_norms
-from gradientmail_core.payload import encode_payload, sha256_hex
+from gradientmail_core.payload import decode_payload, encode_payload, sha256_hex
 from gradientmail_core.records import Snapshot
 from gradientmail_core.run import open_run
 from gradientmail_core.store import RunStore
@@ -122,3 +122,21 @@ def test_the_commit_writes_its_new_state_into_the_arrays_reserved_before_quorum(
     commit = compute_commit(c, closer="c", live=2, compression="", sync_seconds=None, now=1.0)
     assert c.reserved is None
     assert all(commit.state.master[n] is master[n] and commit.state.momentum[n] is momentum[n] for n in SHAPES)
+
+
+@pytest.mark.parametrize("commit_dtype", [None, "BF16"])
+def test_the_outer_payload_holds_the_master_only_when_theta_is_not_the_master(commit_dtype: str | None) -> None:
+    c, _ = collected(DiLoCo(sync_every=4, fragments=1, commit_dtype=commit_dtype), 3)
+    commit = compute_commit(c, closer="c", live=3, compression="", sync_seconds=None, now=1.0)
+    run, rec = c.run, commit.record
+    assert rec.outer is not None and rec.theta is not None
+    outer = decode_payload(commit.payloads[rec.outer.key], run.outer_shapes(0))
+    theta = decode_payload(commit.payloads[rec.theta.key], run.shapes[0])
+    assert {k.split("/")[0] for k in outer} == ({"momentum"} if commit_dtype is None else {"momentum", "master"})
+    # what a taking-over closer rebuilds is the state the commit continues with, bit for bit
+    master, momentum = run.split_outer(0, outer, theta)
+    for n in SHAPES:
+        assert np.array_equal(master[n], commit.state.master[n])
+        assert np.array_equal(momentum[n], commit.state.momentum[n])
+    if commit_dtype is not None:
+        assert any(not np.array_equal(master[n], theta[n]) for n in SHAPES)

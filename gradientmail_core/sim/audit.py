@@ -294,15 +294,10 @@ class Auditor:
             return [f"the state before round {r} (round {r - P} or the initial parameters) was not captured"]
         master, momentum = state
         new_theta = self._payload(rec.theta, run.shapes[f])
-        outer_shapes = {
-            **{f"momentum/{n}": s for n, s in run.shapes[f].items()},
-            **{f"master/{n}": s for n, s in run.shapes[f].items()},
-        }
-        outer = self._payload(rec.outer, outer_shapes)
+        outer = self._payload(rec.outer, run.outer_shapes(f))
         if new_theta is None or outer is None:
             return ["its theta or outer payload does not decode"]
-        new_master = {n: outer[f"master/{n}"] for n in run.shapes[f]}
-        new_momentum = {n: outer[f"momentum/{n}"] for n in run.shapes[f]}
+        new_master, new_momentum = run.split_outer(f, outer, new_theta)
         final = all(finals)
         if final != rec.final:
             out.append(f"record final={rec.final}, participants final={finals}")
@@ -377,13 +372,11 @@ class Auditor:
         prev = self.tape.get(r - run.P)
         if prev is None or prev.outer is None:
             return None
-        outer = self._payload(
-            prev.outer,
-            {**{f"momentum/{n}": s for n, s in shapes.items()}, **{f"master/{n}": s for n, s in shapes.items()}},
-        )
-        if outer is None:
+        outer = self._payload(prev.outer, run.outer_shapes(f))
+        theta = self._payload(prev.theta, shapes) if run.master_is_theta(f) and prev.theta else {}
+        if outer is None or theta is None:
             return None
-        return {n: outer[f"master/{n}"] for n in shapes}, {n: outer[f"momentum/{n}"] for n in shapes}
+        return run.split_outer(f, outer, theta)
 
     # ---- at the end ---------------------------------------------------------------------
 
