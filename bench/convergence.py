@@ -2,8 +2,10 @@
 
 A small character-level transformer (``examples/charlm.py``) on the standard library's own
 source files (every ``heldout_every``-th file held out). Every arm trains 4 learners x ``steps``
-optimizer steps of ``batch`` sequences with the same AdamW, so all see the same number of
-tokens; the loss reported is the held-out loss of the newest *committed* parameters.
+optimizer steps of ``batch`` sequences with the same AdamW and the same learning-rate schedule
+(linear warmup over 5% of the steps, then cosine decay to 10% of the peak at ``steps``, each
+optimizer following it by its own step count), so all see the same number of tokens; the loss
+reported is the held-out loss of the newest *committed* parameters.
 
 Arms:
 
@@ -13,7 +15,8 @@ Arms:
 - ``streaming-F32`` / ``streaming-F4``: Streaming DiLoCo (5 fragments, H=50, overlap 5 steps,
   mixing 0.5), deltas in F32 or F4,
 - ``decoupled-hetero``: Decoupled DiLoCo (4 fragments, H=20, quorum 3, RDA, no waiting) with
-  learner 3 taking three times as long per step as the others,
+  learner 3 taking three times as long per step as the others; its fast learners go on to
+  1.5 x ``steps`` (at the schedule's floor after ``steps``) to find when it reaches the target,
 - ``diloco-H20`` is run with that same straggler: it waits for it at every sync, so its
   curve against steps is standard DiLoCo's and its clock is the straggler's.
 
@@ -21,13 +24,14 @@ Learners are driven single-threaded (``Node.tick``/``Learner.step`` on a ``Memor
 one ``FakeClock``) in simulated time: a fast step takes one time unit, every node polls once
 per unit. The run is reproducible bit for bit and needs one core.
 
-    python bench/convergence.py                 # about 5 minutes on a laptop core
-    python bench/convergence.py --steps 300     # quicker, noisier
+    python bench/convergence.py                 # 2,500 steps: about 20 minutes on a shared 2-core VM
+    python bench/convergence.py --steps 600     # quicker, further from converged (larger gaps)
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -95,11 +99,43 @@ def optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
 
 
-def train_step(model, opt, x, y) -> None:
+def lr_factor(k: int, args: argparse.Namespace) -> float:
+    """The inner learning rate of an optimizer's step ``k + 1`` (after ``k`` steps), as a
+    fraction of ``--lr``: linear warmup over ``--warmup`` steps, then cosine decay to
+    ``--min-lr`` at ``--steps`` steps, and ``--min-lr`` after that. Every optimizer of every arm
+    follows it by its own step count. ``--schedule constant`` keeps it at 1."""
+    if args.schedule == "constant":
+        return 1.0
+    if k < args.warmup:
+        return (k + 1) / args.warmup
+    p = min(1.0, (k - args.warmup) / max(1, args.steps - args.warmup))
+    return args.min_lr + (1.0 - args.min_lr) * 0.5 * (1.0 + math.cos(math.pi * p))
+
+
+class Inner:
+    """A learner's (or data parallel's) AdamW and its learning-rate schedule."""
+
+    def __init__(self, model: torch.nn.Module, args: argparse.Namespace) -> None:
+        self.args = args
+        self.opt = optimizer(model, args.lr)
+        self.k = 0
+        self._set()
+
+    def _set(self) -> None:
+        for group in self.opt.param_groups:
+            group["lr"] = self.args.lr * lr_factor(self.k, self.args)
+
+    def step(self) -> None:
+        self.opt.step()
+        self.k += 1
+        self._set()
+
+
+def train_step(model, inner: Inner, x, y) -> None:
     loss = model.loss(x, y)
-    opt.zero_grad(set_to_none=True)
+    inner.opt.zero_grad(set_to_none=True)
     loss.backward()
-    opt.step()
+    inner.step()
 
 
 # ---- arms ----------------------------------------------------------------------------------------
@@ -108,7 +144,7 @@ def train_step(model, opt, x, y) -> None:
 def data_parallel(data: Data, args: argparse.Namespace) -> Curve:
     """4 workers averaging gradients every step = one model on their 4 batches at once."""
     model = charlm.CharTransformer(SIZE, seed=0)
-    opt = optimizer(model, args.lr)
+    opt = Inner(model, args)
     gens = [data.generator(100 + i) for i in range(LEARNERS)]
     curve = Curve("data-parallel")
     curve.add(0, 0, charlm.evaluate(model, data.heldout))
@@ -138,7 +174,7 @@ def cluster(
     for i in range(LEARNERS):
         model = charlm.CharTransformer(SIZE, seed=0)
         members.append(_cluster.join(f"l{i}", model, cfg=cfg, mailbox=mailbox, clock=clock, seed=i))
-        opts.append(optimizer(model, args.lr))
+        opts.append(Inner(model, args))
         gens.append(data.generator(100 + i))
     _cluster.see_each_other(members)
     evaluator = charlm.CharTransformer(SIZE, seed=0)
@@ -204,9 +240,12 @@ def cluster(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=600, help="optimizer steps per learner")
+    ap.add_argument("--steps", type=int, default=2500, help="optimizer steps per learner")
     ap.add_argument("--batch", type=int, default=8, help="sequences per learner per step")
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=3e-3, help="peak inner learning rate (AdamW)")
+    ap.add_argument("--schedule", choices=("cosine", "constant"), default="cosine")
+    ap.add_argument("--warmup", type=int, default=None, help="warmup steps (default: 5%% of --steps)")
+    ap.add_argument("--min-lr", type=float, default=0.1, help="final learning rate, as a fraction of --lr")
     ap.add_argument("--eval-every", type=int, default=20)
     ap.add_argument("--heldout-batches", type=int, default=8, help="fixed held-out batches of 32 x 64 chars")
     ap.add_argument("--outer-lr", type=float, default=0.7, help="outer learning rate of every DiLoCo arm")
@@ -214,6 +253,8 @@ def main() -> None:
     ap.add_argument("--arms", nargs="*", default=None, help="run only these arms (data-parallel always runs)")
     ap.add_argument("--plot", default=str(HERE / "convergence.png"))
     args = ap.parse_args()
+    if args.warmup is None:
+        args.warmup = max(1, args.steps // 20)
     torch.set_num_threads(1)
     t_start = time.perf_counter()
     data = Data(args.heldout_batches)
