@@ -24,7 +24,7 @@ Learners are driven single-threaded (``Node.tick``/``Learner.step`` on a ``Memor
 one ``FakeClock``) in simulated time: a fast step takes one time unit, every node polls once
 per unit. The run is reproducible bit for bit and needs one core.
 
-    python bench/convergence.py                 # 2,500 steps: about 20 minutes on a shared 2-core VM
+    python bench/convergence.py                 # 2,500 steps: 11 minutes on an idle core, 20 loaded
     python bench/convergence.py --steps 600     # quicker, further from converged (larger gaps)
 """
 
