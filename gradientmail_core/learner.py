@@ -63,10 +63,7 @@ class Learner:
     def start(self, head: int, thetas: Mapping[int, Mapping[str, np.ndarray]], versions: Mapping[int, int]) -> None:
         """Load the newest committed parameters into the model before the first step."""
         for f, theta in thetas.items():
-            if self.pipeline is not None:
-                self.pipeline.align(self.pipeline.stage(theta))
-            else:
-                self.adapter.write(theta)
+            self._write(theta)
             self.anchors[f] = theta
             self.versions[f] = versions[f]
         self.aligned = head
@@ -81,10 +78,7 @@ class Learner:
         """Align fragment ``c.fragment`` with a commit, in place (blending with ``mixing``)."""
         if c.version <= self.versions.get(c.fragment, -1):
             return
-        if self.pipeline is not None:
-            self.pipeline.align(c.staged if c.staged is not None else self.pipeline.stage(c.theta), self.cfg.mixing)
-        else:
-            self.adapter.write(c.theta, self.cfg.mixing)
+        self._write(c.theta, self.cfg.mixing, staged=c.staged)
         self.anchors[c.fragment] = c.theta
         self.versions[c.fragment] = c.version
         # Replacing the fragment drops the training it held (all of it, or 1 - mixing of it),
@@ -97,6 +91,14 @@ class Learner:
         while self.published and self.published[0].round <= self.aligned:
             self.published.popleft()
         self.emit(ev.Aligned(self.me, c.round, c.fragment, c.version, c.nbytes, c.participants, c.cosine))
+
+    def _write(self, theta: Mapping[str, np.ndarray], mixing: float = 0.0, *, staged: object = None) -> None:
+        """Set the model's copy of a fragment to ``theta`` (blended with ``mixing``): through the
+        device pipeline from ``staged`` (staged here if the node has not), else ``adapter.write``."""
+        if self.pipeline is None:
+            self.adapter.write(theta, mixing)
+        else:
+            self.pipeline.align(staged if staged is not None else self.pipeline.stage(theta), mixing)
 
     def drain(self) -> int:
         n = 0

@@ -197,11 +197,12 @@ class Node:
             self.emit(ev.Skipped(self.me, pub.round, "round already committed"))
             return
         cfg, compression = self.run.cfg, self.opts.compression
-        dtypes = cfg.delta_dtype or self.run.fragment_dtypes(pub.fragment)
+        f = pub.fragment
+        dtypes = (
+            dict.fromkeys(self.run.fragments[f], cfg.delta_dtype) if cfg.delta_dtype else self.run.fragment_dtypes(f)
+        )
         if pub.captured is not None:  # the delta is computed and quantized on the device
-            names = self.run.fragments[pub.fragment]
-            quantized = pub.captured.encode(dict.fromkeys(names, dtypes) if isinstance(dtypes, str) else dtypes)
-            data = encode_quantized(quantized, kind="delta", compression=compression)
+            data = encode_quantized(pub.captured.encode(dtypes), kind="delta", compression=compression)
         else:
             delta = {n: np.subtract(pub.anchor[n], pub.local[n], dtype=np.float32) for n in pub.local}
             data = encode_payload(delta, dtypes, kind="delta", compression=compression)
