@@ -13,11 +13,11 @@ from typing import Any
 
 import gradientmail_core as gm
 from gradientmail_core.adapters import adapter_for
-from gradientmail_core.bridge import Bridge
-from gradientmail_core.learner import Learner
-from gradientmail_core.node import Node, NodeOptions
-from gradientmail_core.run import open_run
-from gradientmail_core.store import RunStore
+from gradientmail_core.protocol.run import open_run
+from gradientmail_core.protocol.store import RunStore
+from gradientmail_core.syncer.bridge import Bridge
+from gradientmail_core.syncer.learner import Learner
+from gradientmail_core.syncer.node import Node, NodeOptions
 
 
 @dataclass

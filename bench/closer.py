@@ -46,12 +46,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gradientmail_core as gm  # noqa: E402
 from gradientmail_core import keys  # noqa: E402
 from gradientmail_core.adapters.base import NumpyAdapter  # noqa: E402
-from gradientmail_core.closer import Collector, Estimates, FragmentState, compute_commit  # noqa: E402
+from gradientmail_core.codec.payload import encode_payload  # noqa: E402
 from gradientmail_core.mailbox import CreateOutcome, create_once  # noqa: E402
-from gradientmail_core.payload import encode_payload  # noqa: E402
-from gradientmail_core.records import Snapshot  # noqa: E402
-from gradientmail_core.run import open_run  # noqa: E402
-from gradientmail_core.store import RunStore  # noqa: E402
+from gradientmail_core.protocol.records import Snapshot  # noqa: E402
+from gradientmail_core.protocol.run import open_run  # noqa: E402
+from gradientmail_core.protocol.store import RunStore  # noqa: E402
+from gradientmail_core.syncer.closer import Collector, Estimates, FragmentState, compute_commit  # noqa: E402
 
 TENSOR = 1 << 22  # 4M params per tensor: a large transformer matrix
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from gradientmail_core import compress, payload, quant
+from gradientmail_core.codec import compress, payload, quant
 
 
 def corpus(limit: int) -> bytes:

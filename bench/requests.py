@@ -21,11 +21,11 @@ import numpy as np
 
 import gradientmail_core as gm
 from gradientmail_core.adapters.base import NumpyAdapter
-from gradientmail_core.bridge import Bridge
-from gradientmail_core.learner import Learner
-from gradientmail_core.node import Node, NodeOptions
-from gradientmail_core.run import open_run
-from gradientmail_core.store import RunStore
+from gradientmail_core.protocol.run import open_run
+from gradientmail_core.protocol.store import RunStore
+from gradientmail_core.syncer.bridge import Bridge
+from gradientmail_core.syncer.learner import Learner
+from gradientmail_core.syncer.node import Node, NodeOptions
 
 PRICE_PUT_LIST = 0.005 / 1000  # AWS S3 Standard, USD per request
 PRICE_GET = 0.0004 / 1000

@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import charlm  # noqa: E402
 
 import gradientmail_core as gm  # noqa: E402
-from gradientmail_core.overview import Overview, iter_records, read_overview  # noqa: E402
+from gradientmail_core.cli.overview import Overview, iter_records, read_overview  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -16,7 +16,7 @@ from rich.text import Text
 
 from gradientmail_core.cli import views
 from gradientmail_core.cli.plot import draw_participants
-from gradientmail_core.records import RoundRecord
+from gradientmail_core.protocol.records import RoundRecord
 
 if TYPE_CHECKING:
     from demo import Demo

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import events
+from . import _compat, events
 from .clock import Clock, FakeClock, SystemClock
 from .config import RDA, Balanced, DiLoCo, Strided, WeightedMean
 from .errors import (
@@ -31,19 +31,21 @@ from .errors import (
     StoreUnsupported,
 )
 from .events import log_events
-from .file_mailbox import FileMailbox
 from .mailbox import CountingMailbox, Mailbox, open_mailbox
-from .memory_mailbox import MemoryMailbox
+from .mailbox.file import FileMailbox
+from .mailbox.memory import MemoryMailbox
 from .session import Progress, Session, align
 
 __version__ = "0.1.0"
+
+_compat.install(__name__)
 
 
 def __getattr__(name: str) -> Any:
     # S3Mailbox's module is cheap to import (boto3 loads on first use), but keep the door
     # open for heavier backends by resolving them lazily.
     if name == "S3Mailbox":
-        from .s3_mailbox import S3Mailbox
+        from .mailbox.s3 import S3Mailbox
 
         return S3Mailbox
     raise AttributeError(f"module 'gradientmail_core' has no attribute {name!r}")

@@ -16,19 +16,19 @@ from types import TracebackType
 from typing import Any
 
 from . import events as ev
-from . import keys
 from .adapters import adapter_for
-from .auth import policy as auth_policy
-from .bridge import Bridge, CommitNotice
 from .clock import Clock, SystemClock
 from .config import DiLoCo
 from .errors import MailboxUnavailable, SessionFailed
-from .guard import GuardedMailbox
-from .learner import Learner
 from .mailbox import Mailbox
-from .node import Node, NodeOptions
-from .run import load_newest, max_payload_bytes, open_run
-from .store import RunStore
+from .protocol import keys
+from .protocol.auth import policy as auth_policy
+from .protocol.guard import GuardedMailbox
+from .protocol.run import load_newest, max_payload_bytes, open_run
+from .protocol.store import RunStore
+from .syncer.bridge import Bridge, CommitNotice
+from .syncer.learner import Learner
+from .syncer.node import Node, NodeOptions
 
 _log = logging.getLogger(__name__)
 _COMPRESSION = {"off": "", "none": "", "": "", "zstd": "zstd"}

@@ -20,7 +20,7 @@ import torch
 
 import gradientmail_core as gm
 from gradientmail_core import events as ev
-from gradientmail_core import keys
+from gradientmail_core.protocol import keys
 from gradientmail_core.session import default_learner_id
 
 from .replicas import Replicas

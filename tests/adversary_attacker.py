@@ -36,8 +36,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gradientmail_core import keys  # noqa: E402
-from gradientmail_core.payload import encode_payload, sha256_hex  # noqa: E402
-from gradientmail_core.records import (  # noqa: E402
+from gradientmail_core.codec.payload import encode_payload, sha256_hex  # noqa: E402
+from gradientmail_core.protocol.records import (  # noqa: E402
     Claim,
     Lease,
     Manifest,
@@ -49,7 +49,7 @@ from gradientmail_core.records import (  # noqa: E402
     decode,
     to_dict,
 )
-from gradientmail_core.schedule import version_before  # noqa: E402
+from gradientmail_core.protocol.schedule import version_before  # noqa: E402
 
 HONEST = ("a", "b", "c")
 _ROUND_NAME = re.compile(r"(\d{10})(?:\.[0-9a-f]{32})?\.json")

@@ -22,7 +22,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gradientmail_core as gm  # noqa: E402
-from gradientmail_core.file_mailbox import FileMailbox  # noqa: E402
+from gradientmail_core.mailbox.file import FileMailbox  # noqa: E402
 
 D_IN, D_OUT, BATCH = 8, 3, 16
 

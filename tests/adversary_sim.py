@@ -17,17 +17,17 @@ import numpy as np
 
 from gradientmail_core import events as ev
 from gradientmail_core.adapters.base import NumpyAdapter
-from gradientmail_core.auth import policy
-from gradientmail_core.bridge import Bridge
 from gradientmail_core.clock import FakeClock
 from gradientmail_core.config import DiLoCo
-from gradientmail_core.guard import GuardedMailbox
-from gradientmail_core.learner import Learner
 from gradientmail_core.mailbox import Mailbox
-from gradientmail_core.memory_mailbox import MemoryMailbox
-from gradientmail_core.node import Node, NodeOptions
-from gradientmail_core.run import max_payload_bytes, open_run
-from gradientmail_core.store import RunStore
+from gradientmail_core.mailbox.memory import MemoryMailbox
+from gradientmail_core.protocol.auth import policy
+from gradientmail_core.protocol.guard import GuardedMailbox
+from gradientmail_core.protocol.run import max_payload_bytes, open_run
+from gradientmail_core.protocol.store import RunStore
+from gradientmail_core.syncer.bridge import Bridge
+from gradientmail_core.syncer.learner import Learner
+from gradientmail_core.syncer.node import Node, NodeOptions
 
 
 class PoisonAdapter(NumpyAdapter):

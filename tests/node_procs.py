@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 import gradientmail_core as gm
-from gradientmail_core import keys
+from gradientmail_core.protocol import keys
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent

@@ -5,8 +5,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gradientmail_core.acceptance import judge
-from gradientmail_core.records import REJECT_REASONS
+from gradientmail_core.aggregators.acceptance import judge
+from gradientmail_core.protocol.records import REJECT_REASONS
 
 GOOD = {"w": np.ones((2, 3), dtype=np.float32), "b": np.zeros(3, dtype=np.float32)}
 

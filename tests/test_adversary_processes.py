@@ -22,12 +22,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gradientmail_core import keys
-from gradientmail_core.auth import RunAuth, Unauthenticated
-from gradientmail_core.file_mailbox import FileMailbox
-from gradientmail_core.guard import GuardedMailbox
-from gradientmail_core.records import Manifest, RoundRecord
-from gradientmail_core.store import RunStore
+from gradientmail_core.mailbox.file import FileMailbox
+from gradientmail_core.protocol import keys
+from gradientmail_core.protocol.auth import RunAuth, Unauthenticated
+from gradientmail_core.protocol.guard import GuardedMailbox
+from gradientmail_core.protocol.records import Manifest, RoundRecord
+from gradientmail_core.protocol.store import RunStore
 
 pytestmark = pytest.mark.timeout(300)
 

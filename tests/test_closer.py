@@ -7,16 +7,17 @@ import random
 import numpy as np
 import pytest
 
-from gradientmail_core import closer, keys
 from gradientmail_core.adapters.base import NumpyAdapter
-from gradientmail_core.closer import Collector, Estimates, FragmentState, compute_commit
+from gradientmail_core.aggregators.merge import sq_norms
+from gradientmail_core.codec.payload import decode_payload, encode_payload, sha256_hex
 from gradientmail_core.config import DiLoCo
-from gradientmail_core.memory_mailbox import MemoryMailbox
-from gradientmail_core.merge import sq_norms
-from gradientmail_core.payload import decode_payload, encode_payload, sha256_hex
-from gradientmail_core.records import Snapshot
-from gradientmail_core.run import open_run
-from gradientmail_core.store import RunStore
+from gradientmail_core.mailbox.memory import MemoryMailbox
+from gradientmail_core.protocol import keys
+from gradientmail_core.protocol.records import Snapshot
+from gradientmail_core.protocol.run import open_run
+from gradientmail_core.protocol.store import RunStore
+from gradientmail_core.syncer import closer
+from gradientmail_core.syncer.closer import Collector, Estimates, FragmentState, compute_commit
 
 SHAPES = {"embed.weight": (40, 16), "h.0.w": (64, 33), "h.0.b": (33,)}
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradientmail_core import compress, quant
+from gradientmail_core.codec import compress, quant
 from gradientmail_core.errors import MissingExtra, PayloadCorrupt
 
 zstandard = pytest.importorskip("zstandard")

@@ -11,8 +11,8 @@ import pytest
 from nodes import Node, identical, wait_until
 
 import gradientmail_core as gm
-from gradientmail_core import keys
-from gradientmail_core.records import RoundRecord, decode
+from gradientmail_core.protocol import keys
+from gradientmail_core.protocol.records import RoundRecord, decode
 
 pytestmark = pytest.mark.timeout(300)
 

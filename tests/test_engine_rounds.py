@@ -11,9 +11,9 @@ from harness import Cluster
 
 import gradientmail_core as gm
 from gradientmail_core import events as ev
-from gradientmail_core import keys
-from gradientmail_core.payload import payload_dtypes
-from gradientmail_core.records import RoundRecord, decode
+from gradientmail_core.codec.payload import payload_dtypes
+from gradientmail_core.protocol import keys
+from gradientmail_core.protocol.records import RoundRecord, decode
 
 
 def records(c: Cluster) -> list[RoundRecord]:
@@ -166,7 +166,7 @@ def test_commit_dtype_learners_download_the_change_and_rebuild_identical_paramet
     assert all(r.change is not None for r in recs)
     assert_identical(ms)
     # and the parameters are what the record says
-    from gradientmail_core.closer import theta_digest
+    from gradientmail_core.syncer.closer import theta_digest
 
     run = ms[0].node.run
     assert theta_digest(run, 0, {n: ms[0].params[n] for n in run.fragments[0]}) == recs[-1].theta_digest
@@ -285,8 +285,8 @@ def test_losing_the_race_to_create_the_run_keeps_the_winners_identical_init_payl
     import random
 
     from gradientmail_core.adapters.base import NumpyAdapter
-    from gradientmail_core.run import _create, open_run
-    from gradientmail_core.store import RunStore
+    from gradientmail_core.protocol.run import _create, open_run
+    from gradientmail_core.protocol.store import RunStore
 
     mb = gm.MemoryMailbox()
     cfg = gm.DiLoCo(sync_every=4, fragments=2)

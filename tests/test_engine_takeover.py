@@ -8,7 +8,7 @@ from test_engine_rounds import assert_identical, assert_tape_contiguous, finish,
 
 import gradientmail_core as gm
 from gradientmail_core import events as ev
-from gradientmail_core import keys
+from gradientmail_core.protocol import keys
 
 
 def took_over(c: Cluster) -> list[ev.TookOver]:
@@ -33,7 +33,7 @@ def test_closer_that_dies_is_taken_over_when_its_lease_is_lost():
 
 def test_stalled_closer_is_taken_over_by_timeout_and_superseded_when_it_resumes():
     c = Cluster(gm.DiLoCo(sync_every=4, fragments=1))
-    from gradientmail_core.node import NodeOptions
+    from gradientmail_core.syncer.node import NodeOptions
 
     c.options = NodeOptions(poll_interval=0.1, lease_timeout=5.0, round_timeout=0.5)
     a, b = c.join_all("ab")

@@ -23,11 +23,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gradientmail_core import keys, safetensors_io
+from gradientmail_core.codec import safetensors_io
+from gradientmail_core.codec.payload import decode_payload, encode_payload, schema_digest
 from gradientmail_core.config import DiLoCo
 from gradientmail_core.errors import PayloadCorrupt, ProtocolError, RecordInvalid
-from gradientmail_core.payload import decode_payload, encode_payload, schema_digest
-from gradientmail_core.records import (
+from gradientmail_core.protocol import keys
+from gradientmail_core.protocol.records import (
     Claim,
     Lease,
     Manifest,
@@ -42,7 +43,7 @@ from gradientmail_core.records import (
     encode,
     to_dict,
 )
-from gradientmail_core.run import RunInfo
+from gradientmail_core.protocol.run import RunInfo
 
 EXAMPLES = int(os.environ.get("GM_FUZZ_EXAMPLES", "150"))
 MAX_SECONDS = 2.0  # per input; real inputs here are at most a few hundred KB

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gradientmail_core import keys
+from gradientmail_core.protocol import keys
 
 rounds = st.integers(0, keys.MAX_ROUND)
 learners = st.from_regex(keys.LEARNER_ID, fullmatch=True)

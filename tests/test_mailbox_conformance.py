@@ -25,8 +25,6 @@ from hypothesis import strategies as st
 
 from gradientmail_core.clock import FakeClock
 from gradientmail_core.errors import MailboxUnavailable, MissingExtra, StoreUnsupported
-from gradientmail_core.file_mailbox import TMP_DIR, FileMailbox
-from gradientmail_core.keys import validate_prefix
 from gradientmail_core.mailbox import (
     CountingMailbox,
     CreateOutcome,
@@ -36,7 +34,9 @@ from gradientmail_core.mailbox import (
     create_once,
     open_mailbox,
 )
-from gradientmail_core.memory_mailbox import MemoryMailbox
+from gradientmail_core.mailbox.file import TMP_DIR, FileMailbox
+from gradientmail_core.mailbox.memory import MemoryMailbox
+from gradientmail_core.protocol.keys import validate_prefix
 
 if TYPE_CHECKING:
     from conftest import MailboxTarget
@@ -342,7 +342,7 @@ def test_call_with_retries_retries_only_transient_errors_and_names_the_operation
 
 _WRITER = r"""
 import sys
-from gradientmail_core.file_mailbox import FileMailbox
+from gradientmail_core.mailbox.file import FileMailbox
 mailbox = FileMailbox(sys.argv[1])
 count, size = int(sys.argv[2]), int(sys.argv[3])
 for i in range(count):
@@ -488,7 +488,7 @@ def free_port() -> int:
 
 @pytest.fixture
 def s3_open(s3_server: str, s3_bucket: str) -> Callable[..., Any]:
-    from gradientmail_core.s3_mailbox import S3Mailbox
+    from gradientmail_core.mailbox.s3 import S3Mailbox
 
     def make(**kwargs: Any) -> S3Mailbox:
         kwargs.setdefault("clock", RecordingClock())
@@ -657,7 +657,7 @@ def test_s3_mailboxes_with_sibling_prefixes_do_not_see_each_other(s3_server: str
 
 
 def test_s3_config_maps_checksums_and_pool_size(s3_server: str) -> None:
-    from gradientmail_core.s3_mailbox import S3Mailbox
+    from gradientmail_core.mailbox.s3 import S3Mailbox
 
     mailbox = S3Mailbox("bucket", "p", endpoint_url=s3_server, request_checksums="when_required", max_concurrency=3)
     config = mailbox.client.meta.config
@@ -675,7 +675,7 @@ def test_s3_backend_loads_boto3_lazily_and_names_the_extra(monkeypatch: pytest.M
     )
     out, err = probe.communicate(timeout=60)
     assert out.strip() == "[]", err
-    from gradientmail_core.s3_mailbox import S3Mailbox
+    from gradientmail_core.mailbox.s3 import S3Mailbox
 
     monkeypatch.setitem(sys.modules, "boto3", None)  # makes `import boto3` fail
     with pytest.raises(MissingExtra, match=r"gradientmail\[s3\]"):
@@ -684,8 +684,8 @@ def test_s3_backend_loads_boto3_lazily_and_names_the_extra(monkeypatch: pytest.M
 
 def test_file_mailbox_directory_planted_at_a_key_is_taken_not_a_crash(tmp_path):
     from gradientmail_core.errors import MailboxUnavailable
-    from gradientmail_core.file_mailbox import FileMailbox
     from gradientmail_core.mailbox import create_once
+    from gradientmail_core.mailbox.file import FileMailbox
 
     mb = FileMailbox(tmp_path)
     (tmp_path / "rounds" / "0000000001.json").mkdir(parents=True)

@@ -5,9 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from gradientmail_core import merge as merge_module
-from gradientmail_core.config import RDA, WeightedMean
-from gradientmail_core.merge import (
+from gradientmail_core.aggregators import merge as merge_module
+from gradientmail_core.aggregators.merge import (
     clip,
     contribution_weight,
     fragment_norm,
@@ -20,6 +19,7 @@ from gradientmail_core.merge import (
     sq_norms,
     weighted_mean,
 )
+from gradientmail_core.config import RDA, WeightedMean
 
 
 def f32(*values: float) -> np.ndarray:

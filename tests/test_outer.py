@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from gradientmail_core.outer import final_step, outer_step
+from gradientmail_core.aggregators.outer import final_step, outer_step
 
 GOLDEN = Path(__file__).parent / "golden" / "outer_nesterov.json"
 

@@ -5,8 +5,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gradientmail_core.config import Balanced, Strided
-from gradientmail_core.partition import plan, tensor_bytes
-from gradientmail_core.records import TensorSpec
+from gradientmail_core.protocol.partition import plan, tensor_bytes
+from gradientmail_core.protocol.records import TensorSpec
 
 
 def T(name: str, dtype: str, *shape: int) -> TensorSpec:

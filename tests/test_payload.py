@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from gradientmail_core import payload, quant, safetensors_io
+from gradientmail_core.codec import payload, quant, safetensors_io
 from gradientmail_core.errors import PayloadCorrupt
-from gradientmail_core.records import TensorSpec
+from gradientmail_core.protocol.records import TensorSpec
 
 CODECS = ["", "zstd"]
 DTYPES = list(quant.DTYPES)
@@ -306,7 +306,7 @@ def test_f4_scale_tensor_of_the_wrong_size_is_rejected() -> None:
 
 
 def test_zstd_frame_declaring_more_than_the_tensor_is_rejected() -> None:
-    from gradientmail_core import compress
+    from gradientmail_core.codec import compress
 
     bomb = compress.compress(bytes(1 << 20), 4)  # declares 1 MiB for a 16-byte tensor
     data = safetensors_io.write(

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from gradientmail_core import quant
+from gradientmail_core.codec import quant
 
 F32_MAX = float(np.finfo(np.float32).max)
 TINY = 1e-40  # a float32 subnormal

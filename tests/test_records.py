@@ -7,7 +7,7 @@ import json
 import pytest
 
 from gradientmail_core.errors import ProtocolError, RecordInvalid
-from gradientmail_core.records import (
+from gradientmail_core.protocol.records import (
     FORMAT,
     MAX_RECORD_BYTES,
     Claim,

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradientmail_core import safetensors_io as sio
+from gradientmail_core.codec import safetensors_io as sio
 from gradientmail_core.errors import PayloadCorrupt
 
 CAP = 1 << 20

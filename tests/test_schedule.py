@@ -3,7 +3,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gradientmail_core.schedule import (
+from gradientmail_core.protocol.schedule import (
     first_round_at_or_after,
     fragment_of,
     gap,

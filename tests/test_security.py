@@ -15,12 +15,12 @@ from hypothesis import strategies as st
 
 import gradientmail_core as gm
 from gradientmail_core import events as ev
-from gradientmail_core import keys
-from gradientmail_core.auth import RunAuth, Unauthenticated, load_secret, policy, record_key
+from gradientmail_core.codec.payload import encode_payload
 from gradientmail_core.errors import RecordInvalid, RunConfigMismatch
-from gradientmail_core.guard import GuardedMailbox
-from gradientmail_core.payload import encode_payload
-from gradientmail_core.records import (
+from gradientmail_core.protocol import keys
+from gradientmail_core.protocol.auth import RunAuth, Unauthenticated, load_secret, policy, record_key
+from gradientmail_core.protocol.guard import GuardedMailbox
+from gradientmail_core.protocol.records import (
     MAX_RECORD_BYTES,
     Claim,
     Lease,
@@ -34,7 +34,7 @@ from gradientmail_core.records import (
     encode,
     to_dict,
 )
-from gradientmail_core.store import RunStore
+from gradientmail_core.protocol.store import RunStore
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = b"0123456789abcdef-test-secret"

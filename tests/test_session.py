@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import gradientmail_core as gm
-from gradientmail_core import keys
+from gradientmail_core.protocol import keys
 
 
 def model(width: int = 4) -> torch.nn.Module:
@@ -248,7 +248,7 @@ def test_two_processes_joining_at_once_with_the_same_id_one_is_refused():
 
 
 def test_flush_on_close_publishes_the_remaining_steps_as_final_contributions():
-    from gradientmail_core.records import RoundRecord, decode
+    from gradientmail_core.protocol.records import RoundRecord, decode
 
     mb = gm.MemoryMailbox()
     cfg = gm.DiLoCo(sync_every=8, fragments=2, flush_on_close=True)

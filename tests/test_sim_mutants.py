@@ -43,7 +43,9 @@ def test_mutant_is_caught(mutant):
 
 
 def test_mutants_leave_the_engine_as_they_found_it():
-    from gradientmail_core import closer, mailbox, node, store
+    from gradientmail_core import mailbox
+    from gradientmail_core.protocol import store
+    from gradientmail_core.syncer import closer, node
 
     before = (
         mailbox.create_once,

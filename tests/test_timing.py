@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from gradientmail_core.timing import ema, grace_seconds
+from gradientmail_core.syncer.timing import ema, grace_seconds
 
 
 def test_ema_is_seeded_by_the_first_sample_then_moves_a_tenth_of_the_way() -> None:

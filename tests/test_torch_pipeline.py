@@ -17,12 +17,12 @@ import gradientmail_core as gm  # noqa: E402
 from gradientmail_core import quant  # noqa: E402
 from gradientmail_core.adapters import torch as torch_adapter  # noqa: E402
 from gradientmail_core.adapters.torch import TorchAdapter  # noqa: E402
-from gradientmail_core.bridge import Bridge  # noqa: E402
 from gradientmail_core.clock import FakeClock  # noqa: E402
-from gradientmail_core.learner import Learner  # noqa: E402
-from gradientmail_core.node import Node, NodeOptions  # noqa: E402
-from gradientmail_core.run import open_run  # noqa: E402
-from gradientmail_core.store import RunStore  # noqa: E402
+from gradientmail_core.protocol.run import open_run  # noqa: E402
+from gradientmail_core.protocol.store import RunStore  # noqa: E402
+from gradientmail_core.syncer.bridge import Bridge  # noqa: E402
+from gradientmail_core.syncer.learner import Learner  # noqa: E402
+from gradientmail_core.syncer.node import Node, NodeOptions  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

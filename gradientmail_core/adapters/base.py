@@ -7,8 +7,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..quant import QTensor
-from ..records import TensorSpec
+from ..codec.quant import QTensor
+from ..protocol.records import TensorSpec
 
 
 class Adapter(Protocol):

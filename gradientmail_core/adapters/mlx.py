@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import quant
+from ..codec import quant
 from ..errors import MissingExtra
-from ..records import TensorSpec
+from ..protocol.records import TensorSpec
 
 try:
     import mlx.core as mx

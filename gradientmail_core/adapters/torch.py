@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
+from ..codec.quant import QTensor
 from ..errors import MissingExtra
-from ..quant import QTensor
-from ..records import TensorSpec
+from ..protocol.records import TensorSpec
 
 try:
     import torch

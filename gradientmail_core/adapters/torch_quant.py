@@ -18,7 +18,7 @@ from functools import cache
 import numpy as np
 import torch
 
-from .. import quant
+from ..codec import quant
 
 CHUNK = 1 << 24  # elements per chunk; a multiple of F4_BLOCK so blocks never straddle chunks
 _MAG = 0x7FFFFFFF

@@ -22,9 +22,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..errors import GradientMailError, MailboxUnavailable, MissingExtra, ProtocolError, RecordInvalid
-from ..keys import MANIFEST
 from ..mailbox import Mailbox, open_mailbox
-from ..overview import NoRun
+from ..protocol.keys import MANIFEST
+from .overview import NoRun
 
 EXIT_USAGE = 2
 
@@ -147,10 +147,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.secret_file:
             # Read an authenticated run through the same guarded view its nodes use: tagged
             # keys translated, unauthenticated objects hidden.
-            from ..auth import policy
-            from ..guard import GuardedMailbox
-            from ..records import Manifest
-            from ..store import RunStore
+            from ..protocol.auth import policy
+            from ..protocol.guard import GuardedMailbox
+            from ..protocol.records import Manifest
+            from ..protocol.store import RunStore
 
             auth = policy(None, args.secret_file)
             guarded = GuardedMailbox(mailbox, auth=auth)

@@ -12,8 +12,8 @@ from typing import Any
 from ..clock import SystemClock
 from ..errors import MailboxUnavailable, MissingExtra
 from ..mailbox import Mailbox
-from ..overview import Overview, export_safetensors, iter_records, read_manifest, read_overview
-from ..records import to_dict
+from ..protocol.records import to_dict
+from .overview import Overview, export_safetensors, iter_records, read_manifest, read_overview
 
 
 def _console() -> Any:

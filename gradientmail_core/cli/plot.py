@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import MissingExtra
-from ..records import RoundRecord
+from ..protocol.records import RoundRecord
 
 ACCEPTED, REJECTED, LIVE = "#2a9d8f", "#e76f51", "#264653"
 

@@ -14,8 +14,8 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from ..overview import Overview
-from ..records import RoundRecord
+from ..protocol.records import RoundRecord
+from .overview import Overview
 
 
 def human_bytes(n: float) -> str:

@@ -25,16 +25,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import keys
-from ..closer import cast
+from ..aggregators.merge import contribution_weight, merge
+from ..aggregators.outer import final_step, outer_step
+from ..codec.payload import decode_payload, sha256_hex
 from ..config import RDA
 from ..errors import GradientMailError
 from ..mailbox import Mailbox
-from ..merge import contribution_weight, merge
-from ..outer import final_step, outer_step
-from ..payload import decode_payload, sha256_hex
-from ..records import Claim, Manifest, PayloadRef, RoundRecord, Snapshot, decode
-from ..run import RunInfo
+from ..protocol import keys
+from ..protocol.records import Claim, Manifest, PayloadRef, RoundRecord, Snapshot, decode
+from ..protocol.run import RunInfo
+from ..syncer.closer import cast
 from . import reference as ref
 
 

@@ -12,11 +12,13 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .. import closer, keys, mailbox, node, store
+from .. import mailbox
 from ..errors import MailboxUnavailable, ProtocolError
-from ..lease import LeaseWriter
 from ..mailbox import CreateOutcome
-from ..records import Lease
+from ..protocol import keys, store
+from ..protocol.lease import LeaseWriter
+from ..protocol.records import Lease
+from ..syncer import closer, node
 
 
 @contextlib.contextmanager
@@ -113,7 +115,7 @@ def remote_clock_lease() -> contextlib.AbstractContextManager[None]:
 
 def skip_sha_check() -> contextlib.AbstractContextManager[None]:
     """Payloads are decoded without checking their sha256: bytes damaged in transit are trusted."""
-    from ..payload import decode_payload
+    from ..codec.payload import decode_payload
 
     def get_payload(self: store.RunStore, ref: Any, expected: Any, *, max_bytes: int | None = None) -> Any:
         data = self.mailbox.get(ref.key)

@@ -36,19 +36,19 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import events as ev
-from .. import keys
 from ..adapters.base import NumpyAdapter
 from ..clock import FakeClock
+from ..codec.payload import encode_payload, sha256_hex
 from ..config import RDA, DiLoCo, WeightedMean
 from ..errors import MailboxUnavailable
-from ..faults import Fault, FaultLog, FaultyMailbox, InjectedCrash, Op, Phase
-from ..learner import Learner
-from ..memory_mailbox import MemoryMailbox
-from ..node import Node, NodeOptions
-from ..payload import encode_payload, sha256_hex
-from ..records import PayloadRef, Snapshot, encode
-from ..run import open_run
-from ..store import RunStore
+from ..mailbox.faults import Fault, FaultLog, FaultyMailbox, InjectedCrash, Op, Phase
+from ..mailbox.memory import MemoryMailbox
+from ..protocol import keys
+from ..protocol.records import PayloadRef, Snapshot, encode
+from ..protocol.run import open_run
+from ..protocol.store import RunStore
+from ..syncer.learner import Learner
+from ..syncer.node import Node, NodeOptions
 from .audit import AuditMailbox, Auditor
 
 GHOST = "ghost"

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import PayloadCorrupt
+from ..errors import PayloadCorrupt
 
 # Bytes per element of every dtype the format defines that we accept on read.
 DTYPE_SIZES: dict[str, int] = {

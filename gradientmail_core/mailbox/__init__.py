@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
 from urllib.parse import urlsplit
 
-from .clock import Clock
-from .errors import MailboxUnavailable
-from .keys import validate_key, validate_prefix
+from ..clock import Clock
+from ..errors import MailboxUnavailable
+from ..protocol.keys import validate_key, validate_prefix
 
 log = logging.getLogger(__name__)
 
@@ -243,12 +243,12 @@ def open_mailbox(url: str, **kwargs: Any) -> Mailbox:
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme == "memory":
-        from .memory_mailbox import MemoryMailbox
+        from .memory import MemoryMailbox
 
         name = parts.netloc + parts.path
         return MemoryMailbox(name or None, **kwargs)
     if scheme == "file":
-        from .file_mailbox import FileMailbox
+        from .file import FileMailbox
 
         # file:///abs and file://localhost/abs are absolute; file://rel/path is relative to cwd.
         host = "" if parts.netloc in ("", "localhost") else parts.netloc
@@ -257,7 +257,7 @@ def open_mailbox(url: str, **kwargs: Any) -> Mailbox:
             raise ValueError(f"mailbox URL {url!r} has no path; use file:///absolute/path or file://relative/path")
         return FileMailbox(path, **kwargs)
     if scheme == "s3":
-        from .s3_mailbox import S3Mailbox
+        from .s3 import S3Mailbox
 
         if not parts.netloc:
             raise ValueError(f"mailbox URL {url!r} has no bucket; use s3://bucket/prefix")

@@ -21,10 +21,10 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from .clock import Clock, SystemClock
-from .errors import MailboxUnavailable, MissingExtra, StoreUnsupported
-from .keys import validate_prefix
-from .mailbox import RetryPolicy, call_with_retries, check_list_args, check_object_key, check_object_keys
+from ..clock import Clock, SystemClock
+from ..errors import MailboxUnavailable, MissingExtra, StoreUnsupported
+from ..protocol.keys import validate_prefix
+from . import RetryPolicy, call_with_retries, check_list_args, check_object_key, check_object_keys
 
 log = logging.getLogger(__name__)
 

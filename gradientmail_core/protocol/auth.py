@@ -28,8 +28,8 @@ import hmac
 import os
 from typing import Any
 
+from ..errors import RecordInvalid
 from . import keys
-from .errors import RecordInvalid
 from .records import Claim, Lease, Manifest, RoundRecord, Snapshot, signing_bytes
 
 MIN_SECRET_BYTES = 16

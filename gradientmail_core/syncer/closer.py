@@ -11,17 +11,24 @@ from typing import TypeVar
 
 import numpy as np
 
-from . import keys
-from .acceptance import PayloadStatus, judge
-from .errors import MissingExtra, PayloadCorrupt, RecordInvalid
-from .merge import contribution_weight, mean_pairwise_cosine, memo_norms, merge_with_cosine, outlier_mask, sq_norms
-from .outer import final_step_tensor, outer_step_tensor
-from .payload import decode_payload, encode_payload, sha256_hex
-from .quant import dequantize, quantize
-from .records import Participant, PayloadRef, Rejection, RoundRecord, Snapshot
-from .run import RunInfo, payload_cap
-from .schedule import nominal_step, version_before
-from .store import RunStore
+from ..aggregators.acceptance import PayloadStatus, judge
+from ..aggregators.merge import (
+    contribution_weight,
+    mean_pairwise_cosine,
+    memo_norms,
+    merge_with_cosine,
+    outlier_mask,
+    sq_norms,
+)
+from ..aggregators.outer import final_step_tensor, outer_step_tensor
+from ..codec.payload import decode_payload, encode_payload, sha256_hex
+from ..codec.quant import dequantize, quantize
+from ..errors import MissingExtra, PayloadCorrupt, RecordInvalid
+from ..protocol import keys
+from ..protocol.records import Participant, PayloadRef, Rejection, RoundRecord, Snapshot
+from ..protocol.run import RunInfo, payload_cap
+from ..protocol.schedule import nominal_step, version_before
+from ..protocol.store import RunStore
 from .timing import ema, grace_seconds
 
 T = TypeVar("T")

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .adapters.base import Captured, DevicePipeline
+from ..adapters.base import Captured, DevicePipeline
 
 
 @dataclass(frozen=True)

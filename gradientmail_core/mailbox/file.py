@@ -22,8 +22,8 @@ import stat
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
-from .errors import MailboxUnavailable
-from .mailbox import check_list_args, check_object_key, check_object_keys
+from ..errors import MailboxUnavailable
+from . import check_list_args, check_object_key, check_object_keys
 
 TMP_DIR = "~tmp"
 _SEGMENT = re.compile(r"[A-Za-z0-9._-]+")

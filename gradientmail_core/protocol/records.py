@@ -16,7 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .errors import RecordInvalid
+from ..errors import RecordInvalid
 
 FORMAT = 1
 MAX_RECORD_BYTES = 1 << 20

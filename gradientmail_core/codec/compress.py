@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import MissingExtra, PayloadCorrupt
+from ..errors import MissingExtra, PayloadCorrupt
 
 # zstd tuned for byte planes of weights rather than a level: the gain is all in entropy-coding
 # the exponent plane, whose bytes are near i.i.d., so matches barely help and finding them is

@@ -42,10 +42,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from ..errors import PayloadCorrupt
+from ..protocol.records import TensorSpec
 from . import compress as codec
 from . import quant, safetensors_io
-from .errors import PayloadCorrupt
-from .records import TensorSpec
 
 FORMAT = "gradientmail/1"
 SCALE = "#scale"

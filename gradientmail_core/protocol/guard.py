@@ -25,9 +25,9 @@ import hashlib
 import hmac
 from collections.abc import Callable, Iterable
 
+from ..mailbox import Mailbox
 from . import keys
 from .auth import Policy, Unauthenticated
-from .mailbox import Mailbox
 from .records import MAX_MANIFEST_BYTES, MAX_RECORD_BYTES
 
 

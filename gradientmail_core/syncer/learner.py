@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import events as ev
-from .adapters.base import Adapter, pipeline_of
+from .. import events as ev
+from ..adapters.base import Adapter, pipeline_of
+from ..clock import Clock
+from ..protocol.run import RunInfo
+from ..protocol.schedule import nominal_step
 from .bridge import Bridge, CommitNotice, Publish
-from .clock import Clock
-from .run import RunInfo
-from .schedule import nominal_step
 
 
 @dataclass

@@ -9,13 +9,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..adapters.base import Adapter
+from ..codec.payload import encode_payload, schema_digest
+from ..config import DiLoCo
+from ..errors import ProtocolError, SchemaMismatch
+from ..mailbox import CreateOutcome
 from . import keys
-from .adapters.base import Adapter
-from .config import DiLoCo
-from .errors import ProtocolError, SchemaMismatch
-from .mailbox import CreateOutcome
 from .partition import plan
-from .payload import encode_payload, schema_digest
 from .records import Manifest, PayloadRef, RoundRecord, TensorSpec
 from .store import RunStore
 

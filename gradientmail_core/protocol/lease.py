@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..clock import Clock
+from ..errors import DuplicateLearner, RecordInvalid
+from ..mailbox import CreateOutcome
 from . import keys
-from .clock import Clock
-from .errors import DuplicateLearner, RecordInvalid
-from .mailbox import CreateOutcome
 from .records import Lease
 from .store import RunStore
 

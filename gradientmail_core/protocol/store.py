@@ -11,10 +11,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from ..codec.payload import decode_payload, sha256_hex
+from ..errors import MailboxUnavailable, PayloadCorrupt, RecordInvalid
+from ..mailbox import CreateOutcome, Mailbox, create_once
 from . import keys
-from .errors import MailboxUnavailable, PayloadCorrupt, RecordInvalid
-from .mailbox import CreateOutcome, Mailbox, create_once
-from .payload import decode_payload, sha256_hex
 from .records import PayloadRef, decode, encode
 
 R = TypeVar("R")

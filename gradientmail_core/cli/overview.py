@@ -14,12 +14,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import keys, quant, safetensors_io
-from .errors import ProtocolError, RecordInvalid
-from .mailbox import Mailbox
-from .records import Claim, Lease, Manifest, RoundRecord, decode
-from .run import RunInfo, fetch_theta, newest_records
-from .store import RunStore
+from ..codec import quant, safetensors_io
+from ..errors import ProtocolError, RecordInvalid
+from ..mailbox import Mailbox
+from ..protocol import keys
+from ..protocol.records import Claim, Lease, Manifest, RoundRecord, decode
+from ..protocol.run import RunInfo, fetch_theta, newest_records
+from ..protocol.store import RunStore
 
 # Bytes per element of the parameter dtypes a schema may hold.
 _ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2}

@@ -37,10 +37,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from . import keys
-from .clock import Clock
-from .errors import MailboxUnavailable
-from .mailbox import Mailbox
+from ..clock import Clock
+from ..errors import MailboxUnavailable
+from ..protocol import keys
+from . import Mailbox
 
 Op = Literal["put", "get", "list", "delete"]
 Kind = Literal["error", "retry_412", "crash", "latency", "flip"]

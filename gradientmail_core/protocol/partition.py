@@ -9,7 +9,7 @@ import math
 import re
 from collections.abc import Sequence
 
-from .config import Balanced, Strided
+from ..config import Balanced, Strided
 from .records import TensorSpec
 
 _ITEM_BYTES = {"F32": 4, "F16": 2, "BF16": 2}

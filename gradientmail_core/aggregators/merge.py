@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from .config import RDA, WeightedMean
+from ..config import RDA, WeightedMean
 
 Delta = Mapping[str, np.ndarray]
 

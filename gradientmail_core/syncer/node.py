@@ -15,19 +15,19 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import events as ev
-from . import keys
+from .. import events as ev
+from ..clock import Clock
+from ..codec.payload import encode_payload, encode_quantized
+from ..errors import MailboxUnavailable, PayloadCorrupt, ProtocolError, RecordInvalid
+from ..mailbox import CreateOutcome, create_once
+from ..protocol import keys
+from ..protocol.lease import LeaseWriter, Liveness
+from ..protocol.records import Claim, RoundRecord, Snapshot
+from ..protocol.run import RunInfo, fetch_theta, newest_records, payload_cap
+from ..protocol.schedule import gap
+from ..protocol.store import RunStore
 from .bridge import Bridge, CommitNotice, Publish, View
-from .clock import Clock
 from .closer import Collector, Estimates, FragmentState, compute_commit, rebuild_theta, theta_digest
-from .errors import MailboxUnavailable, PayloadCorrupt, ProtocolError, RecordInvalid
-from .lease import LeaseWriter, Liveness
-from .mailbox import CreateOutcome, create_once
-from .payload import encode_payload, encode_quantized
-from .records import Claim, RoundRecord, Snapshot
-from .run import RunInfo, fetch_theta, newest_records, payload_cap
-from .schedule import gap
-from .store import RunStore
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""Merging contributions (weighted mean, RDA), the outer optimizer, acceptance judgement."""

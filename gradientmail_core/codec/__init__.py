@@ -1,0 +1,1 @@
+"""Payload serialization: safetensors, quantization, compression."""
