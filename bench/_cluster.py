@@ -13,9 +13,8 @@ from typing import Any
 
 import gradientmail_core as gm
 from gradientmail_core.adapters import adapter_for
-from gradientmail_core.protocol.run import open_run
 from gradientmail_core.protocol.store import RunStore
-from gradientmail_core.syncer.bridge import Bridge
+from gradientmail_core.syncer.join import join_run
 from gradientmail_core.syncer.learner import Learner
 from gradientmail_core.syncer.node import Node, NodeOptions
 
@@ -54,25 +53,20 @@ def join(
     opts = NodeOptions(opts.poll_interval, opts.lease_timeout, opts.round_timeout, compression)
     counting = gm.CountingMailbox(mailbox)
     store = RunStore(counting)
-    adapter = adapter_for(model)
-    run, created = open_run(store, adapter, cfg, learner=name, compression=compression, rng=random.Random(seed))
     events: list = []
     emit = events.append if keep_events else (lambda e: None)
-    bridge = Bridge()
-    node = Node(
+    node, learner = join_run(
         store,
+        adapter_for(model),
+        cfg,
         clock,
-        run,
         learner=name,
         nonce=f"{seed + 1:08x}",
         emit=emit,
         options=opts,
-        bridge=bridge,
         rng=random.Random(seed),
+        node_rng=random.Random(seed),
     )
-    thetas = node.join(created=created)
-    learner = Learner(adapter, run, bridge, clock, learner=name, emit=emit)
-    learner.start(node.head, thetas, {f: v for f, (v, _) in node.thetas.items()})
     return Member(name, model, counting, node, learner, events)
 
 

@@ -24,9 +24,10 @@ from .mailbox import Mailbox
 from .protocol import keys
 from .protocol.auth import policy as auth_policy
 from .protocol.guard import GuardedMailbox
-from .protocol.run import load_newest, max_payload_bytes, open_run
+from .protocol.run import load_newest
 from .protocol.store import RunStore
 from .syncer.bridge import Bridge, CommitNotice
+from .syncer.join import join_run
 from .syncer.learner import Learner
 from .syncer.node import Node, NodeOptions
 
@@ -131,30 +132,18 @@ class Session:
             self.emit(ev.IgnoredObject(self.learner_id, key, why))
 
         guard = GuardedMailbox(self.mailbox, auth=self.auth, on_ignored=ignored)
-        store = RunStore(guard, auth=self.auth, on_ignored=ignored)
-        run, created = open_run(
-            store,
+        node, learner = join_run(
+            RunStore(guard, auth=self.auth, on_ignored=ignored),
             self.adapter,
             self.algorithm,
-            learner=self.learner_id,
-            compression=self.options.compression,
-            rng=self._rng,
-        )
-        guard.limit_payloads(max_payload_bytes(run))
-        node = Node(
-            store,
             self.clock,
-            run,
             learner=self.learner_id,
             nonce=self.nonce,
             emit=self.emit,
             options=self.options,
-            bridge=self.bridge,
             rng=self._rng,
+            bridge=self.bridge,
         )
-        thetas = node.join(created=created)
-        learner = Learner(self.adapter, run, self.bridge, self.clock, learner=self.learner_id, emit=self.emit)
-        learner.start(node.head, thetas, {f: v for f, (v, _) in node.thetas.items()})
         self.node, self.learner = node, learner
         self._thread = threading.Thread(target=self._background, name=f"gradientmail-{self.learner_id}", daemon=True)
         self._thread.start()

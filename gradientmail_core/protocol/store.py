@@ -28,6 +28,13 @@ class RunStore:
         self.bytes_up = 0
         self.bytes_down = 0
 
+    def limit_payloads(self, max_bytes: int) -> None:
+        """Cap payload reads at the run's largest payload, once the run is known (with a guard
+        underneath; a bare mailbox is read uncapped, as the benchmarks and tests do)."""
+        limit = getattr(self.mailbox, "limit_payloads", None)
+        if limit is not None:
+            limit(max_bytes)
+
     # ---- records ----------------------------------------------------------------------
     def encode_record(self, record: Any) -> bytes:
         if self.auth is not None:

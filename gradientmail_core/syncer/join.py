@@ -1,0 +1,61 @@
+"""Joining a run: the one sequence every node goes through before its first step.
+
+Open the run (creating it if the mailbox is empty), cap payload reads at the run's largest
+payload, take a lease and read the newest parameters, then load them into the model. ``Session``,
+the simulation and the benchmarks' single-threaded cluster all join through here.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+from .. import events as ev
+from ..adapters.base import Adapter
+from ..clock import Clock
+from ..config import DiLoCo
+from ..protocol.run import max_payload_bytes, open_run
+from ..protocol.store import RunStore
+from .bridge import Bridge
+from .learner import Learner
+from .node import Node, NodeOptions
+
+
+def join_run(
+    store: RunStore,
+    adapter: Adapter,
+    cfg: DiLoCo,
+    clock: Clock,
+    *,
+    learner: str,
+    nonce: str,
+    emit: Callable[[ev.Event], None],
+    options: NodeOptions,
+    rng: random.Random,
+    node_rng: random.Random | None = None,
+    bridge: Bridge | None = None,
+) -> tuple[Node, Learner]:
+    """Join (or create) the run in ``store`` as ``learner``; return its node and learner.
+
+    ``rng`` draws the run id if this call creates the run; ``node_rng`` (default ``rng``) is the
+    node's own. Raises ``RunConfigMismatch`` or ``SchemaMismatch`` before anything is written
+    but the lease, ``DuplicateLearner`` if the id is taken by a live process, and
+    ``MailboxUnavailable`` when the store cannot be reached (nothing committed is touched).
+    """
+    run, created = open_run(store, adapter, cfg, learner=learner, compression=options.compression, rng=rng)
+    store.limit_payloads(max_payload_bytes(run))
+    node = Node(
+        store,
+        clock,
+        run,
+        learner=learner,
+        nonce=nonce,
+        emit=emit,
+        options=options,
+        bridge=bridge,
+        rng=node_rng or rng,
+    )
+    thetas = node.join(created=created)
+    trainer = Learner(adapter, run, node.bridge, clock, learner=learner, emit=emit)
+    trainer.start(node.head, thetas, {f: v for f, (v, _) in node.thetas.items()})
+    return node, trainer
