@@ -24,8 +24,8 @@ from .mailbox import Mailbox
 from .protocol import keys
 from .protocol.auth import policy as auth_policy
 from .protocol.guard import GuardedMailbox
-from .protocol.run import load_newest
 from .protocol.store import RunStore
+from .protocol.tape import load_newest
 from .syncer.bridge import Bridge, CommitNotice
 from .syncer.join import join_run
 from .syncer.learner import Learner

@@ -28,8 +28,8 @@ import gradientmail_core as gm
 from gradientmail_core.adapters.base import NumpyAdapter
 from gradientmail_core.protocol import keys
 from gradientmail_core.protocol.records import RoundRecord, decode
-from gradientmail_core.protocol.run import fetch_theta, load_newest
 from gradientmail_core.protocol.store import RunStore
+from gradientmail_core.protocol.tape import fetch_theta, load_newest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from chaos_learner import SHAPES, loss, target  # noqa: E402

@@ -50,7 +50,6 @@ def test_mutants_leave_the_engine_as_they_found_it():
     before = (
         mailbox.create_once,
         store.create_once,
-        node.create_once,
         closer.version_before,
         closer.merge_with_cosine,
         node.Node._collect_garbage,
@@ -62,7 +61,6 @@ def test_mutants_leave_the_engine_as_they_found_it():
     after = (
         mailbox.create_once,
         store.create_once,
-        node.create_once,
         closer.version_before,
         closer.merge_with_cosine,
         node.Node._collect_garbage,

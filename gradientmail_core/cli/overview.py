@@ -19,8 +19,10 @@ from ..errors import ProtocolError, RecordInvalid
 from ..mailbox import Mailbox
 from ..protocol import keys
 from ..protocol.records import Claim, Lease, Manifest, RoundRecord, decode
-from ..protocol.run import RunInfo, fetch_theta, newest_records
+from ..protocol.run import RunInfo
+from ..protocol.run import read_manifest as run_manifest
 from ..protocol.store import RunStore
+from ..protocol.tape import newest_claim, read_newest
 
 # Bytes per element of the parameter dtypes a schema may hold.
 _ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2}
@@ -74,10 +76,10 @@ class Overview:
 
 def read_manifest(mailbox: Mailbox) -> RunInfo:
     """The run's manifest, validated. ``NoRun`` if there is none."""
-    data = mailbox.get(keys.MANIFEST)
-    if data is None:
+    manifest = run_manifest(RunStore(mailbox))
+    if manifest is None:
         raise NoRun(f"no run in this mailbox ({keys.MANIFEST} is missing)")
-    return RunInfo.from_manifest(decode(data, Manifest, key=keys.MANIFEST))
+    return RunInfo.from_manifest(manifest)
 
 
 def schema_size(run: RunInfo) -> SchemaSize:
@@ -132,20 +134,6 @@ def read_leases(mailbox: Mailbox) -> dict[str, tuple[str, Lease | None]]:
     return out
 
 
-def _open_claim(mailbox: Mailbox, r: int) -> Claim | None:
-    for k in reversed(mailbox.list(keys.claims_prefix(r))):
-        parsed = keys.parse_claim_key(k)
-        if parsed is None:
-            continue
-        try:
-            claim = decode(mailbox.get(k), Claim, key=k)
-        except RecordInvalid:
-            continue
-        if (claim.round, claim.n) == parsed:
-            return claim
-    return None
-
-
 def read_overview(mailbox: Mailbox, *, last: int = 8) -> Overview:
     """Everything ``gradientmail status`` shows, from one pass over the mailbox."""
     run = read_manifest(mailbox)
@@ -188,7 +176,7 @@ def read_overview(mailbox: Mailbox, *, last: int = 8) -> Overview:
         leases=leases,
         open_round=open_round,
         open_contributors=contributors,
-        open_claim=_open_claim(mailbox, open_round),
+        open_claim=newest_claim(RunStore(mailbox), open_round),
     )
 
 
@@ -199,21 +187,10 @@ def newest_parameters(mailbox: Mailbox, *, attempts: int = 3) -> tuple[RunInfo, 
     can prune the payload just listed; the listing is then simply taken again.
     """
     run = read_manifest(mailbox)
-    store = RunStore(mailbox)
-    for _ in range(attempts):
-        round_keys = [keys.round_key(r) for r in round_numbers(mailbox)]
-        head = keys.parse_round_key(round_keys[-1]) if round_keys else -1
-        assert head is not None
-        recs = newest_records(store, run, round_keys)
-        values: dict[str, np.ndarray] = {}
-        for f in range(run.P):
-            theta = fetch_theta(store, run, f, recs.get(f))
-            if theta is None:
-                break
-            values.update(theta)
-        else:
-            return run, head, {s.name: values[s.name] for s in run.schema}
-    raise ProtocolError(f"the newest parameters kept disappearing while being read ({attempts} tries)")
+    recs, thetas = read_newest(RunStore(mailbox), run, attempts=attempts)
+    head = max((r.round for r in recs.values()), default=-1)
+    values = {n: v for theta in thetas.values() for n, v in theta.items()}
+    return run, head, {s.name: values[s.name] for s in run.schema}
 
 
 def export_safetensors(mailbox: Mailbox) -> tuple[int, bytes]:

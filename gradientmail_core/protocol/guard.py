@@ -1,13 +1,15 @@
 """The engine's view of the mailbox, hardened against hostile objects in a shared bucket.
 
 ``GuardedMailbox`` wraps the user's mailbox and is what ``RunStore`` (so the whole engine) talks
-to. It is itself a mailbox (the same four operations, logical keys in and out) and adds:
+to. It is itself a mailbox (the same four operations and the ranged read, logical keys in and
+out; a ``ForwardingMailbox``) and adds:
 
 - **Read caps by key kind.** Records read at most ``max_record_bytes``, the manifest
   ``max_manifest_bytes``, payloads the run's largest payload (``limit_payloads``, from the schema).
   A larger object reads back as its first ``cap + 1`` bytes, which every decoder then rejects as
   oversized. With a backend that offers ``get_prefix(key, n)`` (the first ``n`` bytes) no more
-  than that is ever transferred; with one that does not, the object is downloaded and cut.
+  than that is ever transferred; with one that does not, the object is downloaded and cut
+  (``read_prefix``). ``get_prefix`` on the guard reads at most the cap plus one byte as well.
 - **Reporting.** Objects in the record folders (claims, rounds, snapshots, leases) that are not
   protocol keys are reported once each through ``on_ignored`` (an ``IgnoredObject`` event).
 - **Authenticated runs** (``auth`` a ``RunAuth``): record keys are stored under their secret-tagged
@@ -25,7 +27,8 @@ import hashlib
 import hmac
 from collections.abc import Callable, Iterable
 
-from ..mailbox import Mailbox
+from ..mailbox.contract import Mailbox, read_prefix
+from ..mailbox.forwarding import ForwardingMailbox
 from . import keys
 from .auth import Policy, Unauthenticated
 from .records import MAX_MANIFEST_BYTES, MAX_RECORD_BYTES
@@ -41,7 +44,7 @@ def _loosen(bound: str) -> str:
     return bound[:-5] if bound.endswith(".json") else bound
 
 
-class GuardedMailbox:
+class GuardedMailbox(ForwardingMailbox):
     def __init__(
         self,
         inner: Mailbox,
@@ -56,7 +59,7 @@ class GuardedMailbox:
         for name, v in (("max_record_bytes", max_record_bytes), ("max_manifest_bytes", max_manifest_bytes)):
             if not isinstance(v, int) or v < 1024:
                 raise ValueError(f"{name}={v!r}: expected an integer >= 1024")
-        self.inner = inner
+        super().__init__(inner)
         self.auth: Policy = auth if auth is not None else Unauthenticated()
         self.on_ignored = on_ignored or (lambda key, reason: None)
         self.max_record_bytes = max_record_bytes
@@ -82,7 +85,7 @@ class GuardedMailbox:
         blob = keys.parse_blob_key(key)
         if blob is None or blob.sha != hashlib.sha256(data).hexdigest():
             return False
-        existing = self._read(physical, len(data))
+        existing = self._read(physical, len(data) + 1)
         if existing is None or existing == data:
             return False  # ours (or gone: the caller's create-once loop tries again)
         self._report(key, "a payload name held bytes that do not hash to it; replaced them")
@@ -90,7 +93,12 @@ class GuardedMailbox:
         return self.inner.put_if_absent(physical, data)
 
     def get(self, key: str) -> bytes | None:
-        return self._read(self._physical(key), self._cap(key))
+        return self._read(self._physical(key), self._limit(key))
+
+    def get_prefix(self, key: str, n: int) -> bytes | None:
+        """The first ``n`` bytes of what ``get`` returns: never more than the cap plus one."""
+        limit = self._limit(key)
+        return self._read(self._physical(key), n if limit < 0 or 0 <= n < limit else limit)
 
     def list(self, prefix: str, after: str = "") -> builtins.list[str]:
         if not self.auth.authenticated:
@@ -134,20 +142,25 @@ class GuardedMailbox:
             return None
         return logical if hmac.compare_digest(tag, self.auth.tag(logical) or "") else None
 
-    def _cap(self, key: str) -> int | None:
+    def _limit(self, key: str) -> int:
+        """The most bytes a read of ``key`` takes: its cap plus one (enough to see that an object
+        is over the cap), or -1 for no cap."""
         if key == keys.MANIFEST:
-            return self.max_manifest_bytes
-        if key.startswith(keys.BLOBS):
-            return self.max_payload_bytes
-        return self.max_record_bytes
+            cap: int | None = self.max_manifest_bytes
+        elif key.startswith(keys.BLOBS):
+            cap = self.max_payload_bytes
+        else:
+            cap = self.max_record_bytes
+        return -1 if cap is None else cap + 1
 
-    def _read(self, physical: str, cap: int | None) -> bytes | None:
-        if cap is None:
+    def _read(self, physical: str, limit: int) -> bytes | None:
+        """At most ``limit`` bytes of the object (all of it for -1), transferring no more where
+        the inner mailbox can read a prefix."""
+        if limit < 0:
             return self.inner.get(physical)
-        get_prefix = getattr(self.inner, "get_prefix", None)
-        data = get_prefix(physical, cap + 1) if get_prefix is not None else self.inner.get(physical)
-        if data is not None and len(data) > cap:
-            return bytes(data[: cap + 1])
+        data = read_prefix(self.inner, physical, limit)
+        if data is not None and len(data) > limit:
+            return bytes(data[:limit])
         return data
 
     def _report(self, key: str, reason: str) -> None:

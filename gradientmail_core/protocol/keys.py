@@ -16,6 +16,7 @@ property test holds us to that. All keys are relative to the mailbox prefix.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 MAX_ROUND = 10**10 - 1
@@ -81,6 +82,31 @@ def validate_prefix(prefix: str) -> str:
     if prefix == "":
         return prefix
     return validate_key(prefix)
+
+
+# ---- the checks every mailbox operation makes before any I/O ----------------------------
+
+
+def check_object_key(key: str) -> str:
+    """A key naming an object: a valid key that does not end with '/' (that is a prefix)."""
+    validate_key(key)
+    if key.endswith("/"):
+        raise ValueError(f"invalid mailbox key {key!r}: an object key cannot end with '/'")
+    return key
+
+
+def check_list_args(prefix: str, after: str) -> None:
+    validate_prefix(prefix)
+    validate_prefix(after)
+
+
+def check_object_keys(keys: Iterable[str]) -> list[str]:
+    """Materialize and validate every key first, so a bad key in the middle deletes nothing."""
+    if isinstance(keys, str):
+        # A bare string is iterable; deleting its characters one by one is never meant.
+        raise TypeError(f"delete() takes an iterable of keys, not the string {keys!r}")
+    out = [check_object_key(k) for k in keys]
+    return list(dict.fromkeys(out))
 
 
 def _round(r: int) -> str:

@@ -32,13 +32,13 @@ class LeaseWriter:
         A lease left by a crashed process with our id is taken over once it has not changed
         for 1.5 renewal intervals; one that changes meanwhile belongs to a live process.
         """
-        existing = self.store.mailbox.list(keys.lease_prefix(self.learner))
+        existing = self.store.keys(keys.lease_prefix(self.learner))
         if existing:
             first = existing[-1]
             deadline = self.clock.now() + 1.5 * self.interval
             while self.clock.now() < deadline:
                 self.clock.sleep(poll)
-                now = self.store.mailbox.list(keys.lease_prefix(self.learner))
+                now = self.store.keys(keys.lease_prefix(self.learner))
                 if now and now[-1] != first:
                     raise DuplicateLearner(
                         f"learner id {self.learner!r} is already used by a live process (its lease {now[-1]} "
@@ -46,7 +46,7 @@ class LeaseWriter:
                     )
             parsed = keys.parse_lease_key(first)
             self.seq = parsed[1] + 1 if parsed else 0
-            self.store.mailbox.delete(existing)
+            self.store.delete(existing)
         self.renew(local_step=0, tokens=0, force=True)
 
     def due(self) -> bool:
@@ -71,7 +71,7 @@ class LeaseWriter:
         self.renewed_at = self.clock.now()
         if old is not None:
             self._behind.append(old)
-            self.store.mailbox.delete(list(self._behind))
+            self.store.delete(list(self._behind))
             self._behind.clear()
 
     def _ours(self, existing: bytes | None, key: str) -> bool:
@@ -84,7 +84,7 @@ class LeaseWriter:
         if self.key is not None:
             # With any key a failed delete left behind: it would look like our lease, unchanged,
             # until it timed out.
-            self.store.mailbox.delete([*self._behind, self.key])
+            self.store.delete([*self._behind, self.key])
             self.key = None
 
 

@@ -16,7 +16,7 @@ from ..errors import ProtocolError, SchemaMismatch
 from ..mailbox import CreateOutcome
 from . import keys
 from .partition import plan
-from .records import Manifest, PayloadRef, RoundRecord, TensorSpec
+from .records import Manifest, PayloadRef, TensorSpec
 from .store import RunStore
 
 
@@ -116,7 +116,7 @@ def open_run(
     Returns the run and whether this call created it. Raises ``RunConfigMismatch`` or
     ``SchemaMismatch`` before anything is trained.
     """
-    manifest = store.read_record(keys.MANIFEST, Manifest)
+    manifest = read_manifest(store)
     created = False
     if manifest is None:
         if not create:
@@ -156,35 +156,9 @@ def _create(
         # except those that are theirs too (same bytes, same content-addressed key).
         theirs = store.decode_record(existing, Manifest, keys.MANIFEST)
         keep = {r.key for r in theirs.init}
-        store.mailbox.delete([r.key for r in refs if r.key not in keep])
+        store.delete([r.key for r in refs if r.key not in keep])
         return theirs, False
     return manifest, True
-
-
-def newest_records(store: RunStore, run: RunInfo, round_keys: list[str]) -> dict[int, RoundRecord]:
-    """The newest record of every fragment among the listed round keys, read newest first.
-
-    Normally the last P keys. An object that is not a valid record of its round (hostile input in
-    an unauthenticated run) is reported and skipped rather than trusted or fatal; at most
-    ``4P + 64`` keys are read.
-    """
-    out: dict[int, RoundRecord] = {}
-    for k in reversed(round_keys[-(4 * run.P + 64) :]):
-        r = keys.parse_round_key(k)
-        rec = store.try_record(k, RoundRecord)
-        if r is None or rec is None or (rec.round, rec.fragment, rec.version) != (r, r % run.P, r // run.P + 1):
-            continue
-        out.setdefault(rec.fragment, rec)
-        if len(out) == run.P:
-            break
-    return out
-
-
-def fetch_theta(store: RunStore, run: RunInfo, f: int, record: RoundRecord | None) -> dict[str, np.ndarray] | None:
-    """Published parameters of fragment ``f`` at ``record`` (or the initial ones)."""
-    ref = run.manifest.init[f] if record is None else record.theta
-    assert ref is not None
-    return store.get_payload(ref, run.shapes[f], max_bytes=payload_cap(run, f))
 
 
 def payload_cap(run: RunInfo, f: int) -> int:
@@ -197,22 +171,6 @@ def max_payload_bytes(run: RunInfo) -> int:
     return max(3 * payload_cap(run, f) for f in range(run.P))
 
 
-def load_newest(store: RunStore, adapter: Adapter) -> tuple[RunInfo, int, dict[int, dict[str, np.ndarray]]]:
-    """Read the manifest and the newest committed parameters of every fragment."""
-    data = store.mailbox.get(keys.MANIFEST)
-    if data is None:
-        raise ProtocolError(f"no run in this mailbox ({keys.MANIFEST} is missing); start a Session first")
-    run = RunInfo.from_manifest(store.decode_record(data, Manifest, keys.MANIFEST))
-    diffs = schema_differences(run.schema, adapter.schema())
-    if diffs:
-        raise SchemaMismatch(diffs)
-    round_keys = [k for k in store.mailbox.list(keys.ROUNDS) if keys.parse_round_key(k) is not None]
-    recs = newest_records(store, run, round_keys)
-    head = max((r.round for r in recs.values()), default=-1)
-    thetas: dict[int, dict[str, np.ndarray]] = {}
-    for f in range(run.P):
-        theta = fetch_theta(store, run, f, recs.get(f))
-        if theta is None:
-            raise ProtocolError(f"the newest parameters of fragment {f} are missing from the mailbox")
-        thetas[f] = theta
-    return run, head, thetas
+def read_manifest(store: RunStore) -> Manifest | None:
+    """The run's manifest, validated; None if the mailbox holds no run."""
+    return store.read_record(keys.MANIFEST, Manifest)

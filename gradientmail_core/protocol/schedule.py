@@ -15,6 +15,15 @@ def fragment_of(r: int, P: int) -> int:
     return r % P
 
 
+def slot(r: int, P: int) -> tuple[int, int]:
+    """``(fragment, version)``: the fragment round ``r`` syncs and the version it commits.
+
+    The one place the protocol's round arithmetic lives; a round record is consistent with the
+    schedule exactly when its ``(fragment, version)`` is this.
+    """
+    return fragment_of(r, P), version_after(r, P)
+
+
 def nominal_step(r: int, H: int, P: int) -> int:
     """Global step at which round ``r`` is due. ``nominal_step(-1) == 0`` (the start of training).
 

@@ -1,12 +1,13 @@
 """Typed access to a run's mailbox: records in, records out, payloads by reference.
 
-Everything the engine reads or writes goes through here, so validation (and, with a run
-secret, authentication) happens in one place.
+``RunStore`` is the engine's single door to the store: the node, the lease, the run and the
+tape readers read, write, list and delete only through it, so validation (and, with a run
+secret, authentication) and the handling of create-once conflicts happen in one place.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 import numpy as np
@@ -68,11 +69,29 @@ class RunStore:
             self.on_ignored(key, str(e))
             return None
 
+    # ---- listing and deleting ---------------------------------------------------------
+    def keys(self, prefix: str, after: str = "") -> list[str]:
+        """Every key under ``prefix`` that sorts after ``after``, in byte order."""
+        return self.mailbox.list(prefix, after)
+
+    def delete(self, doomed: Iterable[str]) -> None:
+        """Remove objects (keys that do not exist are ignored)."""
+        self.mailbox.delete(doomed)
+
     # ---- payloads ---------------------------------------------------------------------
     def put_payload(self, key_for_sha: Callable[[str], str], data: bytes) -> PayloadRef:
         """Write a content-addressed payload. Re-putting one that exists is harmless."""
         sha = sha256_hex(data)
         key = key_for_sha(sha)
+        self.put_blob(key, data)
+        return PayloadRef(key=key, sha256=sha, size=len(data))
+
+    def put_blob(self, key: str, data: bytes) -> None:
+        """Write payload bytes under their content-addressed ``key`` (the caller hashed them to
+        name it). Finding the key already there with the same bytes is success."""
+        blob = keys.parse_blob_key(key)
+        assert blob is not None, f"{key} is not a payload key"
+        sha = blob.sha
         outcome, existing = create_once(self.mailbox, key, data)
         if outcome is CreateOutcome.TAKEN:
             if existing is not None and sha256_hex(existing) != sha:
@@ -81,7 +100,6 @@ class RunStore:
             # Same name means same sha256; different bytes under it means the store is lying.
             raise PayloadCorrupt(f"{key}: holds different bytes than its sha256 name says")
         self.bytes_up += len(data)
-        return PayloadRef(key=key, sha256=sha, size=len(data))
 
     def get_payload(
         self, ref: PayloadRef, expected: Mapping[str, tuple[int, ...]], *, max_bytes: int | None = None

@@ -43,9 +43,7 @@ def skip_readback() -> contextlib.AbstractContextManager[None]:
             return CreateOutcome.CREATED, None
         return CreateOutcome.ALREADY_OURS, bytes(data)
 
-    return _patched(
-        (mailbox, "create_once", create_once), (store, "create_once", create_once), (node, "create_once", create_once)
-    )
+    return _patched((mailbox, "create_once", create_once), (store, "create_once", create_once))
 
 
 class _AnyVersion(int):
@@ -74,9 +72,9 @@ def sweep_newest() -> contextlib.AbstractContextManager[None]:
         orig(self, r)
         cutoff = r - self.run.P + 1
         if cutoff >= 0:
-            doomed = self.store.mailbox.list(keys.round_blobs_prefix(cutoff))
+            doomed = self.store.keys(keys.round_blobs_prefix(cutoff))
             if doomed:
-                self.store.mailbox.delete(doomed)
+                self.store.delete(doomed)
 
     return _patched((node.Node, "_collect_garbage", collect))
 

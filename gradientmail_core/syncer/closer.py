@@ -11,15 +11,9 @@ from typing import TypeVar
 
 import numpy as np
 
-from ..aggregators.acceptance import PayloadStatus, judge
-from ..aggregators.merge import (
-    contribution_weight,
-    mean_pairwise_cosine,
-    memo_norms,
-    merge_with_cosine,
-    outlier_mask,
-    sq_norms,
-)
+from ..aggregators.acceptance import PayloadStatus, judge, outlier_mask
+from ..aggregators.fused import memo_norms, sq_norms
+from ..aggregators.merge import contribution_weight, mean_pairwise_cosine, merge_with_cosine
 from ..aggregators.outer import final_step_tensor, outer_step_tensor
 from ..codec.payload import decode_payload, encode_payload, sha256_hex
 from ..codec.quant import dequantize, quantize

@@ -1,0 +1,111 @@
+"""Reading the tape: the committed round records, the newest parameters, the open claim.
+
+The tape is ``rounds/``: one create-once record per committed round, contiguous and never
+deleted. Everything that reads it (a joining node, a node following it, ``gm.align``, the
+command line) uses these functions, so the rule for what counts as a valid record is said once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..adapters.base import Adapter
+from ..errors import ProtocolError, SchemaMismatch
+from . import keys
+from .records import Claim, RoundRecord
+from .run import RunInfo, payload_cap, read_manifest, schema_differences
+from .schedule import slot
+from .store import RunStore
+
+
+def schedule_problem(rec: RoundRecord | None, r: int, P: int) -> str | None:
+    """Why ``rec`` (read from round ``r``'s key) is not a commit of round ``r``; None if it is."""
+    if rec is None:
+        return f"round {r} record is unreadable"
+    if rec.round != r or (rec.fragment, rec.version) != slot(r, P) or rec.theta is None:
+        return f"round {r} record is inconsistent with the schedule"
+    return None
+
+
+def round_keys(store: RunStore) -> list[str]:
+    """Every key on the tape that parses as a round record key, in round order."""
+    return [k for k in store.keys(keys.ROUNDS) if keys.parse_round_key(k) is not None]
+
+
+def newest_records(store: RunStore, run: RunInfo, listed: list[str]) -> dict[int, RoundRecord]:
+    """The newest record of every fragment among the listed round keys, read newest first.
+
+    Normally the last P keys. An object that is not a valid record of its round (hostile input in
+    an unauthenticated run) is reported and skipped rather than trusted or fatal; at most
+    ``4P + 64`` keys are read.
+    """
+    out: dict[int, RoundRecord] = {}
+    for k in reversed(listed[-(4 * run.P + 64) :]):
+        r = keys.parse_round_key(k)
+        if r is None:
+            continue
+        rec = store.try_record(k, RoundRecord)
+        if rec is None or schedule_problem(rec, r, run.P) is not None:
+            continue
+        out.setdefault(rec.fragment, rec)
+        if len(out) == run.P:
+            break
+    return out
+
+
+def fetch_theta(store: RunStore, run: RunInfo, f: int, record: RoundRecord | None) -> dict[str, np.ndarray] | None:
+    """Published parameters of fragment ``f`` at ``record`` (or the initial ones); None if gone."""
+    ref = run.manifest.init[f] if record is None else record.theta
+    assert ref is not None
+    return store.get_payload(ref, run.shapes[f], max_bytes=payload_cap(run, f))
+
+
+def read_newest(
+    store: RunStore, run: RunInfo, *, attempts: int = 5
+) -> tuple[dict[int, RoundRecord], dict[int, dict[str, np.ndarray]]]:
+    """The newest record and parameters of every fragment: ``(records, thetas)``.
+
+    A fragment without a record has its initial parameters. A payload gone while we read means
+    the run committed 2P more rounds meanwhile (GC keeps 2P): newer records exist, so the tape is
+    listed again, up to ``attempts`` times; then ``ProtocolError``.
+    """
+    for _ in range(attempts):
+        recs = newest_records(store, run, round_keys(store))
+        thetas: dict[int, dict[str, np.ndarray]] = {}
+        for f in range(run.P):
+            theta = fetch_theta(store, run, f, recs.get(f))
+            if theta is None:
+                break
+            thetas[f] = theta
+        else:
+            return recs, thetas
+    raise ProtocolError(
+        f"the newest parameters kept disappearing while being read ({attempts} tries): the run commits "
+        "faster than this node reads; retry"
+    )
+
+
+def newest_claim(store: RunStore, r: int) -> Claim | None:
+    """The claim with the highest number on round ``r`` that is what its key says; None if none."""
+    for k in reversed(store.keys(keys.claims_prefix(r))):
+        parsed = keys.parse_claim_key(k)
+        if parsed is None:
+            continue
+        claim = store.try_record(k, Claim)
+        if claim is not None and (claim.round, claim.n) == parsed:
+            return claim
+    return None
+
+
+def load_newest(store: RunStore, adapter: Adapter) -> tuple[RunInfo, int, dict[int, dict[str, np.ndarray]]]:
+    """The run, its newest committed round and the parameters of every fragment, for a model
+    with ``adapter``'s schema (``SchemaMismatch`` otherwise): what ``gm.align`` loads."""
+    manifest = read_manifest(store)
+    if manifest is None:
+        raise ProtocolError(f"no run in this mailbox ({keys.MANIFEST} is missing); start a Session first")
+    run = RunInfo.from_manifest(manifest)
+    diffs = schema_differences(run.schema, adapter.schema())
+    if diffs:
+        raise SchemaMismatch(diffs)
+    recs, thetas = read_newest(store, run)
+    return run, max((r.round for r in recs.values()), default=-1), thetas

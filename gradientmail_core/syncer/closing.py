@@ -1,0 +1,126 @@
+"""Closing a round this node claimed: recover the fragment's outer state, judge snapshots as
+they arrive, decide when the round may close, write the commit (payloads, then the record)."""
+
+from __future__ import annotations
+
+from .. import events as ev
+from ..errors import MailboxUnavailable, PayloadCorrupt, RecordInvalid
+from ..mailbox import CreateOutcome
+from ..protocol import keys
+from ..protocol.records import RoundRecord
+from ..protocol.run import payload_cap
+from ..protocol.schedule import fragment_of, gap
+from ..protocol.tape import fetch_theta
+from .closer import Collector, Estimates, FragmentState, compute_commit
+from .following import Following
+
+
+class Closing(Following):
+    def _become_closer(self, r: int) -> None:
+        if r != self.head + 1:
+            return
+        state = self._fragment_state(fragment_of(r, self.run.P))
+        self.collector = Collector(r, self.run, state, self.clock.now(), Estimates.from_record(self.newest_of_head()))
+        self.follow = None
+
+    def _fragment_state(self, f: int) -> FragmentState:
+        """Recover the closer's state of fragment ``f`` from its newest record (or the init)."""
+        rec = self.newest.get(f)
+        version = rec.version if rec else 0
+        cached = self.closer_states.get(f)
+        if cached is not None and cached.version == version:
+            return cached
+        theta = fetch_theta(self.store, self.run, f, rec)
+        # Missing payloads mean this node's view is stale (paused after its listing, the run
+        # committed 2P rounds meanwhile and collected them): transient, catch up next poll.
+        if theta is None:
+            raise MailboxUnavailable(f"fragment {f}: the parameters of version {version} are gone; newer commits exist")
+        if rec is None:
+            state = FragmentState.initial(theta)
+        else:
+            assert rec.outer is not None
+            shapes = self.run.outer_shapes(f)
+            outer = self.store.get_payload(rec.outer, shapes, max_bytes=3 * payload_cap(self.run, f))
+            if outer is None:
+                raise MailboxUnavailable(
+                    f"fragment {f}: the outer state of round {rec.round} is gone; newer commits exist"
+                )
+            state = FragmentState(version, theta, *self.run.split_outer(f, outer, theta))
+        self.closer_states[f] = state
+        return state
+
+    def _collect(self, c: Collector) -> bool:
+        """Judge the round's new snapshots and close it when due. True if this node committed it."""
+        for learner in sorted(self.snapshot_keys.get(c.round, set()) - set(c.judged)):
+            j = c.judge_snapshot(
+                self.store, learner, own=self.own_snapshots.get(c.round) if learner == self.me else None
+            )
+            if j.reason is not None:
+                self.stats.rejected[j.reason] = self.stats.rejected.get(j.reason, 0) + 1
+                self.emit(ev.ContributionRejected(self.me, c.round, learner, j.reason))
+        live = self.liveness.live()
+        cfg = self.run.cfg
+        had_quorum = c.quorum_at is not None
+        assert cfg.in_flight is not None
+        close = c.update(
+            live,
+            self.clock.now(),
+            quorum_size=cfg.quorum_size,
+            gap=gap(c.round, cfg.sync_every, self.run.P),
+            in_flight=cfg.in_flight,
+            overlap_steps=cfg.overlap_steps,
+        )
+        if not had_quorum and c.quorum_at is not None:
+            self.emit(ev.QuorumReached(self.me, c.round, len(c.accepted()), c.quorum_at - c.opened_at))
+        return close and self._close(c, len(live))
+
+    def _close(self, c: Collector, live: int) -> bool:
+        """Write the commit of ``c``'s round. True if ours is the record; False if another
+        closer's record was there first (then we follow theirs)."""
+        t0 = self.clock.now()
+        # The payloads are written as they are hashed (the next one hashes during this write).
+        commit = compute_commit(
+            c,
+            closer=self.me,
+            live=live,
+            compression=self.opts.compression,
+            sync_seconds=self._last_sync,
+            now=t0,
+            write=self.store.put_blob,
+        )
+        written = sum(len(data) for data in commit.payloads.values())
+        rec = commit.record
+        outcome, existing = self.store.put_record(keys.round_key(c.round), rec)
+        self._last_sync = self.clock.now() - t0
+        if outcome is CreateOutcome.TAKEN:
+            try:
+                theirs = self.store.decode_record(existing, RoundRecord, keys.round_key(c.round))
+            except RecordInvalid:
+                return False  # the listing will find the record and report it
+            try:
+                theta = self._fetch_commit(theirs)
+            except PayloadCorrupt:
+                return False  # as above: _advance reports it and retries
+            self._on_record(theirs, theta)
+            return False
+        self.stats.committed += 1
+        for x in rec.rejected:
+            if x.reason == "outlier":  # the others were reported as they were judged
+                self.stats.rejected["outlier"] = self.stats.rejected.get("outlier", 0) + 1
+                self.emit(ev.ContributionRejected(self.me, rec.round, x.learner, x.reason))
+        self.emit(
+            ev.RoundClosed(
+                self.me,
+                rec.round,
+                rec.fragment,
+                tuple(p.learner for p in rec.participants),
+                tuple((x.learner, x.reason) for x in rec.rejected),
+                rec.cosine,
+                rec.grace_seconds,
+            )
+        )
+        self.emit(ev.Committed(self.me, rec.round, rec.fragment, rec.version, written))
+        self.closer_states[rec.fragment] = commit.state
+        self.collector = None
+        self._on_record(rec, commit.state.theta)
+        return True

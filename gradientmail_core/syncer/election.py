@@ -1,0 +1,95 @@
+"""Election and takeover: who closes the open round.
+
+The node that committed round r claims r + 1 at once (``claims/{r+1}/0001``). A follower watches
+the open round's newest claim; it claims the next number itself when the holder's lease lapses
+(``lease_lost``), when the round overruns what the past rounds predict (``timeout``), or when
+nobody claimed it within ``claim_wait`` (``unclaimed``). Claims are create-once, so one number
+has one winner.
+"""
+
+from __future__ import annotations
+
+from .. import events as ev
+from ..errors import ProtocolError, RecordInvalid
+from ..mailbox import CreateOutcome
+from ..protocol import keys
+from ..protocol.records import Claim
+from ..protocol.tape import newest_claim
+from .closing import Closing
+from .gc import GarbageCollection
+from .state import Follow
+
+
+class Election(Closing, GarbageCollection):
+    def _drive_round(self) -> None:
+        r = self.head + 1
+        if self.collector is not None and self.collector.round != r:
+            self.collector = None
+        if self.collector is None:
+            self._follow(r)
+        elif self._collect(self.collector):
+            self._try_claim(r + 1, 1, previous=None, reason=None)
+            self._collect_garbage(r)
+
+    def _list_claims(self, r: int) -> Claim | None:
+        return newest_claim(self.store, r)
+
+    def _follow(self, r: int) -> None:
+        now = self.clock.now()
+        fo = self.follow
+        if fo is None or fo.round != r:
+            fo = self.follow = Follow(r, now)
+        n_snaps = len(self.snapshot_keys.get(r, ()))
+        need = min(self.run.cfg.quorum_size, max(len(self.liveness.live()), 1))
+        if fo.timer_from is None and n_snaps >= need:
+            fo.timer_from = now
+        if fo.claim is None:
+            if now - fo.claims_listed_at >= self.opts.claim_wait / 3:
+                fo.claims_listed_at = now
+                fo.claim = self._list_claims(r)
+                fo.claim_seen_at = now
+            if fo.claim is None:
+                if now - fo.opened_at >= self.opts.claim_wait:
+                    self._try_claim(r, 1, previous=None, reason="unclaimed")
+                return
+        claim = fo.claim
+        if claim.learner == self.me:
+            self._become_closer(r)
+            return
+        reason = None
+        if self.liveness.listed_at > float("-inf") and not self.liveness.is_live(claim.learner):
+            reason = "lease_lost"
+        elif fo.timer_from is not None and now - max(fo.timer_from, fo.claim_seen_at) >= self._round_timeout():
+            reason = "timeout"
+        if reason is None:
+            return
+        latest = self._list_claims(r)
+        if latest is not None and latest.n != claim.n:
+            fo.claim, fo.claim_seen_at = latest, now
+            return
+        self._try_claim(r, claim.n + 1, previous=claim.learner, reason=reason)
+
+    def _round_timeout(self) -> float:
+        rec = self.newest_of_head()
+        predicted = 0.0 if rec is None else (rec.x_sync or 0.0) + rec.grace_seconds + (rec.x_quorum or 0.0)
+        return max(self.opts.round_timeout, 4 * predicted)
+
+    def _try_claim(self, r: int, n: int, *, previous: str | None, reason: str | None) -> None:
+        if n > keys.MAX_CLAIM:
+            raise ProtocolError(f"round {r} has been taken over {keys.MAX_CLAIM} times; the run cannot elect a closer")
+        claim = Claim(round=r, n=n, learner=self.me, nonce=self.nonce)
+        outcome, existing = self.store.put_record(keys.claim_key(r, n), claim)
+        if outcome is CreateOutcome.TAKEN:
+            fo = self.follow
+            if fo is not None and fo.round == r:
+                try:
+                    fo.claim = self.store.decode_record(existing, Claim, keys.claim_key(r, n))
+                except RecordInvalid:
+                    fo.claim = None
+                fo.claim_seen_at = self.clock.now()
+            return
+        self.emit(ev.RoundClaimed(self.me, r, n))
+        if previous is not None or reason == "unclaimed":
+            self.stats.takeovers += 1
+            self.emit(ev.TookOver(self.me, r, previous or "", reason or "unclaimed"))
+        self._become_closer(r)

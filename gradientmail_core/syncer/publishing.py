@@ -1,0 +1,64 @@
+"""Contributing: upload what the training thread handed over (a delta payload, then the
+snapshot record that names it)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import events as ev
+from ..codec.payload import encode_payload, encode_quantized
+from ..mailbox import CreateOutcome
+from ..protocol import keys
+from ..protocol.records import Snapshot
+from .bridge import Publish
+from .state import NodeState
+
+
+class Publishing(NodeState):
+    def _publish_pending(self) -> None:
+        while True:
+            with self.bridge.lock:
+                if not self.bridge.outbox:
+                    return
+                pub = self.bridge.outbox[0]
+            self._publish(pub)
+            with self.bridge.lock:
+                self.bridge.outbox.popleft()
+
+    def _publish(self, pub: Publish) -> None:
+        if pub.round <= self.head:
+            self.emit(ev.Skipped(self.me, pub.round, "round already committed"))
+            return
+        cfg, compression = self.run.cfg, self.opts.compression
+        f = pub.fragment
+        dtypes = (
+            dict.fromkeys(self.run.fragments[f], cfg.delta_dtype) if cfg.delta_dtype else self.run.fragment_dtypes(f)
+        )
+        if pub.captured is not None:  # the delta is computed and quantized on the device
+            data = encode_quantized(pub.captured.encode(dtypes), kind="delta", compression=compression)
+        else:
+            delta = {n: np.subtract(pub.anchor[n], pub.local[n], dtype=np.float32) for n in pub.local}
+            data = encode_payload(delta, dtypes, kind="delta", compression=compression)
+        ref = self.store.put_payload(lambda sha: keys.snapshot_blob_key(pub.round, self.me, sha, compression), data)
+        snap = Snapshot(
+            learner=self.me,
+            round=pub.round,
+            local_step=pub.local_step,
+            steps=pub.steps,
+            tokens=pub.tokens,
+            base_version=pub.base_version,
+            step_seconds=max(pub.step_seconds, 0.0),
+            schema_digest=self.run.digest,
+            payload=ref,
+            final=pub.final,
+            nonce=self.nonce,
+        )
+        outcome, _ = self.store.put_record(keys.snapshot_key(pub.round, self.me), snap)
+        if outcome is CreateOutcome.TAKEN:
+            self.emit(ev.Skipped(self.me, pub.round, "this learner id already contributed to the round"))
+            return
+        self.stats.published += 1
+        if outcome is CreateOutcome.CREATED:  # known to be what the store holds (not a retry's read-back)
+            self.own_snapshots[pub.round] = (snap, data)
+        self.snapshot_keys.setdefault(pub.round, set()).add(self.me)
+        self.emit(ev.Published(self.me, pub.round, pub.fragment, pub.steps, pub.tokens, len(data), pub.final))

@@ -1,0 +1,104 @@
+"""What a node knows between polls: the options, the tape as followed so far, the round being
+closed, the leases seen. Each concern of the node (``following``, ``closing``, ``election``,
+``gc``, ``publishing``) is a mixin over this state; ``node.Node`` puts them together."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .. import events as ev
+from ..clock import Clock
+from ..protocol.lease import LeaseWriter, Liveness
+from ..protocol.records import Claim, RoundRecord, Snapshot
+from ..protocol.run import RunInfo
+from ..protocol.schedule import fragment_of
+from ..protocol.store import RunStore
+from .bridge import Bridge
+from .closer import Collector, FragmentState
+
+
+@dataclass(frozen=True)
+class NodeOptions:
+    poll_interval: float = 1.0
+    lease_timeout: float = 120.0
+    round_timeout: float = 60.0  # floor of the follower's no-record timeout
+    compression: str = ""
+
+    @property
+    def lease_interval(self) -> float:
+        return self.lease_timeout / 4
+
+    @property
+    def lease_list_interval(self) -> float:
+        return min(self.lease_timeout / 4, 5 * self.poll_interval)
+
+    @property
+    def claim_wait(self) -> float:
+        # How long an open round may stay unclaimed before anyone claims it: the node that
+        # committed the previous round normally claims it within one of its own polls.
+        return max(3 * self.poll_interval, self.lease_timeout / 8)
+
+
+@dataclass
+class NodeStats:
+    committed: int = 0
+    takeovers: int = 0
+    superseded: int = 0
+    published: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Follow:
+    """A follower's watch over the open round: who claimed it, and since when it waits."""
+
+    round: int
+    opened_at: float
+    claim: Claim | None = None
+    claim_seen_at: float = 0.0
+    claims_listed_at: float = float("-inf")
+    timer_from: float | None = None
+
+
+class NodeState:
+    def __init__(
+        self,
+        store: RunStore,
+        clock: Clock,
+        run: RunInfo,
+        *,
+        learner: str,
+        nonce: str,
+        emit: Callable[[ev.Event], None],
+        options: NodeOptions,
+        bridge: Bridge | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.store, self.clock, self.run, self.me, self.nonce = store, clock, run, learner, nonce
+        self.emit, self.opts = emit, options
+        self.bridge = bridge or Bridge()
+        self.rng = rng or random.Random(0)
+        self.lease = LeaseWriter(store, clock, learner, nonce, options.lease_interval)
+        self.liveness = Liveness(clock, options.lease_timeout, learner)
+        self.head = -1
+        self.newest: dict[int, RoundRecord] = {}
+        self.thetas: dict[int, tuple[int, dict[str, np.ndarray]]] = {}
+        self.closer_states: dict[int, FragmentState] = {}
+        self.collector: Collector | None = None
+        self.follow: Follow | None = None
+        self.snapshot_keys: dict[int, set[str]] = {}
+        # This node's snapshots of rounds not yet committed, as written: its own contribution is
+        # judged from them when it closes the round, instead of being read back from the store.
+        self.own_snapshots: dict[int, tuple[Snapshot, bytes]] = {}
+        self.rounds_seen = 0
+        self.stats = NodeStats()
+        self._last_sync: float | None = None
+        self.stuck: str | None = None
+
+    def newest_of_head(self) -> RoundRecord | None:
+        """The record of the newest committed round (None before the first commit)."""
+        return self.newest.get(fragment_of(self.head, self.run.P)) if self.head >= 0 else None
