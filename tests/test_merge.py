@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from gradientmail_core.aggregators import merge as merge_module
+from gradientmail_core.aggregators import fused as merge_module
 from gradientmail_core.aggregators.merge import (
     clip,
     contribution_weight,

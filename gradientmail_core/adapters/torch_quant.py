@@ -103,14 +103,15 @@ def _as_int16(t: torch.Tensor) -> torch.Tensor:
 
 @cache
 def _table(name: str, device: torch.device) -> torch.Tensor:
-    codes = {"E4M3": quant._E4M3_CODES, "E2M1": quant._E2M1_CODES}[name]
+    codes = {"E4M3": quant.E4M3_CODES, "E2M1": quant.E2M1_CODES}[name]
     return torch.from_numpy(codes).to(device)
 
 
-def _grid_codes(y: torch.Tensor, grid: quant._Grid, name: str) -> torch.Tensor:
-    """Finite float32 -> RNE codes on ``grid`` (uint8), by ``quant._grid_codes``'s magic-number
-    rounding: ``(a + M) - M`` with M a power of two picked from a's exponent. Entries that are
-    not finite get some code; callers overwrite them."""
+def _grid_codes(y: torch.Tensor, grid: quant.Grid, name: str) -> torch.Tensor:
+    """Finite float32 -> RNE codes on ``grid`` (uint8), by the numpy path's magic-number rounding
+    (see ``quant.Grid``): ``(a + M) - M`` with M a power of two picked from a's exponent, then
+    the code from ``grid``'s table. Entries that are not finite get some code; callers overwrite
+    them."""
     shift = 23 - grid.mbits
     u = y.view(torch.int32)
     mag = u & _MAG
@@ -122,7 +123,8 @@ def _grid_codes(y: torch.Tensor, grid: quant._Grid, name: str) -> torch.Tensor:
 
 
 def _pow2_exponent(amax_bits: torch.Tensor, top: float) -> torch.Tensor:
-    """``quant._pow2_exponent`` on int32 bits: smallest k with amax <= top * 2**k, in [-127, 127]."""
+    """The numpy path's E8M0 exponent, on int32 bits: smallest k with amax <= top * 2**k, in
+    [-127, 127] (integer arithmetic on the bits, exact at powers of two)."""
     tb = int(np.array([top], np.float32).view(np.uint32)[0])
     k = (amax_bits >> 23) - (tb >> 23) + ((amax_bits & 0x7FFFFF) > (tb & 0x7FFFFF)).to(torch.int32)
     return k.clamp_(-127, 127)
@@ -147,7 +149,7 @@ def _e4m3(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     inv = _inv_pow2(k)
 
     def codes(x: torch.Tensor) -> torch.Tensor:
-        c = _grid_codes(x * inv, quant._E4M3, "E4M3")  # a power-of-two scale is exact
+        c = _grid_codes(x * inv, quant.E4M3_GRID, "E4M3")  # a power-of-two scale is exact
         return c.masked_fill_(~torch.isfinite(x), 0x7F)  # E4M3fn has no inf: NaN code
 
     return _chunked(flat, codes, torch.uint8), (k + 127).to(torch.uint8).reshape(1)
@@ -184,7 +186,7 @@ def _f4_block_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     finite = amax < _EXP
     k = torch.where(amax > 0, _pow2_exponent(amax, quant.E2M1_MAX), 0)
     inv = torch.where(finite, _inv_pow2(k), 1.0)
-    codes = _grid_codes(blocks * inv[:, None], quant._E2M1, "E2M1").reshape(blocks.shape)
+    codes = _grid_codes(blocks * inv[:, None], quant.E2M1_GRID, "E2M1").reshape(blocks.shape)
     # A block holding a non-finite value decodes to NaN whatever its codes. numpy scales such a
     # block by 0 and codes what the FPU gives; on x86 hosts: a finite x -> +-0 (its sign), a
     # NaN -> that NaN (its sign, magnitude code 7), an inf -> the default NaN, negative (code 15).

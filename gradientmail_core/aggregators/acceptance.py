@@ -1,11 +1,19 @@
-"""Whether a snapshot's delta enters a round (SPEC 3.6), over facts the engine already fetched."""
+"""Whether a snapshot's delta enters a round (SPEC 3.6), over facts the engine already fetched.
+
+Two judgements: ``judge`` checks each snapshot on its own (record, payload, values), in the order
+its reasons are listed; ``outlier_mask`` then compares the accepted contributions of a round with
+one another (a rejection with reason ``outlier``).
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import numpy as np
+
+from .fused import Delta, fragment_norm
 
 PayloadStatus = Literal["ok", "missing", "corrupt"]
 
@@ -53,3 +61,28 @@ def judge(
     if not all(np.isfinite(a).all() for a in payload.values()):
         return "nonfinite"
     return None
+
+
+def outlier_mask(deltas: Sequence[Delta], *, factor: float) -> list[bool]:
+    """``True`` for each contribution whose whole-fragment norm exceeds ``factor`` times the median
+    norm of the *other* contributions (a rejection with reason ``outlier``).
+
+    Leave-one-out: an oversized contribution cannot raise the bar it is measured against, and with
+    two contributions only the much larger one can be flagged (never both, as ``factor > 1``). A
+    single contribution has no peers and is never flagged. A non-finite norm is always an outlier.
+    A zero median (all peers did not move) flags any non-zero contribution: that is the rule, and a
+    round of zero deltas is suspicious anyway.
+    """
+    if not factor > 1.0:
+        raise ValueError(f"outlier factor={factor!r}: expected a number > 1 (at most 1 could reject everyone)")
+    norms = [fragment_norm(d) for d in deltas]
+    mask: list[bool] = []
+    for i, n in enumerate(norms):
+        others = norms[:i] + norms[i + 1 :]
+        if not math.isfinite(n):
+            mask.append(True)
+        elif not others:
+            mask.append(False)
+        else:
+            mask.append(n > factor * float(np.median(others)))
+    return mask

@@ -1,1 +1,11 @@
-"""Payload serialization: safetensors, quantization, compression."""
+"""Payload serialization: the bytes a fragment's tensors travel as through the object store.
+
+- ``payload``: the payload format (named tensors in their storage dtypes, in a safetensors
+  file, optionally compressed) and its strict reader.
+- ``quant``: float32 to and from the storage dtypes (BF16, F16, F8 E4M3 with a per-tensor scale,
+  F4 E2M1 with a scale per block of 32), round-to-nearest-even, the same bytes on every host;
+  its minifloat grids and code tables are public for the device quantizers
+  (``adapters.torch_quant``).
+- ``compress``: lossless byte-plane shuffle plus one zstd frame per tensor.
+- ``safetensors_io``: the safetensors container itself, canonical on write, validated on read.
+"""

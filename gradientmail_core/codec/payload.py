@@ -44,7 +44,7 @@ import numpy as np
 
 from ..errors import PayloadCorrupt
 from ..protocol.records import TensorSpec
-from . import compress as codec
+from . import compress as codec  # the byte-plane zstd codec (tests patch it as ``payload.codec``)
 from . import quant, safetensors_io
 
 FORMAT = "gradientmail/1"

@@ -123,9 +123,16 @@ def to_f16(x: np.ndarray) -> np.ndarray:
 
 
 @dataclass(frozen=True, eq=False)
-class _Grid:
+class Grid:
     """A small float format: ``mbits`` mantissa bits, normal exponents ``emin..top``,
-    subnormals below 2**emin, the non-negative values by code, and the NaN code (if any)."""
+    subnormals below 2**emin, the non-negative values by code, and the NaN code (if any).
+
+    A float32 rounds onto the grid by adding and subtracting a power of two picked from its
+    exponent (clipped to ``[emin, top]``), which the FPU rounds to the grid's spacing (RNE); the
+    rounded value's sign, exponent and top ``mbits`` mantissa bits then index ``table()`` for its
+    code. ``E4M3_GRID`` and ``E2M1_GRID`` are the two in use; the device quantizers
+    (``adapters.torch_quant``) round the same way and look codes up in the same tables.
+    """
 
     mbits: int
     emin: int
@@ -156,10 +163,14 @@ E4M3_VALUES = np.array(  # the 127 finite non-negative values by code; 0x7F is N
     dtype=np.float32,
 )
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
-_E4M3 = _Grid(mbits=3, emin=-6, top=8, values=E4M3_VALUES, nan_code=0x7F)
-_E2M1 = _Grid(mbits=1, emin=0, top=2, values=E2M1_VALUES, nan_code=None)
-_E4M3_CODES = _E4M3.table()
-_E2M1_CODES = _E2M1.table()
+# F8 E4M3fn: normals 2**-6 .. 448 (exponents -6..8), 3 mantissa bits, NaN code 0x7F, no inf.
+E4M3_GRID = Grid(mbits=3, emin=-6, top=8, values=E4M3_VALUES, nan_code=0x7F)
+# F4 E2M1: {0, .5, 1, 1.5, 2, 3, 4, 6}, 1 mantissa bit, no NaN or inf (saturates at 6).
+E2M1_GRID = Grid(mbits=1, emin=0, top=2, values=E2M1_VALUES, nan_code=None)
+# ``Grid.table()`` of each: the code (uint8, sign bit included) of a float32 already rounded onto
+# the grid, indexed by ``bits >> 20`` (E4M3, 4096 entries) or ``bits >> 22`` (E2M1, 1024).
+E4M3_CODES = E4M3_GRID.table()
+E2M1_CODES = E2M1_GRID.table()
 
 
 class _Scratch:
@@ -174,7 +185,7 @@ class _Scratch:
         return self.a[:n], self.b[:n], self.c[:n]
 
 
-def _grid_codes(y: np.ndarray, grid: _Grid, table: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
+def _grid_codes(y: np.ndarray, grid: Grid, table: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
     """float32 chunk -> RNE codes on ``grid``, written to ``out`` (uint8)."""
     u = y.view(np.uint32)
     mag, e, t = scratch.take(y.size)
@@ -240,7 +251,7 @@ def _e4m3_encode(flat: np.ndarray, inv_scale: np.float32 | None) -> np.ndarray:
             if inv_scale is not None:
                 # A power-of-two scale is exact; done per chunk so it costs no memory pass.
                 xi = np.multiply(xi, inv_scale, out=scratch.y[: xi.size])
-            _grid_codes(xi, _E4M3, _E4M3_CODES, out[i : i + _CHUNK], scratch)
+            _grid_codes(xi, E4M3_GRID, E4M3_CODES, out[i : i + _CHUNK], scratch)
     return out
 
 
@@ -302,7 +313,7 @@ def e2m1_codes(y: np.ndarray) -> np.ndarray:
     scratch = _Scratch(flat.size)
     with _quiet_nan():
         for i in range(0, flat.size, _CHUNK):
-            _grid_codes(flat[i : i + _CHUNK], _E2M1, _E2M1_CODES, out[i : i + _CHUNK], scratch)
+            _grid_codes(flat[i : i + _CHUNK], E2M1_GRID, E2M1_CODES, out[i : i + _CHUNK], scratch)
     return out.reshape(y.shape)
 
 
@@ -337,7 +348,7 @@ def quantize_f4(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             inv[~finite] = 0  # the block decodes to NaN whatever its codes; zero them for stable bytes
             y = scratch.y[:n]
             np.multiply(xi.reshape(-1, F4_BLOCK), inv[:, None], out=y.reshape(-1, F4_BLOCK))
-            _grid_codes(y, _E2M1, _E2M1_CODES, codes[:n], scratch)
+            _grid_codes(y, E2M1_GRID, E2M1_CODES, codes[:n], scratch)
             pairs = codes[:n].reshape(-1, 2)
             out = packed[i // 2 : (i + n) // 2]
             np.left_shift(pairs[:, 1], 4, out=out)
