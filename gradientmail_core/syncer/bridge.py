@@ -11,38 +11,32 @@ import threading
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
-from ..adapters.base import Captured, DevicePipeline
+from ..adapters.handles import Contribution, Incoming, Stage
 
 
 @dataclass(frozen=True)
 class Publish:
-    """A contribution the training thread handed over: the fragment's parameters now, and
-    the anchor they are relative to. The node computes ``anchor - local`` off-thread.
-
-    With a device pipeline both stay on the device: ``captured`` holds them, and encodes the
-    delta there; ``anchor`` and ``local`` are empty."""
+    """A contribution the training thread handed over: the fragment's delta as a handle the
+    node asks for payload bytes off-thread (``adapters.handles``), and what it reports."""
 
     round: int
     fragment: int
     base_version: int
-    anchor: Mapping[str, np.ndarray]
-    local: Mapping[str, np.ndarray]
+    delta: Contribution
     steps: int
     tokens: int
     local_step: int
     step_seconds: float
     final: bool = False
-    captured: Captured | None = None
 
 
 @dataclass(frozen=True)
 class CommitNotice:
-    """A committed round's new parameters, for the training thread to align with; with a
-    device pipeline, ``staged`` is the theta already on its way to the device."""
+    """A committed round's new parameters, for the training thread to align with; ``incoming``
+    is the theta already staged for writing (on a device pipeline, on its way to the device)."""
 
     round: int
     fragment: int
@@ -51,7 +45,7 @@ class CommitNotice:
     nbytes: int = 0
     participants: tuple[str, ...] = ()
     cosine: float | None = None
-    staged: Any = None
+    incoming: Incoming | None = None
 
 
 @dataclass(frozen=True)
@@ -75,9 +69,9 @@ class Bridge:
         self.wake = threading.Event()
         self.local_step = 0
         self.tokens = 0
-        # The adapter's device pipeline, if any (set by the learner): the node stages commits
-        # on the device with it, off the training thread.
-        self.pipeline: DevicePipeline | None = None
+        # How a commit is staged for writing (set by the learner from its adapter): the node
+        # stages each commit with it, off the training thread.
+        self.stage: Stage | None = None
 
     def publish(self, p: Publish) -> None:
         with self.lock:

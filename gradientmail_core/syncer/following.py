@@ -90,7 +90,7 @@ class Following(NodeState):
         if theta is None:
             return  # pruned already: a newer record of this fragment is on the tape
         self.thetas[f] = (rec.version, theta)
-        pipeline = self.bridge.pipeline  # moves the theta to the device here, off the training thread
+        stage = self.bridge.stage  # e.g. moves the theta to the device here, off the training thread
         self.bridge.inbox.put(
             CommitNotice(
                 rec.round,
@@ -100,6 +100,6 @@ class Following(NodeState):
                 rec.theta.size if rec.theta else 0,
                 tuple(p.learner for p in rec.participants),
                 rec.cosine,
-                staged=pipeline.stage(theta) if pipeline is not None else None,
+                incoming=stage(theta) if stage is not None else None,
             )
         )

@@ -2,9 +2,9 @@
 hands contributions to the node, and aligns with commits in place between steps.
 
 Nothing here does I/O. The only blocking is ``overlap_steps`` (and ``close``), which wait
-on the commit queue the node fills. With an adapter's device pipeline (``adapters/base.py``)
-publishing and aligning only queue device work: a snapshot of the fragment, and the copies
-(or blends) from a theta the node already staged on the device.
+on the commit queue the node fills. Fragments go out and come in through the adapter's handles
+(``adapters/handles.py``): with a device pipeline, publishing and aligning only queue device
+work (a snapshot of the fragment, and the copies or blends from a theta the node already staged).
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import events as ev
-from ..adapters.base import Adapter, pipeline_of
+from ..adapters.base import Adapter
+from ..adapters.handles import FragmentIO
 from ..clock import Clock
 from ..protocol.run import RunInfo
-from ..protocol.schedule import nominal_step
+from ..protocol.schedule import fragment_of, nominal_step
 from .bridge import Bridge, CommitNotice, Publish
 
 
@@ -42,7 +43,8 @@ class Learner:
         emit: Callable[[ev.Event], None],
     ) -> None:
         self.adapter, self.run, self.bridge, self.clock, self.me, self.emit = adapter, run, bridge, clock, learner, emit
-        self.pipeline = bridge.pipeline = pipeline_of(adapter)
+        self.io = FragmentIO(adapter)
+        bridge.stage = self.io.stage
         self.cfg = run.cfg
         self.local_step = 0
         self.tokens = 0
@@ -63,7 +65,7 @@ class Learner:
     def start(self, head: int, thetas: Mapping[int, Mapping[str, np.ndarray]], versions: Mapping[int, int]) -> None:
         """Load the newest committed parameters into the model before the first step."""
         for f, theta in thetas.items():
-            self._write(theta)
+            self.io.stage(theta).write()
             self.anchors[f] = theta
             self.versions[f] = versions[f]
         self.aligned = head
@@ -78,7 +80,7 @@ class Learner:
         """Align fragment ``c.fragment`` with a commit, in place (blending with ``mixing``)."""
         if c.version <= self.versions.get(c.fragment, -1):
             return
-        self._write(c.theta, self.cfg.mixing, staged=c.staged)
+        (c.incoming or self.io.stage(c.theta)).write(self.cfg.mixing)
         self.anchors[c.fragment] = c.theta
         self.versions[c.fragment] = c.version
         # Replacing the fragment drops the training it held (all of it, or 1 - mixing of it),
@@ -91,14 +93,6 @@ class Learner:
         while self.published and self.published[0].round <= self.aligned:
             self.published.popleft()
         self.emit(ev.Aligned(self.me, c.round, c.fragment, c.version, c.nbytes, c.participants, c.cosine))
-
-    def _write(self, theta: Mapping[str, np.ndarray], mixing: float = 0.0, *, staged: object = None) -> None:
-        """Set the model's copy of a fragment to ``theta`` (blended with ``mixing``): through the
-        device pipeline from ``staged`` (staged here if the node has not), else ``adapter.write``."""
-        if self.pipeline is None:
-            self.adapter.write(theta, mixing)
-        else:
-            self.pipeline.align(staged if staged is not None else self.pipeline.stage(theta), mixing)
 
     def drain(self) -> int:
         n = 0
@@ -126,7 +120,7 @@ class Learner:
         self.bridge.local_step, self.bridge.tokens = self.local_step, self.tokens
         versions = dict(self.versions)
         self.drain()
-        f = max(self.next_round, self.bridge.view.head + 1) % self.run.P
+        f = fragment_of(max(self.next_round, self.bridge.view.head + 1), self.run.P)
         if self.versions.get(f) == versions.get(f):
             # Not in the step a commit replaced the fragment: its training since the last
             # contribution is gone, the delta would be empty. It goes out after the next step.
@@ -154,24 +148,20 @@ class Learner:
         return True
 
     def publish(self, r: int, *, final: bool = False) -> None:
-        f = r % self.run.P
+        f = fragment_of(r, self.run.P)
         steps = self.steps_since[f]
         if steps > 0:
-            names = self.run.fragments[f]
-            captured = self.pipeline.capture(names) if self.pipeline is not None else None
             self.bridge.publish(
                 Publish(
                     round=r,
                     fragment=f,
                     base_version=self.versions[f],
-                    anchor=self.anchors[f] if captured is None else {},
-                    local=self.adapter.read(names) if captured is None else {},
+                    delta=self.io.capture(self.run.fragments[f], self.anchors[f]),
                     steps=steps,
                     tokens=self.tokens_since[f],
                     local_step=self.local_step,
                     step_seconds=self.seconds_since[f] / steps,
                     final=final,
-                    captured=captured,
                 )
             )
             self.published.append(_Pending(r, self.local_step))

@@ -3,10 +3,7 @@ snapshot record that names it)."""
 
 from __future__ import annotations
 
-import numpy as np
-
 from .. import events as ev
-from ..codec.payload import encode_payload, encode_quantized
 from ..mailbox import CreateOutcome
 from ..protocol import keys
 from ..protocol.records import Snapshot
@@ -34,11 +31,7 @@ class Publishing(NodeState):
         dtypes = (
             dict.fromkeys(self.run.fragments[f], cfg.delta_dtype) if cfg.delta_dtype else self.run.fragment_dtypes(f)
         )
-        if pub.captured is not None:  # the delta is computed and quantized on the device
-            data = encode_quantized(pub.captured.encode(dtypes), kind="delta", compression=compression)
-        else:
-            delta = {n: np.subtract(pub.anchor[n], pub.local[n], dtype=np.float32) for n in pub.local}
-            data = encode_payload(delta, dtypes, kind="delta", compression=compression)
+        data = pub.delta.encode(dtypes, compression=compression)
         ref = self.store.put_payload(lambda sha: keys.snapshot_blob_key(pub.round, self.me, sha, compression), data)
         snap = Snapshot(
             learner=self.me,
