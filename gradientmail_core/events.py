@@ -1,8 +1,8 @@
 """A closed set of typed events, delivered to ``Session(callbacks=...)``.
 
 Events are facts about the run as one node saw them. ``log_events`` writes one line
-each to the ``gradientmail.events`` logger; tests and integrations subscribe with their
-own callables.
+each to the ``gradientmail.events`` logger, with the event's fields on the record as
+structured data; tests and integrations subscribe with their own callables.
 """
 
 from __future__ import annotations
@@ -148,6 +148,20 @@ _QUIET = (StoreFailure, IgnoredObject)
 
 
 def log_events(event: Event) -> None:
-    """Log one line per event through ``logging`` (INFO; transient failures at WARNING)."""
+    """Log one line per event through ``logging`` (INFO; transient failures at WARNING).
+
+    The message is ``event.describe()``. The event also reaches handlers and formatters as
+    structured data, as two attributes of the ``LogRecord`` (passed with ``extra=``):
+
+    - ``record.gm_event``: the event's type name, e.g. ``"RoundClosed"``;
+    - ``record.gm``: a dict of the event's fields, ``learner`` included, with their values
+      as the event holds them (e.g. ``{"learner": "a", "round": 3, "fragment": 0, ...}``).
+
+    Both names start with ``gm`` so they never collide with ``LogRecord``'s own attributes
+    (``logging`` refuses ``extra`` keys such as ``message`` or ``args``).
+    """
     level = logging.WARNING if isinstance(event, _QUIET + (GaveUp, BackgroundFailed, Superseded)) else logging.INFO
-    _log.log(level, event.describe())
+    if not _log.isEnabledFor(level):
+        return
+    data = {f.name: getattr(event, f.name) for f in fields(event)}
+    _log.log(level, event.describe(), extra={"gm_event": type(event).__name__, "gm": data})

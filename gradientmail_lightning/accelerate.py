@@ -29,6 +29,7 @@ except ImportError as e:  # pragma: no cover - exercised only without accelerate
     raise MissingExtra("accelerate") from e
 
 from .driver import SessionDriver
+from .options import SessionOptions
 
 _UNSUPPORTED = {
     DistributedType.FSDP: "FSDP shards the parameters",
@@ -166,9 +167,7 @@ def register_gradientmail(
     algorithm: gm.DiLoCo,
     mailbox: gm.Mailbox | str,
     samples_per_step: int | None = None,
-    wait_for_learners: int | None = None,
-    wait_timeout: float | None = None,
-    **session_options: Any,
+    **options: Any,
 ) -> GradientMailHandle:
     """Make this process's node a learner of a gradientmail run.
 
@@ -179,8 +178,8 @@ def register_gradientmail(
         samples_per_step: samples (or tokens) one optimizer step trains on *this process*
             (its batch times the accumulation steps); the session is told the sum over the
             node's processes. Default 1 per step, unless ``handle.add_samples`` reports them.
-        wait_for_learners, wait_timeout: at the start, block until that many learners are live.
-        **session_options: passed to ``gm.Session`` (``learner_id``, ``poll_interval``, ...).
+        **options: the other options of :class:`~gradientmail_lightning.options.SessionOptions`
+            (``wait_for_learners``, ``wait_timeout``, ``learner_id``, ``poll_interval``, ...).
 
     Call it on every process; only the main process talks to the mailbox.
     """
@@ -196,14 +195,11 @@ def register_gradientmail(
             f"register_gradientmail(optimizer=...) expects the optimizer returned by accelerator.prepare, "
             f"found {type(optimizer).__name__}"
         )
-    driver = SessionDriver(
-        algorithm=algorithm,
-        mailbox=mailbox,
-        wait_for_learners=wait_for_learners,
-        wait_timeout=wait_timeout,
-        session_options=session_options,
-        owner="register_gradientmail",
+    owner = "register_gradientmail"
+    session_options = SessionOptions.from_kwargs(
+        owner, {"algorithm": algorithm, "mailbox": mailbox, **options}, also=("samples_per_step",)
     )
+    driver = SessionDriver(session_options, owner=owner)
     handle = GradientMailHandle(self, self.unwrap_model(model), inner, driver, samples_per_step)
     self.register_for_checkpointing(handle)
     return handle

@@ -24,8 +24,11 @@ except ImportError as e:  # pragma: no cover - exercised only without lightning
     raise MissingExtra("lightning") from e
 
 from .driver import SamplesFn, SessionDriver, first_batch_len
+from .options import SessionOptions
 
 _PROGRESS_BAR = ("gm/round", "gm/live_learners")
+# The callback's own options, besides those of SessionOptions.
+_OWN_OPTIONS = ("samples_fn", "log_metrics")
 
 
 def check_strategy(strategy: Any) -> None:
@@ -49,10 +52,9 @@ class GradientMailCallback(Callback):
         samples_fn: ``batch -> int``, the samples (or tokens) a batch holds on this rank;
             default: the length of the batch's first tensor. The session is told the sum
             over the node's ranks and over the batches of one optimizer step.
-        wait_for_learners: block at the start of training until this many learners are live.
-        wait_timeout: seconds to wait for them (None: forever).
         log_metrics: log the session's metrics (``gm/...``) through ``pl_module.log``.
-        **session_options: passed to ``gm.Session`` (``learner_id``, ``poll_interval``,
+        **options: the other options of :class:`~gradientmail_lightning.options.SessionOptions`
+            (``wait_for_learners``, ``wait_timeout``, ``learner_id``, ``poll_interval``,
             ``lease_timeout``, ``compression``, ``callbacks``, ...).
     """
 
@@ -62,20 +64,15 @@ class GradientMailCallback(Callback):
         algorithm: gm.DiLoCo,
         mailbox: gm.Mailbox | str,
         samples_fn: SamplesFn | None = None,
-        wait_for_learners: int | None = None,
-        wait_timeout: float | None = None,
         log_metrics: bool = True,
-        **session_options: Any,
+        **options: Any,
     ) -> None:
         super().__init__()
-        self.driver = SessionDriver(
-            algorithm=algorithm,
-            mailbox=mailbox,
-            wait_for_learners=wait_for_learners,
-            wait_timeout=wait_timeout,
-            session_options=session_options,
-            owner=type(self).__name__,
+        owner = type(self).__name__
+        session_options = SessionOptions.from_kwargs(
+            owner, {"algorithm": algorithm, "mailbox": mailbox, **options}, also=_OWN_OPTIONS
         )
+        self.driver = SessionDriver(session_options, owner=owner)
         self.samples_fn: SamplesFn = samples_fn or first_batch_len
         self.log_metrics = log_metrics
         self._last_global_step = 0

@@ -9,7 +9,6 @@ save the same state and log the same names.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import threading
@@ -20,15 +19,13 @@ import torch
 
 import gradientmail_core as gm
 from gradientmail_core import events as ev
-from gradientmail_core.protocol import keys
 from gradientmail_core.session import default_learner_id
 
+from .options import SessionOptions
 from .replicas import Replicas
 
 _log = logging.getLogger(__name__)
 _STATE_FORMAT = 1
-# Everything gm.Session accepts, except what the driver passes itself.
-_SESSION_OPTIONS = frozenset(inspect.signature(gm.Session).parameters) - {"model", "algorithm", "mailbox"}
 
 
 class Metrics:
@@ -67,43 +64,18 @@ class Metrics:
 class SessionDriver:
     """Runs one ``gm.Session`` per training run for an integration.
 
-    ``algorithm``, ``mailbox`` (a ``gm.Mailbox`` or a URL for ``gm.open_mailbox``) and
-    ``session_options`` go to ``gm.Session`` on rank 0; the other ranks never build a
-    session and never touch the mailbox. ``wait_for_learners`` makes ``start`` block until
-    that many learners are live, so the nodes of a run start training together.
+    ``options`` (see :class:`SessionOptions`) say which run to join and how: the session is
+    built from them on rank 0; the other ranks never build a session and never touch the
+    mailbox. ``wait_for_learners`` makes ``start`` block until that many learners are live,
+    so the nodes of a run start training together. ``owner`` names the integration in errors.
     """
 
-    def __init__(
-        self,
-        *,
-        algorithm: gm.DiLoCo,
-        mailbox: gm.Mailbox | str,
-        wait_for_learners: int | None = None,
-        wait_timeout: float | None = None,
-        session_options: Mapping[str, Any],
-        owner: str,
-    ) -> None:
-        if not isinstance(algorithm, gm.DiLoCo):
-            raise TypeError(f"{owner}(algorithm=...) must be a gm.DiLoCo(...), found {type(algorithm).__name__}")
-        unknown = sorted(set(session_options) - _SESSION_OPTIONS)
-        if unknown:
-            raise TypeError(
-                f"{owner}() got unexpected keyword arguments {unknown}; the session options are "
-                f"{sorted(_SESSION_OPTIONS)} (see gm.Session)"
-            )
-        if wait_for_learners is not None and (not isinstance(wait_for_learners, int) or wait_for_learners < 1):
-            raise ValueError(f"{owner}(wait_for_learners={wait_for_learners!r}): expected a positive int or None")
-        self.algorithm = algorithm
-        self.mailbox = mailbox
-        self.wait_for_learners = wait_for_learners
-        self.wait_timeout = wait_timeout
-        self.options = dict(session_options)
-        self.callbacks = tuple(self.options.pop("callbacks", (gm.log_events,)))
+    def __init__(self, options: SessionOptions, *, owner: str) -> None:
+        options.check(owner)
+        self.options = options
         self.owner = owner
         # Checkpointed state.
-        self.learner_id: str | None = self.options.pop("learner_id", None)
-        if self.learner_id is not None:
-            keys.validate_learner_id(self.learner_id)
+        self.learner_id: str | None = options.learner_id
         self.steps = 0
         self.samples = 0
         self.round = -1
@@ -145,21 +117,20 @@ class SessionDriver:
     def _open(self, module: torch.nn.Module) -> None:
         if self.learner_id is None:
             self.learner_id = default_learner_id()
-        mailbox = gm.open_mailbox(self.mailbox) if isinstance(self.mailbox, str) else self.mailbox
+        opts = self.options
+        mailbox = gm.open_mailbox(opts.mailbox) if isinstance(opts.mailbox, str) else opts.mailbox
         self.metrics = Metrics()
-        session = gm.Session(
-            module,
-            algorithm=self.algorithm,
-            mailbox=mailbox,
-            learner_id=self.learner_id,
-            callbacks=(*self.callbacks, self.metrics),
-            **self.options,
-        )
+        session_kwargs = {
+            **opts.session_kwargs(),
+            "learner_id": self.learner_id,
+            "callbacks": (*opts.callbacks, self.metrics),
+        }
+        session = gm.Session(module, algorithm=opts.algorithm, mailbox=mailbox, **session_kwargs)
         session.open()
         self.session = session
         try:
-            if self.wait_for_learners is not None:
-                session.wait_for(self.wait_for_learners, timeout=self.wait_timeout)
+            if opts.wait_for_learners is not None:
+                session.wait_for(opts.wait_for_learners, timeout=opts.wait_timeout)
         except BaseException as e:
             session.__exit__(type(e), e, e.__traceback__)
             self.session = None

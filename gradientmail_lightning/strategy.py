@@ -25,15 +25,16 @@ except ImportError as e:  # pragma: no cover - exercised only without lightning
     raise MissingExtra("lightning") from e
 
 from .callback import GradientMailCallback
-from .driver import SamplesFn
 
 
 class MailboxDiLoCoStrategy(DDPStrategy):
     """Decoupled DiLoCo across nodes that share only a mailbox; DDP within a node.
 
     Args:
-        algorithm, mailbox, samples_fn, wait_for_learners, wait_timeout, log_metrics,
-            **session_options: as for :class:`GradientMailCallback`.
+        algorithm, mailbox, **options: as for :class:`GradientMailCallback` (``samples_fn``,
+            ``log_metrics``, ``wait_for_learners``, ``learner_id``, ``poll_interval``, ...: the
+            callback's own options and those of
+            :class:`~gradientmail_lightning.options.SessionOptions`).
         process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``.
         ddp_kwargs: passed to ``torch.nn.parallel.DistributedDataParallel``
             (e.g. ``{"find_unused_parameters": True}``).
@@ -49,25 +50,13 @@ class MailboxDiLoCoStrategy(DDPStrategy):
         *,
         algorithm: gm.DiLoCo,
         mailbox: gm.Mailbox | str,
-        samples_fn: SamplesFn | None = None,
-        wait_for_learners: int | None = None,
-        wait_timeout: float | None = None,
-        log_metrics: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         ddp_kwargs: dict[str, Any] | None = None,
-        **session_options: Any,
+        **options: Any,
     ) -> None:
-        self.callback = GradientMailCallback(
-            algorithm=algorithm,
-            mailbox=mailbox,
-            samples_fn=samples_fn,
-            wait_for_learners=wait_for_learners,
-            wait_timeout=wait_timeout,
-            log_metrics=log_metrics,
-            **session_options,
-        )
+        self.callback = GradientMailCallback(algorithm=algorithm, mailbox=mailbox, **options)
         super().__init__(
             process_group_backend=process_group_backend,
             timeout=timeout,

@@ -1,0 +1,98 @@
+"""The options of a node's membership in a run, defined once for every integration.
+
+``GradientMailCallback``, ``MailboxDiLoCoStrategy`` and ``register_gradientmail`` take
+``algorithm=`` and ``mailbox=`` plus any of these as keyword arguments (``**options``) and
+build one :class:`SessionOptions` from them; the ``SessionDriver`` runs the session from it.
+A misspelt option raises a ``TypeError`` naming the valid ones.
+
+Imports no framework, so the options can be read and checked without Lightning or Accelerate.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import gradientmail_core as gm
+from gradientmail_core import events as ev
+from gradientmail_core.protocol import keys
+
+
+@dataclass(frozen=True, kw_only=True)
+class SessionOptions:
+    """One node's options. All but the first four go to ``gm.Session`` on rank 0 only, under
+    the same names and with the same defaults (see there); an option ``gm.Session`` gains is
+    added here, once, for every integration."""
+
+    #: the run's ``gm.DiLoCo(...)`` config (required).
+    algorithm: gm.DiLoCo
+    #: a ``gm.Mailbox``, or a URL for ``gm.open_mailbox`` (opened on rank 0 only) (required).
+    mailbox: gm.Mailbox | str
+    #: block at the start of training until this many learners are live (None: do not wait).
+    wait_for_learners: int | None = None
+    #: seconds to wait for them (None: forever).
+    wait_timeout: float | None = None
+    #: this node's learner id (None: one restored from a checkpoint, else a fresh one).
+    learner_id: str | None = None
+    #: seconds between polls of the mailbox.
+    poll_interval: float = 1.0
+    #: seconds without a lease renewal after which a learner counts as gone.
+    lease_timeout: float = 120.0
+    #: seconds without a record from a round's closer before another node takes over (None: max(30, 10 x poll_interval)).
+    round_timeout: float | None = None
+    #: seconds ``close`` waits for this node's rounds in flight (None: lease_timeout + 2 x round_timeout).
+    close_timeout: float | None = None
+    #: payload compression, ``"off"`` or ``"zstd"``.
+    compression: str = "off"
+    #: callables that receive every ``gm.Event`` of the session.
+    callbacks: Sequence[Callable[[ev.Event], None]] = (gm.log_events,)
+    #: the session's clock (None: the system clock; tests pass a fake one).
+    clock: gm.Clock | None = None
+    #: seed of the session's random choices (None: a random one).
+    seed: int | None = None
+    #: the run's shared secret for authenticated objects (see docs/security.md).
+    secret: bytes | str | None = None
+    #: a file holding that secret, instead of ``secret``.
+    secret_file: str | os.PathLike[str] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "callbacks", tuple(self.callbacks))  # frozen: a list passed in is copied
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """Every option's name, in definition order."""
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def from_kwargs(cls, owner: str, kwargs: Mapping[str, Any], *, also: Iterable[str] = ()) -> SessionOptions:
+        """Build the options that ``owner(...)`` was called with, refusing unknown names.
+
+        ``also``: the owner's own keyword parameters, named with the valid options when a
+        name is unknown."""
+        names = cls.names()
+        unknown = sorted(set(kwargs) - set(names))
+        if unknown:
+            raise TypeError(
+                f"{owner}() got unexpected keyword arguments {unknown}; the valid options are "
+                f"{sorted({*names, *also})} (see gradientmail_lightning.options.SessionOptions)"
+            )
+        return cls(**kwargs)
+
+    def check(self, owner: str) -> None:
+        """Refuse values that cannot work, before any training (errors name ``owner``)."""
+        if not isinstance(self.algorithm, gm.DiLoCo):
+            raise TypeError(f"{owner}(algorithm=...) must be a gm.DiLoCo(...), found {type(self.algorithm).__name__}")
+        wait = self.wait_for_learners
+        if wait is not None and (not isinstance(wait, int) or wait < 1):
+            raise ValueError(f"{owner}(wait_for_learners={wait!r}): expected a positive int or None")
+        if self.learner_id is not None:
+            keys.validate_learner_id(self.learner_id)
+
+    def session_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments for ``gm.Session`` besides ``algorithm`` and ``mailbox``."""
+        return {name: getattr(self, name) for name in self.names() if name not in _NOT_FOR_SESSION}
+
+
+_NOT_FOR_SESSION = frozenset({"algorithm", "mailbox", "wait_for_learners", "wait_timeout"})
