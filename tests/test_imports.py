@@ -37,3 +37,87 @@ def test_no_unpickling_in_library_code():
                 if pattern.search(line):
                     offenders.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
     assert not offenders, offenders
+
+
+def _imports_of(path: Path, root: Path = ROOT) -> set[str]:
+    """Absolute names of the modules ``path`` imports (relative imports resolved), lazy ones too."""
+    import ast
+
+    rel = path.relative_to(root).with_suffix("")
+    parts = list(rel.parts)
+    package = parts[:-1] if parts[-1] != "__init__" else parts[:-1]
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                mod = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            else:
+                mod = node.module or ""
+            out.add(mod)
+            out.update(f"{mod}.{a.name}" for a in node.names)
+    return out
+
+
+def _offenders(package: str, forbidden: tuple[str, ...]) -> list[str]:
+    bad = []
+    for path in sorted((ROOT / package.replace(".", "/")).rglob("*.py")):
+        for name in sorted(_imports_of(path)):
+            if any(name == f or name.startswith(f + ".") for f in forbidden):
+                bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    return bad
+
+
+def test_dependencies_run_one_way_between_the_packages():
+    # The core never reaches up into the integrations.
+    assert not _offenders("gradientmail_core", ("gradientmail_lightning", "lightning", "accelerate"))
+    # The protocol is below the engine: keys, records, the store and the tape never import the syncer.
+    assert not _offenders("gradientmail_core.protocol", ("gradientmail_core.syncer", "gradientmail_core.session"))
+    # Backends and wrappers know the contract and the keys, nothing of the engine above them.
+    assert not _offenders(
+        "gradientmail_core.mailbox",
+        ("gradientmail_core.syncer", "gradientmail_core.session", "gradientmail_core.aggregators"),
+    )
+    # Pure arithmetic and codecs do no I/O and know nothing of who calls them.
+    for pkg in ("gradientmail_core.aggregators", "gradientmail_core.codec"):
+        assert not _offenders(
+            pkg, ("gradientmail_core.syncer", "gradientmail_core.mailbox", "gradientmail_core.session")
+        )
+
+
+def test_the_import_check_sees_relative_and_lazy_imports(tmp_path):
+    # The check above must not pass for want of seeing: a relative import inside a function, and an
+    # absolute one, in a module of protocol/ are both found and resolved to the syncer.
+    fake = tmp_path / "gradientmail_core" / "protocol" / "x.py"
+    fake.parent.mkdir(parents=True)
+    fake.write_text("def f():\n    from ..syncer import node\n\nimport gradientmail_core.syncer.closer\n")
+    found = _imports_of(fake, root=tmp_path)
+    assert "gradientmail_core.syncer.node" in found and "gradientmail_core.syncer.closer" in found
+
+
+def test_old_import_paths_of_public_names_keep_working():
+    code = (
+        "from gradientmail_core.file_mailbox import FileMailbox\n"
+        "from gradientmail_core.memory_mailbox import MemoryMailbox\n"
+        "from gradientmail_core.s3_mailbox import S3Mailbox\n"
+        "from gradientmail_core.mailbox import CountingMailbox, Mailbox, open_mailbox, create_once, CreateOutcome\n"
+        "from gradientmail_core.config import DiLoCo, RDA, WeightedMean, Strided, Balanced\n"
+        "from gradientmail_core.session import Session, align, Progress\n"
+        "from gradientmail_core.faults import FaultyMailbox\n"
+        "from gradientmail_core.keys import validate_key\n"
+        "import gradientmail_core as gm, gradientmail_core.node as old, gradientmail_core.syncer.node as new\n"
+        "assert old is new and old.__name__ == 'gradientmail_core.syncer.node'\n"
+        "assert FileMailbox is gm.FileMailbox and MemoryMailbox is gm.MemoryMailbox and S3Mailbox is gm.S3Mailbox\n"
+        "for name in ('keys','records','schedule','run','lease','store','guard','auth','partition','overview',"
+        "'memory_mailbox','file_mailbox','s3_mailbox','faults','node','closer','learner','bridge','timing',"
+        "'merge','outer','acceptance','payload','safetensors_io','quant','compress'):\n"
+        "    __import__('gradientmail_core.' + name)\n"
+        "import sys; print('boto3' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

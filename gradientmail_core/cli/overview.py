@@ -21,6 +21,7 @@ from ..protocol import keys
 from ..protocol.records import Claim, Lease, Manifest, RoundRecord, decode
 from ..protocol.run import RunInfo
 from ..protocol.run import read_manifest as run_manifest
+from ..protocol.schedule import fragment_of
 from ..protocol.store import RunStore
 from ..protocol.tape import newest_claim, read_newest
 
@@ -71,7 +72,7 @@ class Overview:
 
     @property
     def open_fragment(self) -> int:
-        return self.open_round % self.run.P
+        return fragment_of(self.open_round, self.run.P)
 
 
 def read_manifest(mailbox: Mailbox) -> RunInfo:

@@ -21,7 +21,7 @@ from ..errors import MissingExtra, PayloadCorrupt, RecordInvalid
 from ..protocol import keys
 from ..protocol.records import Participant, PayloadRef, Rejection, RoundRecord, Snapshot
 from ..protocol.run import RunInfo, payload_cap
-from ..protocol.schedule import nominal_step, version_before
+from ..protocol.schedule import fragment_of, nominal_step, version_before
 from ..protocol.store import RunStore
 from .timing import ema, grace_seconds
 
@@ -104,7 +104,7 @@ class Collector:
 
     @property
     def fragment(self) -> int:
-        return self.round % self.run.P
+        return fragment_of(self.round, self.run.P)
 
     def accepted(self) -> list[Judged]:
         return [j for j in self.judged.values() if j.reason is None]
