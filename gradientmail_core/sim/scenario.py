@@ -1,0 +1,146 @@
+"""What a simulation run is asked to do (``SimConfig``), what it reports (``SimResult``), and
+everything its seed decides about the run's shape (``draw_scenario``): the number of nodes,
+the DiLoCo configuration, the node options and the fault rates.
+
+Also the tiny model every node trains (``SHAPES``: a few tensors, ``SIZE`` floats in all) and
+the store faults the chaos timer picks from.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..config import RDA, DiLoCo, WeightedMean
+from ..mailbox.faults import Op
+from ..protocol import keys
+from ..syncer.node import NodeOptions
+
+GHOST = "ghost"
+SHAPES = {"embed.weight": (4, 3), "layers.0.w": (3, 3), "layers.1.w": (3, 3), "head.b": (3,)}
+CRASH_TARGETS: list[tuple[tuple[Op, ...] | None, str]] = [
+    (None, ""),
+    (None, ""),
+    (("put",), keys.ROUNDS),
+    (("put",), keys.ROUND_BLOBS),
+    (("put",), keys.CLAIMS),
+    (("put",), keys.SNAPSHOTS),
+    (("put",), keys.SNAPSHOT_BLOBS),
+    (("list",), ""),
+    (("get",), keys.ROUNDS),
+    (("delete",), ""),
+    (("put",), keys.LEASES),
+]
+SIZE = sum(int(np.prod(s)) for s in SHAPES.values())
+
+
+def _views(flat: np.ndarray) -> dict[str, np.ndarray]:
+    out, at = {}, 0
+    for n, s in SHAPES.items():
+        size = int(np.prod(s))
+        out[n] = flat[at : at + size].reshape(s)
+        at += size
+    return out
+
+
+BROWNOUT_PREFIXES = [keys.ROUNDS, keys.SNAPSHOTS, keys.BLOBS, keys.CLAIMS, keys.LEASES, ""]
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    seed: int
+    rounds: int = 50
+    faults: bool = True
+    nodes: int | None = None  # None: 3..6, drawn from the seed
+    verbose: bool = False
+    mutant: str | None = None  # only recorded here; the caller enters the mutant's context
+
+    def command(self) -> str:
+        extra = "" if self.faults else " --no-faults"
+        extra += f" --nodes {self.nodes}" if self.nodes else ""
+        extra += f" --mutant {self.mutant}" if self.mutant else ""
+        return f"python -m gradientmail_core.sim --seed {self.seed} --rounds {self.rounds}{extra} -v"
+
+
+@dataclass
+class SimResult:
+    config: SimConfig
+    violations: list[str]
+    trace_hash: str
+    stats: Counter[str]
+    faults: Counter[str]
+    resolved: Counter[str]
+    sim_seconds: float
+    rounds: int
+    losses: tuple[float, float] = (0.0, 0.0)  # loss of the initial and of the final parameters
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def summary(self) -> str:
+        head = (
+            f"seed {self.config.seed}: {'ok' if self.ok else 'FAILED'}, {self.rounds} rounds in "
+            f"{self.sim_seconds:.0f} simulated s, trace {self.trace_hash[:16]}"
+        )
+        if self.ok:
+            return head
+        return "\n".join([head, *(f"  - {v}" for v in self.violations[:10]), f"  replay: {self.config.command()}"])
+
+
+@dataclass
+class _Draw:
+    """Everything the seed decides about the run's shape."""
+
+    nodes: int
+    cfg: DiLoCo
+    options: NodeOptions
+    fault_share: float
+    p_error: float
+    p_lost_ack: float
+    p_retry: float
+    p_latency: float
+    p_flip: float
+    chaos_every: float
+    p_preempt: float
+    p_preempt_contested: float
+    p_pause: float
+    p_pause_contested: float
+
+
+def draw_scenario(r: random.Random, nodes: int | None) -> _Draw:
+    """The run's shape, drawn from ``r`` (the simulation's rng, right after seeding it);
+    ``nodes`` fixes the number of nodes instead of drawing it."""
+    n = nodes or r.choice([3, 3, 3, 4, 4, 5, 6])
+    P = r.choice([1, 2, 2, 3])
+    H = P * r.choice([2, 3, 4])
+    cfg = DiLoCo(
+        sync_every=H,
+        fragments=P,
+        in_flight=r.randint(1, P),
+        quorum_size=r.choice([1, 1, 2]),
+        merge=RDA() if r.random() < 0.5 else WeightedMean(),
+        # DiLoCo's Nesterov (0.7, 0.9), a gentler one, and local SGD (1, 0)
+        outer_lr=(lr_beta := r.choice([(0.7, 0.9), (0.4, 0.8), (1.0, 0.0)]))[0],
+        outer_momentum=lr_beta[1],
+    )
+    opts = NodeOptions(poll_interval=0.5, lease_timeout=3.0, round_timeout=2.0)
+    return _Draw(
+        nodes=n,
+        cfg=cfg,
+        options=opts,
+        fault_share=0.6,
+        p_error=r.uniform(0.0, 0.04),
+        p_lost_ack=r.uniform(0.0, 0.03),
+        p_retry=r.uniform(0.0, 0.05),
+        p_latency=r.uniform(0.0, 0.1),
+        p_flip=r.uniform(0.0, 0.08),
+        chaos_every=r.uniform(2.5, 6.0),
+        p_preempt=r.uniform(0.0, 0.03),
+        p_preempt_contested=r.uniform(0.05, 0.5),
+        p_pause=r.uniform(0.0, 0.0015),
+        p_pause_contested=r.uniform(0.0, 0.06),
+    )
