@@ -27,5 +27,6 @@ def test_every_session_option_is_an_integration_option_with_the_same_default():
 def test_a_misspelt_option_names_the_valid_ones():
     with pytest.raises(TypeError, match="poll_interval"):
         SessionOptions.from_kwargs(
-            "GradientMailCallback", {"algorithm": gm.DiLoCo(sync_every=4, fragments=1), "mailbox": gm.MemoryMailbox(), "pol": 1}
+            "GradientMailCallback",
+            {"algorithm": gm.DiLoCo(sync_every=4, fragments=1), "mailbox": gm.MemoryMailbox(), "pol": 1},
         )
