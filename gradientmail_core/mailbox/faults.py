@@ -1,8 +1,9 @@
 """A mailbox that injects faults: a real, shipped backend wrapper for tests, simulations and
 chaos drills, never a mock.
 
-``FaultyMailbox(inner, rules, rng=..., node=..., clock=...)`` forwards the four operations to
-``inner`` and, driven by a seeded ``random.Random``, applies the first matching rules:
+``FaultyMailbox(inner, rules, rng=..., node=..., clock=...)`` forwards the four operations (and
+the ranged read ``get_prefix``, which is a GET to the rules) to ``inner`` and, driven by a seeded
+``random.Random``, applies the first matching rules:
 
 - ``error``: a transient store error (``MailboxUnavailable``, worded like a 503 or 409). At
   ``phase="before"`` the request is never sent; at ``"landed"`` (or ``"replied"``) the operation
@@ -40,7 +41,8 @@ from typing import Literal
 from ..clock import Clock
 from ..errors import MailboxUnavailable
 from ..protocol import keys
-from . import Mailbox
+from .contract import Mailbox
+from .forwarding import ForwardingMailbox
 
 Op = Literal["put", "get", "list", "delete"]
 Kind = Literal["error", "retry_412", "crash", "latency", "flip"]
@@ -140,7 +142,7 @@ class FaultLog:
         self.counts[f"{ev.kind}/{ev.phase}/{ev.op}/{key_class(ev.key)}"] += 1
 
 
-class FaultyMailbox:
+class FaultyMailbox(ForwardingMailbox):
     """Wraps ``inner`` and injects the faults its ``rules`` describe (see the module doc)."""
 
     def __init__(
@@ -156,7 +158,8 @@ class FaultyMailbox:
     ) -> None:
         if page_size is not None and page_size < 1:
             raise ValueError(f"page_size={page_size!r}: expected None or an integer >= 1")
-        self.inner, self.rng, self.node, self.clock, self.page_size = inner, rng, node, clock, page_size
+        super().__init__(inner)
+        self.rng, self.node, self.clock, self.page_size = rng, node, clock, page_size
         self.rules: builtins.list[Fault] = builtins.list(rules)
         self._state: dict[int, _RuleState] = {}
         self.log = log if log is not None else FaultLog()
@@ -219,23 +222,11 @@ class FaultyMailbox:
         return created
 
     def get(self, key: str) -> bytes | None:
-        self._tap("get", key)
-        fired = self._enter("get", key)
-        self._before("get", key, fired)
-        data = self.inner.get(key)
-        self._after("get", key, fired)
-        ours = self.uncertain.pop(key, None)
-        if ours is not None:
-            outcome = "absent" if data is None else "ours" if data == ours else "theirs"
-            self.log.resolved[f"{outcome}/{key_class(key)}"] += 1
-        flip = self._take(fired, "flip")
-        if flip is not None and data and key.startswith(keys.BLOBS):
-            self._record(flip, "get", key)
-            i = self.rng.randrange(len(data) * 8)
-            b = bytearray(data)
-            b[i // 8] ^= 1 << (i % 8)
-            data = bytes(b)
-        return data
+        return self._read(key, None)
+
+    def get_prefix(self, key: str, n: int) -> bytes | None:
+        """A ranged read is a GET to the rules: every rule on ``"get"`` applies to it, flips included."""
+        return self._read(key, n)
 
     def list(self, prefix: str, after: str = "") -> builtins.list[str]:
         self._tap("list", prefix)
@@ -273,6 +264,30 @@ class FaultyMailbox:
         return f"FaultyMailbox({self.inner!r}, node={self.node!r}, {len(self.rules)} rules)"
 
     # ---- machinery ----------------------------------------------------------------------
+
+    def _read(self, key: str, n: int | None) -> bytes | None:
+        """``get(key)`` (``n`` None) or ``get_prefix(key, n)``, through the rules for "get"."""
+        self._tap("get", key)
+        fired = self._enter("get", key)
+        self._before("get", key, fired)
+        data = self.inner.get(key) if n is None else super().get_prefix(key, n)
+        self._after("get", key, fired)
+        ours = self.uncertain.get(key)
+        # A ranged read that came back full length may have stopped short of the object's end:
+        # if what it saw is the start of our bytes, whose the object is stays unknown.
+        cut = n is not None and n >= 0 and data is not None and len(data) >= n
+        if ours is not None and not (cut and data == ours[:n]):
+            del self.uncertain[key]
+            outcome = "absent" if data is None else "ours" if data == ours else "theirs"
+            self.log.resolved[f"{outcome}/{key_class(key)}"] += 1
+        flip = self._take(fired, "flip")
+        if flip is not None and data and key.startswith(keys.BLOBS):
+            self._record(flip, "get", key)
+            i = self.rng.randrange(len(data) * 8)
+            b = bytearray(data)
+            b[i // 8] ^= 1 << (i % 8)
+            data = bytes(b)
+        return data
 
     def _tap(self, op: Op, key: str) -> None:
         """Before each operation (once, however many pages): deliver a crash left pending by the

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 from ..errors import MailboxUnavailable
-from . import check_list_args, check_object_key, check_object_keys
+from ..protocol.keys import check_list_args, check_object_key, check_object_keys
 
 TMP_DIR = "~tmp"
 _SEGMENT = re.compile(r"[A-Za-z0-9._-]+")

@@ -12,7 +12,7 @@ import builtins
 import threading
 from collections.abc import Iterable
 
-from . import check_list_args, check_object_key, check_object_keys
+from ..protocol.keys import check_list_args, check_object_key, check_object_keys
 
 
 class _Store:

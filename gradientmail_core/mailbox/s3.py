@@ -23,8 +23,8 @@ from typing import Any, TypeVar
 
 from ..clock import Clock, SystemClock
 from ..errors import MailboxUnavailable, MissingExtra, StoreUnsupported
-from ..protocol.keys import validate_prefix
-from . import RetryPolicy, call_with_retries, check_list_args, check_object_key, check_object_keys
+from ..protocol.keys import check_list_args, check_object_key, check_object_keys, validate_prefix
+from .retry import RetryPolicy, call_with_retries
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from ..aggregators.outer import final_step, outer_step
 from ..codec.payload import decode_payload, sha256_hex
 from ..config import RDA
 from ..errors import GradientMailError
-from ..mailbox import Mailbox
+from ..mailbox import ForwardingMailbox, Mailbox
 from ..protocol import keys
 from ..protocol.records import Claim, Manifest, PayloadRef, RoundRecord, Snapshot, decode
 from ..protocol.run import RunInfo
@@ -388,11 +388,12 @@ class Auditor:
             self.fail("", "the tape in the store differs from the records the auditor saw created")
 
 
-class AuditMailbox:
+class AuditMailbox(ForwardingMailbox):
     """Reports every operation of one node that reaches the shared store to the auditor."""
 
     def __init__(self, inner: Mailbox, auditor: Auditor, node: str) -> None:
-        self.inner, self.auditor, self.node = inner, auditor, node
+        super().__init__(inner)
+        self.auditor, self.node = auditor, node
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         created = self.inner.put_if_absent(key, data)
@@ -402,6 +403,10 @@ class AuditMailbox:
     def get(self, key: str) -> bytes | None:
         self.auditor.get()
         return self.inner.get(key)
+
+    def get_prefix(self, key: str, n: int) -> bytes | None:
+        self.auditor.get()
+        return super().get_prefix(key, n)
 
     def list(self, prefix: str, after: str = "") -> builtins.list[str]:
         self.auditor.listed(self.node, prefix)
