@@ -34,6 +34,7 @@ from ..mailbox import ForwardingMailbox, Mailbox
 from ..protocol import keys
 from ..protocol.records import Claim, Manifest, PayloadRef, RoundRecord, Snapshot, decode
 from ..protocol.run import RunInfo
+from ..protocol.schedule import fragment_of, slot, version_before
 from ..syncer.closer import cast
 from . import reference as ref
 
@@ -195,7 +196,7 @@ class Auditor:
         out: list[str] = []
         if r > 0 and r - 1 not in self.tape:
             out.append(f"committed before round {r - 1}: the tape has a gap")
-        if rec.round != r or rec.fragment != r % P or rec.version != r // P + 1:
+        if rec.round != r or (rec.fragment, rec.version) != slot(r, P):
             out.append(f"record says round {rec.round}, fragment {rec.fragment}, version {rec.version}")
         prev = self.tape.get(r - P) if r >= P else None
         if prev is not None and prev.version + 1 != rec.version:
@@ -229,7 +230,7 @@ class Auditor:
             out.append(f"a participant is weighted twice: {names}")
         if set(names) & set(rejected):
             out.append(f"weighted and rejected at once: {sorted(set(names) & set(rejected))}")
-        base = r // P
+        base = version_before(r, P)
         deltas: list[dict[str, np.ndarray]] = []
         weights: list[float] = []
         finals: list[bool] = []
@@ -257,7 +258,7 @@ class Auditor:
                     f"participant {p.learner}: record names payload {p.payload_sha256[:12]}, "
                     f"snapshot names {snap.payload.sha256[:12]}"
                 )
-            delta = self._payload(snap.payload, run.shapes[r % P])
+            delta = self._payload(snap.payload, run.shapes[fragment_of(r, P)])
             if delta is None:
                 out.append(f"participant {p.learner}: its payload {snap.payload.key} was never written intact")
                 continue
@@ -287,7 +288,7 @@ class Auditor:
             return out
 
         # -- the merge and the outer step, recomputed --
-        f = r % P
+        f = fragment_of(r, P)
         dtypes = run.fragment_dtypes(f)
         state = self._state_before(r)
         if state is None:
@@ -362,7 +363,7 @@ class Auditor:
     def _state_before(self, r: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None:
         run = self.run
         assert run is not None
-        f = r % run.P
+        f = fragment_of(r, run.P)
         shapes = run.shapes[f]
         if r < run.P:
             theta = self._payload(run.manifest.init[f], shapes)

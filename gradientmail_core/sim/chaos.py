@@ -20,6 +20,7 @@ from ..codec.payload import encode_payload, sha256_hex
 from ..mailbox.faults import Fault, Op, Phase
 from ..protocol import keys
 from ..protocol.records import PayloadRef, Snapshot, encode
+from ..protocol.schedule import fragment_of, version_before
 from .actors import NodeActions
 from .audit import AuditMailbox
 from .scenario import BROWNOUT_PREFIXES, CRASH_TARGETS, GHOST
@@ -162,7 +163,7 @@ class Chaos(NodeActions):
         key = keys.snapshot_key(r, GHOST)
         if self.store.get(key) is not None:
             return
-        f, base = r % run.P, r // run.P
+        f, base = fragment_of(r, run.P), version_before(r, run.P)
         kinds = ["corrupt", "nonfinite", "zero_steps", "schema"] + (["stale", "stale"] if base > 0 else [])
         kind = self.rng.choice(kinds)
         g = np.random.default_rng([self.config.seed, r, 3])
