@@ -19,6 +19,10 @@ Arms:
   1.5 x ``steps`` (at the schedule's floor after ``steps``) to find when it reaches the target,
 - ``diloco-H20`` is run with that same straggler: it waits for it at every sync, so its
   curve against steps is standard DiLoCo's and its clock is the straggler's.
+- ``align-blend`` / ``align-carry`` / ``align-adaptive``: ``decoupled-hetero`` (whose commits
+  overwrite the local steps: ``gm.Overwrite()``) with the other alignment rules, the same 3x
+  straggler: each rule's loss at ``steps`` and its time to Overwrite's loss at ``steps``.
+  ``--arms decoupled-hetero align-blend align-carry align-adaptive --no-data-parallel`` runs just these.
 
 Learners are driven single-threaded (``Node.tick``/``Learner.step`` on a ``MemoryMailbox`` and
 one ``FakeClock``) in simulated time: a fast step takes one time unit, every node polls once
@@ -251,6 +255,7 @@ def main() -> None:
     ap.add_argument("--outer-lr", type=float, default=0.7, help="outer learning rate of every DiLoCo arm")
     ap.add_argument("--outer-momentum", type=float, default=0.9)
     ap.add_argument("--arms", nargs="*", default=None, help="run only these arms (data-parallel always runs)")
+    ap.add_argument("--no-data-parallel", action="store_true", help="skip the data-parallel baseline")
     ap.add_argument("--plot", default=str(HERE / "convergence.png"))
     args = ap.parse_args()
     if args.warmup is None:
@@ -287,8 +292,9 @@ def main() -> None:
         f"load average {os.getloadavg()[0]:.1f}",
         flush=True,
     )
-    curves["data-parallel"] = data_parallel(data, args)
-    done("data-parallel")
+    if not args.no_data_parallel:
+        curves["data-parallel"] = data_parallel(data, args)
+        done("data-parallel")
     arms = [
         ("diloco-H20", gm.DiLoCo(sync_every=20, **standard), straggler),
         ("diloco-H50", gm.DiLoCo(sync_every=50, **standard), [1] * LEARNERS),
@@ -296,19 +302,28 @@ def main() -> None:
         ("streaming-F4", gm.DiLoCo(**streaming, delta_dtype="F4"), [1] * LEARNERS),
         ("decoupled-hetero", gm.DiLoCo(sync_every=20, fragments=4, quorum_size=3, **outer), straggler),
     ]
+    hetero_cfg = dict(sync_every=20, fragments=4, quorum_size=3, **outer)
+    arms += [
+        ("align-blend", gm.DiLoCo(**hetero_cfg, alignment=gm.Blend(mixing=0.5)), straggler),
+        ("align-carry", gm.DiLoCo(**hetero_cfg, alignment=gm.Carry()), straggler),
+        ("align-adaptive", gm.DiLoCo(**hetero_cfg, alignment=gm.Adaptive()), straggler),
+    ]
     for name, cfg, units in arms:
         if args.arms is not None and name not in args.arms:
             continue
-        hetero = name == "decoupled-hetero"
+        hetero = name == "decoupled-hetero" or name.startswith("align-")
         until = int(args.steps * 1.5) if hetero else args.steps
         curves[name], info[name] = cluster(name, cfg, data, args, step_units=units, until=until, hetero=hetero)
         done(name)
 
+    alignment_table(curves, args.steps)
+    if "data-parallel" not in curves:
+        return
     base = curves["data-parallel"].final()
     print(f"\nheld-out loss (nats/char) at the end of training, load average {os.getloadavg()[0]:.1f}")
     print(f"{'arm':>17} | {'final loss':>10} | {'/ data-parallel':>15} | {'rounds':>6} | rejected")
     for name, c in curves.items():
-        if name == "decoupled-hetero":
+        if name == "decoupled-hetero" or name.startswith("align-"):
             # It trains past args.steps (50% more time) to find when it reaches the target; its
             # loss at args.steps fast-learner steps is the figure at equal time.
             final = c.at(args.steps)
@@ -346,6 +361,27 @@ def main() -> None:
         print(f"time to loss {target:.4f}: synchronous {ts}, decoupled {th} (not reached)")
     plot(curves, args.plot, args.steps)
     print(f"plot: {args.plot}; total {time.perf_counter() - t_start:.0f} s")
+
+
+def alignment_table(curves: dict[str, Curve], steps: int) -> None:
+    """Each alignment rule against Overwrite (``decoupled-hetero``), with the 3x straggler: the loss
+    when the fast learners have trained ``steps`` steps, and the time to Overwrite's loss there."""
+    rules = [n for n in ("align-blend", "align-carry", "align-adaptive") if n in curves]
+    if "decoupled-hetero" not in curves or not rules:
+        return
+    over = curves["decoupled-hetero"]
+    target = over.at(steps)
+    t_over = over.time_to(target)
+    print(
+        f"\nalignment rules with a 3x straggler (decoupled, H=20, 4 fragments, quorum 3), target = Overwrite's loss {target:.4f}"
+    )
+    print(f"{'rule':>17} | {'loss @ steps':>12} | {'/ overwrite':>11} | {'time to target':>14} | {'/ overwrite':>11}")
+    print(f"{'overwrite':>17} | {target:>12.4f} | {1.0:>11.4f} | {t_over!s:>14} | {1.0:>11.3f}")
+    for name in rules:
+        c = curves[name]
+        loss, t = c.at(steps), c.time_to(target)
+        ratio = "-" if t is None or not t_over else f"{t / t_over:.3f}"
+        print(f"{name[6:]:>17} | {loss:>12.4f} | {loss / target:>11.4f} | {t!s:>14} | {ratio:>11}")
 
 
 def plot(curves: dict[str, Curve], path: str, steps: int) -> None:

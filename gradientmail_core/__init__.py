@@ -17,7 +17,7 @@ from typing import Any
 
 from . import _compat, events
 from .clock import Clock, FakeClock, SystemClock
-from .config import RDA, Balanced, DiLoCo, Strided, WeightedMean
+from .config import RDA, Adaptive, Balanced, Blend, Carry, DiLoCo, Overwrite, Strided, WeightedMean
 from .errors import (
     DuplicateLearner,
     GradientMailError,
@@ -53,7 +53,10 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "RDA",
+    "Adaptive",
     "Balanced",
+    "Blend",
+    "Carry",
     "Clock",
     "CountingMailbox",
     "DiLoCo",
@@ -65,6 +68,7 @@ __all__ = [
     "MailboxUnavailable",
     "MemoryMailbox",
     "MissingExtra",
+    "Overwrite",
     "PayloadCorrupt",
     "Progress",
     "ProtocolError",

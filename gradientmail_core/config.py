@@ -24,9 +24,14 @@ class WeightedMean:
 @dataclass(frozen=True, kw_only=True)
 class RDA:
     """Radial-directional averaging (Decoupled DiLoCo); names containing ``direct_pattern``
-    (embeddings) use the weighted mean."""
+    (embeddings; compared case-insensitively) use the weighted mean."""
 
     direct_pattern: str = "embed"
+
+    def is_direct(self, name: str) -> bool:
+        """True for a tensor merged by the weighted mean: its name contains ``direct_pattern``,
+        compared case-insensitively (``Embed``, ``embed_tokens`` and ``EMBED`` all match "embed")."""
+        return self.direct_pattern.lower() in name.lower()
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": "rda", "direct_pattern": self.direct_pattern}
@@ -58,8 +63,70 @@ class Strided:
         return {"kind": "strided", "block_pattern": self.block_pattern}
 
 
+@dataclass(frozen=True, kw_only=True)
+class Overwrite:
+    """Alignment default: a commit replaces the fragment, dropping the local steps taken since
+    this learner's contribution (they were not in the merge)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "overwrite"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Blend:
+    """A commit is blended in: ``mixing*local + (1-mixing)*theta`` (``DiLoCo(mixing=)`` is this)."""
+
+    mixing: float
+
+    def __post_init__(self) -> None:
+        if isinstance(self.mixing, bool) or not isinstance(self.mixing, int | float) or not 0.0 <= self.mixing < 1.0:
+            raise ValueError(f"Blend(mixing={self.mixing!r}) is invalid: expected a number in [0, 1)")
+        object.__setattr__(self, "mixing", float(self.mixing))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "blend", "mixing": self.mixing}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Carry:
+    """Keep the local steps taken since the contribution: ``theta + (local - snapshot)``, where the
+    snapshot is the fragment as this learner contributed it to the committed round (its anchor,
+    if it did not contribute). The delay-corrected alignment of LOSCAR-SGD: a straggler's steps
+    since its snapshot are not thrown away."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "carry"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Adaptive:
+    """Carry while the learners agree, Overwrite while they do not, per fragment: a commit whose
+    mean pairwise cosine is at least ``carry_above`` switches the fragment to Carry, one at most
+    ``overwrite_below`` back to Overwrite; in between (and with one contributor, no cosine) the
+    fragment keeps its rule. It starts on Overwrite."""
+
+    carry_above: float = 0.3
+    overwrite_below: float = 0.1
+
+    def __post_init__(self) -> None:
+        for name in ("carry_above", "overwrite_below"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not -1.0 <= v <= 1.0:
+                raise ValueError(f"Adaptive({name}={v!r}) is invalid: expected a cosine in [-1, 1]")
+            object.__setattr__(self, name, float(v))
+        if not self.overwrite_below < self.carry_above:
+            raise ValueError(
+                f"Adaptive(carry_above={self.carry_above}, overwrite_below={self.overwrite_below}) is invalid: "
+                "expected overwrite_below < carry_above (the gap between them is the hysteresis)"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "adaptive", "carry_above": self.carry_above, "overwrite_below": self.overwrite_below}
+
+
 Merge = WeightedMean | RDA
 Partition = Balanced | Strided
+Alignment = Overwrite | Blend | Carry | Adaptive
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,6 +149,7 @@ class DiLoCo:
     flush_on_close: bool = False
     outlier_factor: float | None = None  # reject deltas whose norm exceeds this x the others' median
     clip_norm: float | None = None  # scale each delta down to at most this whole-fragment L2 norm
+    alignment: Alignment = field(default_factory=Overwrite)  # how a commit meets the local steps
 
     def __post_init__(self) -> None:
         def bad(what: str) -> ValueError:
@@ -107,6 +175,19 @@ class DiLoCo:
             raise bad(f"overlap_steps={self.overlap_steps!r}: expected None or an integer >= 0")
         if not isinstance(self.mixing, int | float) or not 0.0 <= self.mixing < 1.0:
             raise bad(f"mixing={self.mixing!r}: expected a number in [0, 1)")
+        if not isinstance(self.alignment, Overwrite | Blend | Carry | Adaptive):
+            raise bad(
+                f"alignment={self.alignment!r}: expected gm.Overwrite(), gm.Blend(m), gm.Carry() or gm.Adaptive()"
+            )
+        # ``mixing`` is ``Blend(mixing)``: either spelling, never two different values.
+        if isinstance(self.alignment, Blend):
+            if self.mixing not in (0.0, self.alignment.mixing):
+                raise bad(f"mixing={self.mixing!r} with alignment={self.alignment!r}: pass one of them")
+            object.__setattr__(self, "mixing", self.alignment.mixing)
+        elif self.mixing:
+            if not isinstance(self.alignment, Overwrite):
+                raise bad(f"mixing={self.mixing!r} with alignment={self.alignment!r}: mixing is gm.Blend(mixing)")
+            object.__setattr__(self, "alignment", Blend(mixing=self.mixing))
         if not isinstance(self.outer_lr, int | float) or not self.outer_lr > 0:
             raise bad(f"outer_lr={self.outer_lr!r}: expected a number > 0")
         if not isinstance(self.outer_momentum, int | float) or not 0 <= self.outer_momentum < 1:
@@ -139,6 +220,8 @@ class DiLoCo:
         d: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if f.name == "alignment" and isinstance(v, Overwrite | Blend):
+                continue  # Overwrite is the default and Blend is ``mixing``: manifests from before agree
             d[f.name] = v.to_dict() if hasattr(v, "to_dict") else v
         return d
 
@@ -147,11 +230,24 @@ class DiLoCo:
         d = dict(d)
         d["merge"] = _merge_from(d.get("merge", {}))
         d["partition"] = _partition_from(d.get("partition", {}))
+        if "alignment" in d:
+            d["alignment"] = _alignment_from(d["alignment"])
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown DiLoCo field(s) {sorted(unknown)}")
         return cls(**d)
+
+    def for_tensors(self, tensors: int) -> DiLoCo:
+        """This config as a run over a model of ``tensors`` tensors uses it: ``fragments`` clamped
+        to ``min(fragments, tensors)`` (a fragment holds at least one tensor), ``in_flight`` to at
+        most that. The manifest records the clamped config; a joining node compares against it
+        after clamping its own the same way."""
+        used = min(self.fragments, max(tensors, 1))
+        if used == self.fragments:
+            return self
+        assert self.in_flight is not None
+        return dataclasses.replace(self, fragments=used, in_flight=min(self.in_flight, used))
 
     def check_matches(self, run_config: dict[str, Any]) -> None:
         """Raise ``RunConfigMismatch`` naming every field that differs from the run's."""
@@ -185,3 +281,18 @@ def _partition_from(d: dict[str, Any]) -> Partition:
     if kind == "strided":
         return Strided(block_pattern=str(d.get("block_pattern", r"\.(\d+)\.")))
     raise ValueError(f"unknown partition {d!r}")
+
+
+def _alignment_from(d: dict[str, Any]) -> Alignment:
+    if not isinstance(d, dict):
+        raise ValueError(f"alignment must be an object, found {d!r:.80}")
+    kind = d.get("kind")
+    if kind == "overwrite":
+        return Overwrite()
+    if kind == "blend":
+        return Blend(mixing=d.get("mixing", 0.0))
+    if kind == "carry":
+        return Carry()
+    if kind == "adaptive":
+        return Adaptive(carry_above=d.get("carry_above", 0.3), overwrite_below=d.get("overwrite_below", 0.1))
+    raise ValueError(f"unknown alignment {d!r}")

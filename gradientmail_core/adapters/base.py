@@ -56,6 +56,12 @@ class DevicePipeline(Protocol):
         """Training thread: ``write(theta, mixing)`` from a staged theta, which becomes the anchor."""
         ...
 
+    def carry(self, staged: Any, since: Captured | None) -> None:
+        """Training thread: ``theta + (current - snapshot)`` from a staged theta (the snapshot:
+        the parameters ``since`` captured, or the device anchor without one); theta becomes the
+        anchor. The same float32 operations as the host path, so the same bits."""
+        ...
+
 
 def pipeline_of(adapter: Adapter) -> DevicePipeline | None:
     pipeline: DevicePipeline | None = getattr(adapter, "pipeline", None)

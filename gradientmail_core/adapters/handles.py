@@ -35,6 +35,12 @@ class Incoming(Protocol):
         """Training thread: set the fragment to ``mixing*current + (1-mixing)*theta``."""
         ...
 
+    def carry(self, since: Contribution | None, anchor: Mapping[str, np.ndarray]) -> None:
+        """Training thread: set the fragment to ``theta + (current - snapshot)`` in float32 (the
+        subtraction first), where the snapshot is the fragment as ``since`` captured it, or
+        ``anchor`` (the theta last aligned with) without one: the local steps since are kept."""
+        ...
+
 
 class _HostContribution:
     def __init__(self, anchor: Mapping[str, np.ndarray], local: Mapping[str, np.ndarray]) -> None:
@@ -60,6 +66,16 @@ class _HostIncoming:
     def write(self, mixing: float = 0.0) -> None:
         self.adapter.write(self.theta, mixing)
 
+    def carry(self, since: Contribution | None, anchor: Mapping[str, np.ndarray]) -> None:
+        snapshot = since.local if isinstance(since, _HostContribution) else anchor
+        local = self.adapter.read(list(self.theta))
+        self.adapter.write(
+            {
+                n: np.add(t, np.subtract(local[n], snapshot[n], dtype=np.float32), dtype=np.float32)
+                for n, t in self.theta.items()
+            }
+        )
+
 
 class _DeviceIncoming:
     def __init__(self, pipeline: DevicePipeline, staged: Any) -> None:
@@ -67,6 +83,9 @@ class _DeviceIncoming:
 
     def write(self, mixing: float = 0.0) -> None:
         self.pipeline.align(self.staged, mixing)
+
+    def carry(self, since: Contribution | None, anchor: Mapping[str, np.ndarray]) -> None:
+        self.pipeline.carry(self.staged, since.captured if isinstance(since, _DeviceContribution) else None)
 
 
 class FragmentIO:

@@ -229,6 +229,19 @@ class TorchPipeline:
                 p.copy_(anchor)
             self.anchors[n] = anchor
 
+    @torch.no_grad()
+    def carry(self, staged: _Staged, since: _Captured | None) -> None:
+        self.device.after(staged.event)
+        self.device.used_here(staged.anchors.values())
+        for n, anchor in staged.anchors.items():
+            p = self.params[n]
+            snapshot = since.local[n] if since is not None else self.anchors[n]
+            # The host formula, op for op: theta + (local - snapshot), each rounded once in float32.
+            moved = p.float() - snapshot.float()
+            moved += anchor.float()
+            p.copy_(moved)
+            self.anchors[n] = anchor
+
 
 class _Captured:
     def __init__(self, device: _Device, anchors: dict[str, torch.Tensor], local: dict[str, torch.Tensor], event: Any):

@@ -18,8 +18,9 @@ import numpy as np
 
 from .. import events as ev
 from ..adapters.base import Adapter
-from ..adapters.handles import FragmentIO
+from ..adapters.handles import Contribution, FragmentIO
 from ..clock import Clock
+from ..config import Adaptive, Carry
 from ..protocol.run import RunInfo
 from ..protocol.schedule import fragment_of, nominal_step
 from .bridge import Bridge, CommitNotice, Publish
@@ -57,6 +58,11 @@ class Learner:
         self.tokens_since = [0] * run.P
         self.seconds_since = [0.0] * run.P
         self.published: deque[_Pending] = deque()
+        # The last contribution of each fragment (its round and delta handle) until a commit of
+        # the fragment arrives: the snapshot Carry keeps the local steps since.
+        self._sent: dict[int, tuple[int, Contribution]] = {}
+        self._carrying: dict[int, bool] = {}  # Adaptive: each fragment's current rule
+        self._keeps_snapshots = isinstance(self.cfg.alignment, Carry | Adaptive)
         self._last_step_at: float | None = None
         self._nominal0 = 0
 
@@ -77,15 +83,28 @@ class Learner:
         self._nominal0 = nominal_step(head, self.cfg.sync_every, self.run.P)
 
     def apply(self, c: CommitNotice) -> None:
-        """Align fragment ``c.fragment`` with a commit, in place (blending with ``mixing``)."""
+        """Align fragment ``c.fragment`` with a commit, in place, by the run's alignment rule."""
         if c.version <= self.versions.get(c.fragment, -1):
             return
-        (c.incoming or self.io.stage(c.theta)).write(self.cfg.mixing)
-        self.anchors[c.fragment] = c.theta
-        self.versions[c.fragment] = c.version
-        # Replacing the fragment drops the training it held (all of it, or 1 - mixing of it),
-        # so the next contribution reports only the steps its delta still carries.
-        f, keep = c.fragment, self.cfg.mixing
+        f = c.fragment
+        incoming = c.incoming or self.io.stage(c.theta)
+        if self._carries(c):
+            sent = self._sent.get(f)
+            # The snapshot is what this learner sent to the committed round; without a part in
+            # it, everything since the anchor is still local only, and is kept.
+            since = sent[1] if sent is not None and sent[0] == c.round and self.me in c.participants else None
+            incoming.carry(since, self.anchors[f])
+            keep = 1.0
+        else:
+            incoming.write(self.cfg.mixing)
+            keep = self.cfg.mixing
+        if f in self._sent and self._sent[f][0] <= c.round:
+            del self._sent[f]
+        self.anchors[f] = c.theta
+        self.versions[f] = c.version
+        # Replacing the fragment drops the training it held since the contribution (all of it,
+        # or 1 - mixing of it; none with Carry), so the next contribution reports only the
+        # steps its delta still carries.
         self.steps_since[f] = round(self.steps_since[f] * keep)
         self.tokens_since[f] = round(self.tokens_since[f] * keep)
         self.seconds_since[f] *= keep
@@ -93,6 +112,23 @@ class Learner:
         while self.published and self.published[0].round <= self.aligned:
             self.published.popleft()
         self.emit(ev.Aligned(self.me, c.round, c.fragment, c.version, c.nbytes, c.participants, c.cosine))
+
+    def _carries(self, c: CommitNotice) -> bool:
+        """Whether the alignment rule keeps the local steps for this commit (Carry, or Adaptive
+        on a fragment whose rounds have agreed enough: hysteresis between its two thresholds)."""
+        rule = self.cfg.alignment
+        if isinstance(rule, Carry):
+            return True
+        if not isinstance(rule, Adaptive):
+            return False
+        carrying = self._carrying.get(c.fragment, False)
+        if c.cosine is not None:
+            if c.cosine >= rule.carry_above:
+                carrying = True
+            elif c.cosine <= rule.overwrite_below:
+                carrying = False
+        self._carrying[c.fragment] = carrying
+        return carrying
 
     def drain(self) -> int:
         n = 0
@@ -126,11 +162,20 @@ class Learner:
             # contribution is gone, the delta would be empty. It goes out after the next step.
             self.maybe_publish()
         if self.cfg.overlap_steps is not None and wait is not None:
+            blocked_from = self.clock.now()
+            waited = False
             while self.published and self.local_step - self.published[0].local_step >= self.cfg.overlap_steps:
+                waited = True
                 c = wait()
                 if c is not None:
                     self.apply(c)
                     self.drain()
+            if waited:
+                # Time blocked on the overlap bound is not training: the next step's duration
+                # starts when this wait ended, so ``step_seconds`` (and the grace window the
+                # closer derives from it) counts training time only.
+                assert self._last_step_at is not None
+                self._last_step_at += self.clock.now() - blocked_from
 
     def maybe_publish(self, *, final: bool = False) -> bool:
         view = self.bridge.view
@@ -151,12 +196,15 @@ class Learner:
         f = fragment_of(r, self.run.P)
         steps = self.steps_since[f]
         if steps > 0:
+            delta = self.io.capture(self.run.fragments[f], self.anchors[f])
+            if self._keeps_snapshots:
+                self._sent[f] = (r, delta)
             self.bridge.publish(
                 Publish(
                     round=r,
                     fragment=f,
                     base_version=self.versions[f],
-                    delta=self.io.capture(self.run.fragments[f], self.anchors[f]),
+                    delta=delta,
                     steps=steps,
                     tokens=self.tokens_since[f],
                     local_step=self.local_step,

@@ -1,0 +1,237 @@
+"""Alignment rules (``DiLoCo(alignment=...)``): how a commit meets the local steps a learner took
+since its contribution. Overwrite drops them, Blend mixes, Carry keeps them
+(``theta + (local - snapshot)``), Adaptive switches per fragment on the round's cosine. Torch (host
+and device pipeline), MLX and numpy nodes write the same bits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from harness import Cluster
+
+import gradientmail_core as gm
+from gradientmail_core.adapters.base import NumpyAdapter
+from gradientmail_core.adapters.handles import FragmentIO
+from gradientmail_core.syncer.bridge import CommitNotice
+
+F32 = np.float32
+
+
+# ---- the config --------------------------------------------------------------------------
+
+
+def test_mixing_is_blend_and_either_spelling_gives_one_config():
+    a = gm.DiLoCo(sync_every=8, fragments=2, mixing=0.25)
+    b = gm.DiLoCo(sync_every=8, fragments=2, alignment=gm.Blend(mixing=0.25))
+    assert a == b and a.alignment == gm.Blend(mixing=0.25) and b.mixing == 0.25
+    with pytest.raises(ValueError, match="pass one of them"):
+        gm.DiLoCo(sync_every=8, fragments=2, mixing=0.5, alignment=gm.Blend(mixing=0.25))
+    with pytest.raises(ValueError, match="mixing is gm.Blend"):
+        gm.DiLoCo(sync_every=8, fragments=2, mixing=0.5, alignment=gm.Carry())
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda: gm.Blend(mixing=1.0),
+        lambda: gm.Adaptive(carry_above=0.1, overwrite_below=0.2),
+        lambda: gm.Adaptive(carry_above=2),
+    ],
+)
+def test_bad_alignment_parameters_are_refused(bad):
+    with pytest.raises(ValueError):
+        bad()
+
+
+@pytest.mark.parametrize("rule", [gm.Overwrite(), gm.Blend(mixing=0.5), gm.Carry(), gm.Adaptive(carry_above=0.5)])
+def test_the_rule_round_trips_through_the_manifest(rule):
+    cfg = gm.DiLoCo(sync_every=8, fragments=2, alignment=rule)
+    assert gm.DiLoCo.from_dict(cfg.to_dict()) == cfg
+    cfg.check_matches(cfg.to_dict())
+
+
+def test_a_manifest_from_before_the_rules_matches_the_default():
+    # Overwrite and Blend are not written (Blend is ``mixing``): older manifests compare equal.
+    old = gm.DiLoCo(sync_every=8, fragments=2, mixing=0.5).to_dict()
+    assert "alignment" not in old
+    gm.DiLoCo(sync_every=8, fragments=2, alignment=gm.Blend(mixing=0.5)).check_matches(old)
+    with pytest.raises(gm.RunConfigMismatch, match="alignment"):
+        gm.DiLoCo(sync_every=8, fragments=2, alignment=gm.Carry()).check_matches(old)
+
+
+# ---- what a commit does to the model --------------------------------------------------------
+
+
+def _aligned(rule: gm.Overwrite | gm.Blend | gm.Carry | gm.Adaptive, *, contributed: bool, cosine: float | None = 0.9):
+    """One learner of a 1-fragment run: publish at step 4, train 3 more steps, then a commit of
+    the round arrives. Returns (parameters after, anchor, snapshot, local before, theta)."""
+    c = Cluster(gm.DiLoCo(sync_every=4, fragments=1, alignment=rule))
+    m = c.join("a")
+    anchor = {n: p.copy() for n, p in m.params.items()}
+    for _ in range(4):
+        m.train()
+    snapshot = {n: p.copy() for n, p in m.params.items()}
+    assert [p.round for p in m.learner.published] == [0]  # the 4th step published round 0
+    for _ in range(3):
+        m.train()
+    local = {n: p.copy() for n, p in m.params.items()}
+    theta = {n: (a + F32(0.5)).astype(F32) for n, a in anchor.items()}
+    m.learner.apply(CommitNotice(0, 0, 1, theta, participants=("a",) if contributed else ("b",), cosine=cosine))
+    return m.params, anchor, snapshot, local, theta
+
+
+def test_overwrite_drops_the_local_steps():
+    params, _, _, _, theta = _aligned(gm.Overwrite(), contributed=True)
+    for n in theta:
+        assert np.array_equal(params[n], theta[n])
+
+
+def test_carry_keeps_the_steps_since_the_contribution_exactly():
+    params, _, snapshot, local, theta = _aligned(gm.Carry(), contributed=True)
+    for n in theta:
+        want = theta[n] + (local[n] - snapshot[n])  # float32 throughout, the subtraction first
+        assert want.dtype == F32 and np.array_equal(params[n], want)
+        assert not np.array_equal(params[n], theta[n])
+
+
+def test_carry_without_a_part_in_the_round_keeps_everything_since_the_anchor():
+    params, anchor, _, local, theta = _aligned(gm.Carry(), contributed=False)
+    for n in theta:
+        assert np.array_equal(params[n], theta[n] + (local[n] - anchor[n]))
+
+
+def test_carry_reports_the_kept_steps_in_the_next_contribution():
+    c = Cluster(gm.DiLoCo(sync_every=4, fragments=1, alignment=gm.Carry()))
+    m = c.join("a")
+    for _ in range(4):
+        m.train()
+    assert m.learner.published
+    for _ in range(3):
+        m.train()
+    m.learner.apply(CommitNotice(0, 0, 1, {n: p.copy() for n, p in m.params.items()}, participants=("a",)))
+    assert m.learner.steps_since[0] == 3  # Overwrite would report 0: the steps are gone
+
+
+def test_adaptive_switches_per_fragment_with_hysteresis():
+    rule = gm.Adaptive(carry_above=0.5, overwrite_below=0.1)
+    c = Cluster(gm.DiLoCo(sync_every=4, fragments=1, alignment=rule))
+    m = c.join("a")
+    decisions = []
+    for cosine in (0.3, 0.6, 0.3, None, 0.05, 0.3, 0.9):
+        decisions.append(m.learner._carries(CommitNotice(0, 0, 1, {}, cosine=cosine)))
+    # starts on Overwrite; 0.6 switches to Carry; 0.3 and None keep it; 0.05 switches back; 0.9 again
+    assert decisions == [False, True, True, True, False, False, True]
+
+
+def test_learners_with_carry_train_a_run_and_leave_on_the_same_parameters():
+    c = Cluster(gm.DiLoCo(sync_every=8, fragments=2, alignment=gm.Carry(), quorum_size=2, overlap_steps=0))
+    a, b = c.join_all(["a", "b"])
+    c.run(40, ticks_per_step=3)
+    c.settle()
+    assert c.head() >= 6
+    for m in (a, b):
+        c.close(m)
+    for n in a.params:
+        assert np.array_equal(a.params[n], b.params[n])
+
+
+# ---- the same bits from every adapter ----------------------------------------------------------
+
+
+def _carry_through(io: FragmentIO, read, set_local, anchor, snapshot_local, local, theta, contributed: bool):
+    set_local(anchor)
+    io.stage(anchor).write()  # the device pipeline's anchor is what it last aligned with
+    set_local(snapshot_local)
+    since = io.capture(list(theta), anchor)
+    set_local(local)
+    io.stage(theta).carry(since if contributed else None, anchor)
+    return read()
+
+
+def _values(seed: int, shapes, dtype_of) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {n: dtype_of(n, (rng.standard_normal(s) * 3).astype(F32)) for n, s in shapes.items()}
+
+
+@pytest.mark.parametrize("contributed", [True, False])
+def test_torch_host_device_and_mlx_carry_to_the_same_bits(contributed):
+    torch = pytest.importorskip("torch")
+    from gradientmail_core.adapters.torch import TorchAdapter
+
+    shapes = {"w": (33, 7), "b": (7,), "h": (40,)}
+    dtypes = {"w": torch.float32, "b": torch.bfloat16, "h": torch.float16}
+    np_dtypes = {"w": np.float32, "b": None, "h": np.float16}
+
+    def representable(n: str, v: np.ndarray) -> np.ndarray:
+        # values each parameter dtype holds exactly (a theta is decoded from the parameter's dtype)
+        return torch.from_numpy(v).to(dtypes[n]).float().numpy()
+
+    anchor = _values(1, shapes, representable)
+    theta = _values(2, shapes, representable)
+    snapshot_local = _values(3, shapes, representable)
+    local = _values(4, shapes, representable)
+
+    results = []
+    for pipeline in (False, True):
+        model = torch.nn.Module()
+        for n, s in shapes.items():
+            model.register_parameter(n, torch.nn.Parameter(torch.zeros(s, dtype=dtypes[n])))
+        adapter = TorchAdapter(model, device_pipeline=pipeline)
+
+        def set_local(values, model=model):
+            with torch.no_grad():
+                for n, v in values.items():
+                    getattr(model, n).copy_(torch.from_numpy(v))
+
+        def read(model=model):
+            return {n: getattr(model, n).detach().float().numpy().copy() for n in shapes}
+
+        results.append(
+            _carry_through(FragmentIO(adapter), read, set_local, anchor, snapshot_local, local, theta, contributed)
+        )
+
+    mx = pytest.importorskip("mlx.core")
+    nn = pytest.importorskip("mlx.nn")
+    from gradientmail_core.adapters.mlx import MLXAdapter
+
+    mx_dtypes = {"w": mx.float32, "b": mx.bfloat16, "h": mx.float16}
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            for n, s in shapes.items():
+                setattr(self, n, mx.zeros(s, dtype=mx_dtypes[n]))
+
+    mlx_model = M()
+    adapter = MLXAdapter(mlx_model)
+
+    def set_mlx(values):
+        mlx_model.update({n: mx.array(v).astype(mx_dtypes[n]) for n, v in values.items()})
+
+    def read_mlx():
+        return {n: np.array(getattr(mlx_model, n).astype(mx.float32)) for n in shapes}
+
+    results.append(
+        _carry_through(FragmentIO(adapter), read_mlx, set_mlx, anchor, snapshot_local, local, theta, contributed)
+    )
+
+    # and the plain numpy adapter (float32 parameters) on the float32 tensor
+    params = {"w": np.zeros(shapes["w"], F32)}
+    np_io = FragmentIO(NumpyAdapter(params))
+    np_out = _carry_through(
+        np_io,
+        lambda: {"w": params["w"].copy()},
+        lambda v: params["w"].__setitem__(..., v["w"]),
+        {"w": anchor["w"]},
+        {"w": snapshot_local["w"]},
+        {"w": local["w"]},
+        {"w": theta["w"]},
+        contributed,
+    )
+    base = snapshot_local if contributed else anchor
+    for out in results:
+        for n in shapes:
+            assert np.array_equal(out[n], results[0][n]), n
+    assert np.array_equal(np_out["w"], results[0]["w"])
+    assert np.array_equal(results[0]["w"], theta["w"] + (local["w"] - base["w"]))
+    del np_dtypes
