@@ -35,6 +35,7 @@ from .mailbox import CountingMailbox, Mailbox, open_mailbox
 from .mailbox.file import FileMailbox
 from .mailbox.memory import MemoryMailbox
 from .session import Progress, Session, align
+from .workqueue import HoldLost, WorkQueue
 
 __version__ = "0.1.0"
 
@@ -64,6 +65,7 @@ __all__ = [
     "FakeClock",
     "FileMailbox",
     "GradientMailError",
+    "HoldLost",
     "Mailbox",
     "MailboxUnavailable",
     "MemoryMailbox",
@@ -81,6 +83,7 @@ __all__ = [
     "Strided",
     "SystemClock",
     "WeightedMean",
+    "WorkQueue",
     "align",
     "events",
     "log_events",

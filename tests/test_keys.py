@@ -110,3 +110,98 @@ def test_numbers_out_of_range_are_refused():
         keys.claim_key(0, 0)
     with pytest.raises(ValueError):
         keys.init_blob_key(0, "nothex")
+
+
+# ---- the work queue -----------------------------------------------------------------------
+
+queues = learners
+units = st.integers(0, keys.MAX_UNIT)
+attempts = st.integers(1, keys.MAX_ATTEMPT)
+seqs = st.integers(0, keys.MAX_SEQ)
+
+
+@given(queues, units, attempts, seqs)
+def test_work_keys_round_trip_and_are_valid_keys(q, u, n, seq):
+    assert keys.parse_queue_info_key(keys.queue_info_key(q)) == q
+    assert keys.parse_unit_claim_key(keys.unit_claim_key(q, u, n)) == (q, u, n)
+    assert keys.parse_unit_done_key(keys.unit_done_key(q, u)) == (q, u)
+    assert keys.parse_unit_hold_key(keys.unit_hold_key(q, u, n, seq)) == (q, u, n, seq)
+    assert keys.parse_unit_release_key(keys.unit_release_key(q, u, n)) == (q, u, n)
+    for k in (
+        keys.queue_info_key(q),
+        keys.unit_claim_key(q, u, n),
+        keys.unit_done_key(q, u),
+        keys.unit_hold_key(q, u, n, seq),
+        keys.unit_release_key(q, u, n),
+    ):
+        assert keys.check_object_key(k) == k and keys.is_known_key(k)
+        assert k.startswith(keys.queue_prefix(q)) and not keys.is_record_key(k)
+    assert keys.unit_claim_key(q, u, n).startswith(keys.unit_claims_prefix(q, u))
+    assert keys.unit_done_key(q, u).startswith(keys.unit_done_prefix(q))
+    assert keys.unit_hold_key(q, u, n, seq).startswith(keys.unit_holds_prefix(q, u, n))
+
+
+@given(queues, units, units, attempts, attempts, seqs, seqs)
+def test_work_key_byte_order_is_numeric_order(q, u, v, n, m, s, t):
+    assert (keys.unit_claim_key(q, u, n) < keys.unit_claim_key(q, v, n)) == (u < v)
+    assert (keys.unit_claim_key(q, u, n) < keys.unit_claim_key(q, u, m)) == (n < m)
+    assert (keys.unit_done_key(q, u) < keys.unit_done_key(q, v)) == (u < v)
+    assert (keys.unit_hold_key(q, u, n, s) < keys.unit_hold_key(q, u, n, t)) == (s < t)
+    assert (keys.unit_hold_key(q, u, n, s) < keys.unit_hold_key(q, u, m, t)) == (n < m or (n == m and s < t))
+    assert (keys.unit_release_key(q, u, n) < keys.unit_release_key(q, v, m)) == ((u, n) < (v, m))
+
+
+@given(queues, units, attempts, seqs)
+def test_one_listing_of_a_queue_returns_its_kinds_in_order(q, u, n, seq):
+    # claims/ < done/ < holds/ < queue.json < released/, all under work/{queue}/
+    ordered = [
+        keys.unit_claim_key(q, keys.MAX_UNIT, keys.MAX_ATTEMPT),
+        keys.unit_done_key(q, 0),
+        keys.unit_done_key(q, keys.MAX_UNIT),
+        keys.unit_hold_key(q, 0, 1, 0),
+        keys.unit_hold_key(q, keys.MAX_UNIT, keys.MAX_ATTEMPT, keys.MAX_SEQ),
+        keys.queue_info_key(q),
+        keys.unit_release_key(q, 0, 1),
+    ]
+    assert ordered == sorted(ordered)
+    assert keys.unit_claim_key(q, u, n) < keys.unit_done_key(q, 0)
+    assert keys.unit_hold_key(q, u, n, seq) < keys.queue_info_key(q) < keys.unit_release_key(q, u, n)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "work/data/claims/1/001.json",
+        "work/data/claims/0000000001/000.json",
+        "work/data/claims/0000000001/0001.json",
+        "work/Data/done/0000000001.json",
+        "work/data/done/0000000001.json.bak",
+        "work/data/holds/0000000001/001/1.json",
+        "work/data/holds/0000000001/000/0000000001.json",
+        "work/data/released/0000000001/000.json",
+        "work/data/queue.json.tmp",
+        "work/a/b/queue.json",
+        "claims/0000000001/001.json",
+    ],
+)
+def test_near_miss_work_keys_do_not_parse(key):
+    assert keys.parse_unit_claim_key(key) is None
+    assert keys.parse_unit_done_key(key) is None
+    assert keys.parse_unit_hold_key(key) is None
+    assert keys.parse_unit_release_key(key) is None
+    assert keys.parse_queue_info_key(key) is None
+
+
+def test_work_numbers_and_names_out_of_range_are_refused():
+    for bad in (
+        lambda: keys.unit_claim_key("data", 0, 0),
+        lambda: keys.unit_claim_key("data", 0, keys.MAX_ATTEMPT + 1),
+        lambda: keys.unit_done_key("data", -1),
+        lambda: keys.unit_done_key("data", keys.MAX_UNIT + 1),
+        lambda: keys.unit_done_key("data", True),
+        lambda: keys.unit_hold_key("data", 0, 1, -1),
+        lambda: keys.queue_info_key("../x"),
+        lambda: keys.queue_info_key("Data"),
+    ):
+        with pytest.raises(ValueError):
+            bad()

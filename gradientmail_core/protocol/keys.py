@@ -11,6 +11,14 @@ property test holds us to that. All keys are relative to the mailbox prefix.
     blobs/init/{fragment:03d}-{sha256}.safetensors[.zst]
     blobs/rounds/{round:010d}/{kind}-{sha256}.safetensors[.zst]
     blobs/snapshots/{round:010d}/{learner}/{sha256}.safetensors[.zst]
+
+The work queue (``gm.WorkQueue``, ``docs/protocol.md`` section 7), one folder per queue:
+
+    work/{queue}/queue.json
+    work/{queue}/claims/{unit:010d}/{attempt:03d}.json
+    work/{queue}/done/{unit:010d}.json
+    work/{queue}/holds/{unit:010d}/{attempt:03d}/{seq:010d}.json
+    work/{queue}/released/{unit:010d}/{attempt:03d}.json
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ MAX_ROUND = 10**10 - 1
 MAX_CLAIM = 999
 MAX_SEQ = 10**10 - 1
 MAX_FRAGMENT = 999
+MAX_UNIT = 10**10 - 1
+MAX_ATTEMPT = 999
 
 LEARNER_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
 _KEY_CHARS = re.compile(r"[A-Za-z0-9._/-]+")
@@ -34,6 +44,7 @@ ROUNDS = "rounds/"
 SNAPSHOTS = "snapshots/"
 LEASES = "leases/"
 BLOBS = "blobs/"
+MEMBERS = "members/"  # the membership log of a members-only run: members/{seq:010d}-{sha256}.json
 INIT_BLOBS = "blobs/init/"
 ROUND_BLOBS = "blobs/rounds/"
 SNAPSHOT_BLOBS = "blobs/snapshots/"
@@ -50,7 +61,14 @@ _SNAPSHOT_RE = re.compile(rf"snapshots/(\d{{10}})/({_LEARNER})\.json")
 _LEASE_RE = re.compile(rf"leases/({_LEARNER})/(\d{{10}})\.json")
 _INIT_BLOB_RE = re.compile(rf"blobs/init/(\d{{3}})-({_SHA})({_EXT})")
 _ROUND_BLOB_RE = re.compile(rf"blobs/rounds/(\d{{10}})/(theta|outer|change)-({_SHA})({_EXT})")
+_MEMBER_RE = re.compile(rf"members/(\d{{10}})-({_SHA})\.json")
 _SNAPSHOT_BLOB_RE = re.compile(rf"blobs/snapshots/(\d{{10}})/({_LEARNER})/({_SHA})({_EXT})")
+WORK = "work/"
+_QUEUE_INFO_RE = re.compile(rf"work/({_LEARNER})/queue\.json")
+_UNIT_CLAIM_RE = re.compile(rf"work/({_LEARNER})/claims/(\d{{10}})/(\d{{3}})\.json")
+_UNIT_DONE_RE = re.compile(rf"work/({_LEARNER})/done/(\d{{10}})\.json")
+_UNIT_HOLD_RE = re.compile(rf"work/({_LEARNER})/holds/(\d{{10}})/(\d{{3}})/(\d{{10}})\.json")
+_UNIT_RELEASE_RE = re.compile(rf"work/({_LEARNER})/released/(\d{{10}})/(\d{{3}})\.json")
 
 
 def validate_learner_id(learner: str) -> str:
@@ -193,6 +211,88 @@ def snapshot_blob_key(r: int, learner: str, sha: str, compression: str = "") -> 
     return f"{snapshot_blobs_prefix(r)}{validate_learner_id(learner)}/{sha}{_ext(compression)}"
 
 
+# ---- the work queue -----------------------------------------------------------------------
+# Queue names follow the learner-id rule. Inside a queue's folder ``claims/`` < ``done/`` <
+# ``holds/`` < ``queue.json`` < ``released/`` in byte order, so one listing of ``work/{queue}/``
+# returns all of it.
+
+
+def _queue(name: str) -> str:
+    if not isinstance(name, str) or not LEARNER_ID.fullmatch(name):
+        raise ValueError(f"queue name {name!r} is invalid: it must match [a-z0-9][a-z0-9-]{{0,63}}")
+    return name
+
+
+def _unit(u: int) -> str:
+    if not isinstance(u, int) or isinstance(u, bool) or not 0 <= u <= MAX_UNIT:
+        raise ValueError(f"unit {u!r} out of range 0..{MAX_UNIT}")
+    return f"{u:010d}"
+
+
+def _attempt(n: int) -> str:
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_ATTEMPT:
+        raise ValueError(f"attempt {n!r} out of range 1..{MAX_ATTEMPT}")
+    return f"{n:03d}"
+
+
+def queue_prefix(name: str) -> str:
+    return f"{WORK}{_queue(name)}/"
+
+
+def queue_info_key(name: str) -> str:
+    return f"{queue_prefix(name)}queue.json"
+
+
+def unit_claims_prefix(name: str, unit: int) -> str:
+    return f"{queue_prefix(name)}claims/{_unit(unit)}/"
+
+
+def unit_claim_key(name: str, unit: int, attempt: int) -> str:
+    return f"{unit_claims_prefix(name, unit)}{_attempt(attempt)}.json"
+
+
+def unit_done_prefix(name: str) -> str:
+    return f"{queue_prefix(name)}done/"
+
+
+def unit_done_key(name: str, unit: int) -> str:
+    return f"{unit_done_prefix(name)}{_unit(unit)}.json"
+
+
+def unit_holds_prefix(name: str, unit: int, attempt: int) -> str:
+    return f"{queue_prefix(name)}holds/{_unit(unit)}/{_attempt(attempt)}/"
+
+
+def unit_hold_key(name: str, unit: int, attempt: int, seq: int) -> str:
+    if not isinstance(seq, int) or isinstance(seq, bool) or not 0 <= seq <= MAX_SEQ:
+        raise ValueError(f"hold sequence {seq!r} out of range 0..{MAX_SEQ}")
+    return f"{unit_holds_prefix(name, unit, attempt)}{seq:010d}.json"
+
+
+def unit_release_key(name: str, unit: int, attempt: int) -> str:
+    return f"{queue_prefix(name)}released/{_unit(unit)}/{_attempt(attempt)}.json"
+
+
+def member_key(seq: int, sha: str) -> str:
+    """Entry ``seq`` of the membership log, named by the sha256 of its bytes (no one can take the
+    name of an entry the owner is about to write)."""
+    if not isinstance(seq, int) or isinstance(seq, bool) or not 0 <= seq <= MAX_SEQ:
+        raise ValueError(f"membership entry {seq!r} out of range 0..{MAX_SEQ}")
+    _check_sha(sha)
+    return f"{MEMBERS}{seq:010d}-{sha}.json"
+
+
+def member_logical_key(seq: int) -> str:
+    """The name a membership entry's signature binds (its sha256 cannot be inside its own bytes)."""
+    return f"{MEMBERS}{seq:010d}.json"
+
+
+def parse_member_key(key: str) -> tuple[int, str] | None:
+    """``(seq, sha256)`` of a membership entry key."""
+    m = _MEMBER_RE.fullmatch(key)
+    return (int(m[1]), m[2]) if m else None
+
+
 def _check_sha(sha: str) -> None:
     if not re.fullmatch(_SHA, sha):
         raise ValueError(f"{sha!r} is not a lowercase hex sha256")
@@ -221,6 +321,42 @@ def parse_snapshot_key(key: str) -> tuple[int, str] | None:
 def parse_lease_key(key: str) -> tuple[str, int] | None:
     m = _LEASE_RE.fullmatch(key)
     return (m[1], int(m[2])) if m else None
+
+
+def parse_queue_info_key(key: str) -> str | None:
+    """The queue's name."""
+    m = _QUEUE_INFO_RE.fullmatch(key)
+    return m[1] if m else None
+
+
+def parse_unit_claim_key(key: str) -> tuple[str, int, int] | None:
+    """``(queue, unit, attempt)``."""
+    m = _UNIT_CLAIM_RE.fullmatch(key)
+    if not m or int(m[3]) < 1:
+        return None
+    return m[1], int(m[2]), int(m[3])
+
+
+def parse_unit_done_key(key: str) -> tuple[str, int] | None:
+    """``(queue, unit)``."""
+    m = _UNIT_DONE_RE.fullmatch(key)
+    return (m[1], int(m[2])) if m else None
+
+
+def parse_unit_hold_key(key: str) -> tuple[str, int, int, int] | None:
+    """``(queue, unit, attempt, seq)``."""
+    m = _UNIT_HOLD_RE.fullmatch(key)
+    if not m or int(m[3]) < 1:
+        return None
+    return m[1], int(m[2]), int(m[3]), int(m[4])
+
+
+def parse_unit_release_key(key: str) -> tuple[str, int, int] | None:
+    """``(queue, unit, attempt)``."""
+    m = _UNIT_RELEASE_RE.fullmatch(key)
+    if not m or int(m[3]) < 1:
+        return None
+    return m[1], int(m[2]), int(m[3])
 
 
 @dataclass(frozen=True)
@@ -284,4 +420,10 @@ def is_known_key(key: str) -> bool:
         or parse_snapshot_key(key) is not None
         or parse_lease_key(key) is not None
         or parse_blob_key(key) is not None
+        or parse_member_key(key) is not None
+        or parse_queue_info_key(key) is not None
+        or parse_unit_claim_key(key) is not None
+        or parse_unit_done_key(key) is not None
+        or parse_unit_hold_key(key) is not None
+        or parse_unit_release_key(key) is not None
     )
