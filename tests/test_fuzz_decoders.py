@@ -1,7 +1,8 @@
 """Fuzzing the decoders hostile bytes reach first: records (and the manifest's run info), the
 safetensors header, and payloads. Whatever the input, the only exception is the typed one
-(``RecordInvalid`` / ``ProtocolError`` / ``PayloadCorrupt``), and no input takes more than a
-bounded time or allocates more than a bounded amount of memory.
+(``RecordInvalid`` / ``ProtocolError`` / ``PayloadCorrupt``), and no input allocates more than
+a bounded amount of memory. (Time per input is not asserted here: a wall-clock threshold fails
+on a loaded machine; a benchmark is the place to measure it.)
 
 CI runs a short pass; ``GM_FUZZ_EXAMPLES=20000 pytest tests/test_fuzz_decoders.py -s`` runs a
 long one and prints how many inputs each target saw.
@@ -11,16 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import struct
-import time
 import tracemalloc
 from collections import Counter
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gradientmail_core.codec import safetensors_io
@@ -46,13 +45,12 @@ from gradientmail_core.protocol.records import (
 from gradientmail_core.protocol.run import RunInfo
 
 EXAMPLES = int(os.environ.get("GM_FUZZ_EXAMPLES", "150"))
-MAX_SECONDS = 2.0  # per input; real inputs here are at most a few hundred KB
 MAX_PEAK_BYTES = 64 << 20  # per input, whatever sizes the input declares
 SEEN: Counter[str] = Counter()
 
 FUZZ = settings(
     max_examples=EXAMPLES,
-    deadline=None,  # bounded below, by our own clock, with a margin for a loaded CI machine
+    deadline=None,  # no time limit per input: a loaded CI machine must not fail the run
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
 )
@@ -65,17 +63,19 @@ def _report_counts():
 
 
 def bounded(target: str, fn, *args, **kw):
-    """Run ``fn`` on one input; assert it stayed within the time and memory bounds."""
+    """Run ``fn`` on one input; assert it stayed within the memory bound. Counts the input
+    under ``target`` and its outcome under ``target:accepted`` or ``target:refused``."""
     SEEN[target] += 1
     tracemalloc.start()  # traces Python and numpy allocations, only while the decoder runs
-    t0 = time.perf_counter()
+    outcome = "refused"
     try:
-        return fn(*args, **kw)
+        out = fn(*args, **kw)
+        outcome = "accepted"
+        return out
     finally:
-        elapsed = time.perf_counter() - t0
+        SEEN[f"{target}:{outcome}"] += 1
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
-        assert elapsed < MAX_SECONDS, f"{target}: one input took {elapsed:.2f} s"
         assert peak < MAX_PEAK_BYTES, f"{target}: one input allocated {peak >> 20} MiB"
 
 
@@ -155,6 +155,7 @@ def record_inputs(draw):
 
 @FUZZ
 @given(record_inputs())
+@example((Snapshot, encode(SEEDS[Snapshot])))  # a valid record: the decoder must accept it
 def test_fuzz_record_decoder_raises_only_record_invalid(inp):
     cls, data = inp
     try:
@@ -203,6 +204,12 @@ def test_deeply_nested_and_huge_records_are_rejected_cheaply():
 
 EXPECTED = {"w": (5, 7), "b": (7,), "s": ()}
 DTYPE_CHOICES = ("F32", "F16", "BF16", "F8_E4M3", "F4")
+# A valid payload, run before the generated inputs: the reader must accept it.
+VALID_PAYLOAD = encode_payload(
+    {n: np.linspace(-1, 1, int(np.prod(s))).reshape(s).astype(np.float32) for n, s in EXPECTED.items()},
+    "BF16",
+    kind="delta",
+)
 
 
 def _valid_payload(draw, compression: str) -> bytes:
@@ -256,6 +263,7 @@ def payload_inputs(draw):
 
 @FUZZ
 @given(payload_inputs())
+@example(("", VALID_PAYLOAD))
 def test_fuzz_payload_reader_raises_only_payload_corrupt(inp):
     compression, data = inp
     try:
@@ -269,6 +277,7 @@ def test_fuzz_payload_reader_raises_only_payload_corrupt(inp):
 
 @FUZZ
 @given(payload_inputs())
+@example(("", VALID_PAYLOAD))
 def test_fuzz_safetensors_header_raises_only_payload_corrupt(inp):
     _, data = inp
     try:
@@ -294,6 +303,19 @@ def test_zstd_bomb_is_refused_before_allocating():
 
 
 def test_fuzz_counts_are_positive():
-    # Runs last in this module (pytest keeps file order): every target saw inputs.
-    assert SEEN["records"] >= EXAMPLES and SEEN["payloads"] >= EXAMPLES and SEEN["headers"] >= EXAMPLES
-    assert not math.isnan(sum(SEEN.values()))
+    """Each fuzz target, run here (whatever ran before), sees EXAMPLES inputs, and its inputs
+    reach both outcomes: some decode and some are refused. A generator that only ever made
+    garbage (or only valid seeds) would pass the targets above while testing little."""
+    targets = {
+        "records": test_fuzz_record_decoder_raises_only_record_invalid,
+        "payloads": test_fuzz_payload_reader_raises_only_payload_corrupt,
+        "headers": test_fuzz_safetensors_header_raises_only_payload_corrupt,
+    }
+    for target, run in targets.items():
+        before = Counter(SEEN)
+        run()
+        seen = SEEN - before
+        assert seen[target] >= EXAMPLES, f"{target}: only {seen[target]} inputs"
+        assert seen[f"{target}:accepted"] > 0, f"{target}: no input decoded: {dict(seen)}"
+        assert seen[f"{target}:refused"] > 0, f"{target}: every input decoded: {dict(seen)}"
+        assert seen[f"{target}:accepted"] + seen[f"{target}:refused"] == seen[target]
