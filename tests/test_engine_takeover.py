@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import numpy as np
-from harness import Cluster, CrashingMailbox
+from harness import Cluster, CrashingMailbox, make_params
 from test_engine_rounds import assert_identical, assert_tape_contiguous, finish, records
 
 import gradientmail_core as gm
 from gradientmail_core import events as ev
+from gradientmail_core.adapters.base import NumpyAdapter
 from gradientmail_core.protocol import keys
+from gradientmail_core.protocol.store import RunStore
+from gradientmail_core.protocol.tape import load_newest
 
 
 def took_over(c: Cluster) -> list[ev.TookOver]:
@@ -103,11 +106,14 @@ def test_restarted_learner_continues_from_the_store():
     c.run(8)
     # restart b with the same id: it waits out its own stale lease, then loads the newest commit
     b2 = c.join("b", seed=1)
-    expected = {n: np.array(p) for n, p in a.learner.anchors[0].items()} | {
-        n: np.array(p) for n, p in a.learner.anchors[1].items()
-    }
+    # Nothing ticked while b2 joined: the store's newest commit is what it must hold, read
+    # here independently of the joiner (a fresh reader on the same mailbox).
+    _, head, thetas = load_newest(RunStore(c.mailbox), NumpyAdapter(make_params(0)))
+    assert head == c.head() >= 0 and b2.node.head == head
+    expected = {n: v for theta in thetas.values() for n, v in theta.items()}
+    assert set(expected) == set(b2.params)
     for n in expected:
-        assert np.array_equal(b2.params[n], expected[n]) or c.head() > a.node.head
+        assert np.array_equal(b2.params[n], expected[n]), n
     c.run(20)
     finish(c)
     recs = assert_tape_contiguous(c)
