@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -24,6 +24,7 @@ from ..protocol.run import read_manifest as run_manifest
 from ..protocol.schedule import fragment_of
 from ..protocol.store import RunStore
 from ..protocol.tape import newest_claim, read_newest
+from ..protocol.work import QueueProgress, read_queues
 
 # Bytes per element of the parameter dtypes a schema may hold.
 _ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2}
@@ -69,6 +70,7 @@ class Overview:
     open_round: int
     open_contributors: list[str]
     open_claim: Claim | None  # the node closing the open round, if it has claimed it
+    work: list[QueueProgress] = field(default_factory=list)  # the run's work queues (gm.WorkQueue)
 
     @property
     def open_fragment(self) -> int:
@@ -178,6 +180,7 @@ def read_overview(mailbox: Mailbox, *, last: int = 8) -> Overview:
         open_round=open_round,
         open_contributors=contributors,
         open_claim=newest_claim(RunStore(mailbox), open_round),
+        work=read_queues(mailbox),
     )
 
 

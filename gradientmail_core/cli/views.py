@@ -143,8 +143,21 @@ def rounds(records: Sequence[RoundRecord], *, title: str | None = None) -> Table
     return t
 
 
+def work(ov: Overview) -> Table:
+    """The run's work queues: units done, in progress (claimed, not given back) and left."""
+    t = Table(title="Work queues", title_justify="left", box=box.SIMPLE_HEAD)
+    t.add_column("queue", style="bold")
+    for name in ("units", "done", "in progress", "left", "re-issued"):
+        t.add_column(name, justify="right")
+    for q in ov.work:
+        t.add_row(q.name, str(q.units), str(q.done), str(q.in_progress), str(q.left), str(q.reissued))
+    return t
+
+
 def status(ov: Overview, url: str, renewed: Mapping[str, float | None] | None = None) -> RenderableType:
     parts: list[RenderableType] = [summary(ov, url), Text(), learners(ov, renewed)]
+    if ov.work:
+        parts += [Text(), work(ov)]
     if ov.recent:
         parts += [Text(), rounds(ov.recent, title=f"Last {len(ov.recent)} rounds")]
     return Group(*parts)
