@@ -72,8 +72,11 @@ class SimRun:
     )
     members: dict[str, Member] = field(default_factory=dict)
 
-    def join(self, name: str, params: dict[str, np.ndarray], adapter: Any = None, *, secret: Any = "run") -> Member:
-        auth = policy(self.secret if secret == "run" else secret)
+    def join(
+        self, name: str, params: dict[str, np.ndarray], adapter: Any = None, *, secret: Any = "run", auth: Any = None
+    ) -> Member:
+        """``auth``: a ready policy (a ``members.MemberAuth``) instead of one made from the secret."""
+        auth = auth if auth is not None else policy(self.secret if secret == "run" else secret)
         events: list[ev.Event] = []
 
         def ignored(key: str, why: str) -> None:
@@ -112,10 +115,17 @@ class SimRun:
             for _ in range(steps):
                 m.learner.step(step(m))
 
-    def sync(self, round_: int, *, max_ticks: int = 400, between: Callable[[], None] | None = None) -> None:
-        """Tick until every learner has aligned with ``round_``."""
+    def sync(
+        self,
+        round_: int,
+        *,
+        max_ticks: int = 400,
+        between: Callable[[], None] | None = None,
+        waiting: Callable[[Member], bool] | None = None,
+    ) -> None:
+        """Tick until every learner (every one ``waiting`` selects) has aligned with ``round_``."""
         for _ in range(max_ticks):
-            if all(m.learner.aligned >= round_ for m in self.members.values()):
+            if all(m.learner.aligned >= round_ for m in self.members.values() if waiting is None or waiting(m)):
                 return
             if between is not None:
                 between()

@@ -78,21 +78,31 @@ def record_key(record: Any) -> str:
         if isinstance(record, Claim):
             return keys.claim_key(record.round, record.n)
         if isinstance(record, Lease):
-            return keys.lease_key(record.learner, record.seq)
+            return keys.lease_key(record.learner, record.seq, record.role)
     except ValueError as e:
         raise RecordInvalid(f"{type(record).__name__} names no valid key: {e}") from None
     raise TypeError(f"{type(record).__name__} is not a protocol record")
+
+
+def _refuse_members_only(policy: Any, record: Any, key: str) -> None:
+    if isinstance(record, Manifest) and record.owner is not None and not policy.members_ok:
+        raise RecordInvalid(
+            f"{key}: this run admits members only (it was created with an identity); start this node with "
+            "identity='node.key' and have the run's owner add its public key (gradientmail members add)"
+        )
 
 
 class Unauthenticated:
     """The policy of a run without a secret: records unsigned, keys untagged."""
 
     authenticated = False
+    members_ok = False  # True under members.MemberAuth, which checks members-only runs itself
 
     def sign(self, record: Any) -> Any:
         return record
 
     def verify(self, record: Any, key: str) -> None:
+        _refuse_members_only(self, record, key)
         if isinstance(record, Manifest) and record.mac is not None:
             raise RecordInvalid(
                 f"{key}: this run is authenticated (its manifest is signed) but this node has no run secret; "
@@ -108,6 +118,7 @@ class RunAuth:
     and tags record keys. Bound to the run by the manifest it signs or verifies."""
 
     authenticated = True
+    members_ok = False
 
     def __init__(self, secret: bytes) -> None:
         if not isinstance(secret, bytes) or len(secret) < MIN_SECRET_BYTES:
@@ -166,6 +177,7 @@ class RunAuth:
 
     def verify(self, record: Any, key: str) -> None:
         """Raise ``RecordInvalid`` unless ``record`` was signed with this run's secret for ``key``."""
+        _refuse_members_only(self, record, key)
         expected = record_key(record)
         if key != expected:
             raise RecordInvalid(f"{key}: holds a record that belongs at {expected} (copied or replayed)")

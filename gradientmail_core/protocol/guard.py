@@ -26,12 +26,16 @@ import builtins
 import hashlib
 import hmac
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from ..mailbox.contract import Mailbox, read_prefix
 from ..mailbox.forwarding import ForwardingMailbox
 from . import keys
 from .auth import Policy, Unauthenticated
 from .records import MAX_MANIFEST_BYTES, MAX_RECORD_BYTES
+
+if TYPE_CHECKING:
+    from .members import MemberAuth
 
 
 def _loosen(bound: str) -> str:
@@ -49,7 +53,7 @@ class GuardedMailbox(ForwardingMailbox):
         self,
         inner: Mailbox,
         *,
-        auth: Policy | None = None,
+        auth: Policy | MemberAuth | None = None,
         on_ignored: Callable[[str, str], None] | None = None,
         max_record_bytes: int = MAX_RECORD_BYTES,
         max_manifest_bytes: int = MAX_MANIFEST_BYTES,
@@ -60,7 +64,7 @@ class GuardedMailbox(ForwardingMailbox):
             if not isinstance(v, int) or v < 1024:
                 raise ValueError(f"{name}={v!r}: expected an integer >= 1024")
         super().__init__(inner)
-        self.auth: Policy = auth if auth is not None else Unauthenticated()
+        self.auth: Policy | MemberAuth = auth if auth is not None else Unauthenticated()
         self.on_ignored = on_ignored or (lambda key, reason: None)
         self.max_record_bytes = max_record_bytes
         self.max_manifest_bytes = max_manifest_bytes
@@ -68,6 +72,9 @@ class GuardedMailbox(ForwardingMailbox):
         self.max_reported = max_reported
         self.ignored = 0  # distinct keys ignored (the first max_reported are also reported)
         self._seen: set[str] = set()
+        attach = getattr(self.auth, "attach", None)
+        if attach is not None:  # members-only runs: the policy reads the membership log through us
+            attach(self, self._report)
 
     def __repr__(self) -> str:
         return f"GuardedMailbox({self.inner!r}, auth={self.auth!r})"
@@ -101,6 +108,22 @@ class GuardedMailbox(ForwardingMailbox):
         return self._read(self._physical(key), n if limit < 0 or 0 <= n < limit else limit)
 
     def list(self, prefix: str, after: str = "") -> builtins.list[str]:
+        found = self._list(prefix, after)
+        refuse = getattr(self.auth, "refuse", None)
+        if refuse is None:
+            return found
+        # Members-only runs: keys that name a non-member's learner are dropped by name.
+        self.auth.listed(prefix)  # type: ignore[union-attr]
+        out = []
+        for k in found:
+            why = refuse(k)
+            if why is None:
+                out.append(k)
+            else:
+                self._report(k, why)
+        return out
+
+    def _list(self, prefix: str, after: str) -> builtins.list[str]:
         if not self.auth.authenticated:
             out = self.inner.list(prefix, after)
             for k in out:

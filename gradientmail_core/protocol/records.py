@@ -28,10 +28,14 @@ _SHA = re.compile(r"[0-9a-f]{64}")
 _LEARNER = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
 _NONCE = re.compile(r"[0-9a-f]{8,64}")
 _MAC = re.compile(r"[0-9a-f]{64}")
+_PUBKEY = re.compile(r"[0-9a-f]{64}")
+_SIG = re.compile(r"[0-9a-f]{128}")
+_MEMBERS_REF = re.compile(r"\d{10}-[0-9a-f]{64}")
 # A payload key: under blobs/, no empty, '.' or '..' segment (checked on decode, so a hostile ref
 # can never name a key outside the payload folders or one a backend refuses).
 _KEY = re.compile(r"blobs/(?:[A-Za-z0-9_-][A-Za-z0-9._-]*/)*[A-Za-z0-9_-][A-Za-z0-9._-]*")
 
+ROLES = ("both", "learner", "syncer")  # as protocol.keys.ROLES
 REJECT_REASONS = ("zero_steps", "schema", "stale", "missing", "corrupt", "nonfinite", "outlier", "late")
 
 
@@ -74,8 +78,11 @@ class Manifest:
     fragments: list[list[str]] = field(metadata=_meta(min_len=1))
     config: dict[str, Any] = field(default_factory=dict)
     init: list[PayloadRef] = field(default_factory=list)
+    owner: str | None = field(default=None, metadata=_meta(pattern=_PUBKEY))  # members-only runs
     format: int = FORMAT
     mac: str | None = field(default=None, metadata=_meta(pattern=_MAC))
+    signer: str | None = field(default=None, metadata=_meta(pattern=_PUBKEY))
+    sig: str | None = field(default=None, metadata=_meta(pattern=_SIG))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,6 +93,8 @@ class Claim:
     nonce: str = field(metadata=_meta(pattern=_NONCE))
     format: int = FORMAT
     mac: str | None = field(default=None, metadata=_meta(pattern=_MAC))
+    signer: str | None = field(default=None, metadata=_meta(pattern=_PUBKEY))
+    sig: str | None = field(default=None, metadata=_meta(pattern=_SIG))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,8 +104,16 @@ class Lease:
     seq: int = nonneg()
     local_step: int = nonneg()
     tokens: int = nonneg()
+    # The holder's role, as its key names it (``keys.lease_key``); left out of the JSON when
+    # "both", so the leases of a node without a role keep the bytes they had before roles.
+    role: str = field(default="both", metadata={**_meta(choices=ROLES), "omit_default": True})
+    # A learner-only node sees no live node that may close rounds: the run waits (for
+    # ``gradientmail status``, which reads one look and cannot judge liveness). Left out when False.
+    waiting_for_closer: bool = field(default=False, metadata={"omit_default": True})
     format: int = FORMAT
     mac: str | None = field(default=None, metadata=_meta(pattern=_MAC))
+    signer: str | None = field(default=None, metadata=_meta(pattern=_PUBKEY))
+    sig: str | None = field(default=None, metadata=_meta(pattern=_SIG))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,6 +131,8 @@ class Snapshot:
     nonce: str = field(default="00000000", metadata=_meta(pattern=_NONCE))
     format: int = FORMAT
     mac: str | None = field(default=None, metadata=_meta(pattern=_MAC))
+    signer: str | None = field(default=None, metadata=_meta(pattern=_PUBKEY))
+    sig: str | None = field(default=None, metadata=_meta(pattern=_SIG))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,17 +172,53 @@ class RoundRecord:
     x_step: float | None = field(default=None, metadata=_meta(min=0))
     x_quorum: float | None = field(default=None, metadata=_meta(min=0))
     x_sync: float | None = field(default=None, metadata=_meta(min=0))
+    members: str | None = field(default=None, metadata=_meta(pattern=_MEMBERS_REF))  # the membership judged under
     format: int = FORMAT
     mac: str | None = field(default=None, metadata=_meta(pattern=_MAC))
+    signer: str | None = field(default=None, metadata=_meta(pattern=_PUBKEY))
+    sig: str | None = field(default=None, metadata=_meta(pattern=_SIG))
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemberEntry:
+    """One entry of a members-only run's membership log, ``members/{seq}-{sha256}.json``, signed by
+    the run's owner. Entry 0 opens the log; each later one names the sha256 of the entry before it.
+    ``add``/``remove`` are public keys (hex); a removed key is never a member again."""
+
+    run_id: str = field(metadata=_meta(pattern=_NONCE))
+    seq: int = nonneg()
+    prev: str = sha()
+    add: list[str] = field(default_factory=list, metadata=_meta(pattern=_PUBKEY, max_len=10_000))
+    remove: list[str] = field(default_factory=list, metadata=_meta(pattern=_PUBKEY, max_len=10_000))
+    note: str = field(default="", metadata=_meta(max_len=256))
+    format: int = FORMAT
+    signer: str | None = field(default=None, metadata=_meta(pattern=_PUBKEY))
+    sig: str | None = field(default=None, metadata=_meta(pattern=_SIG))
 
 
 R = TypeVar("R")
 
 _LIMITS = {Manifest: MAX_MANIFEST_BYTES}
+# Fields of the signed-record format that are left out of the JSON when unset, so a record of a
+# run without identities has exactly the bytes it had before they existed.
+_OMIT_IF_NONE = ("owner", "members", "signer", "sig")
 
 
 def to_dict(record: Any) -> dict[str, Any]:
-    return dataclasses.asdict(record)
+    d = dataclasses.asdict(record)
+    for name in _OMIT_IF_NONE:
+        if name in d and d[name] is None:
+            del d[name]
+    for f in _omitted_if_default(type(record)):
+        if d.get(f.name, f.default) == f.default:
+            d.pop(f.name, None)
+    return d
+
+
+@functools.cache
+def _omitted_if_default(cls: type) -> tuple[dataclasses.Field[Any], ...]:
+    """Fields left out of the JSON while they hold their default (``metadata["omit_default"]``)."""
+    return tuple(f for f in dataclasses.fields(cls) if f.metadata.get("omit_default"))
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -182,6 +237,15 @@ def signing_bytes(record: Any) -> bytes:
     """Canonical bytes of a record without its ``mac`` field (what an HMAC covers)."""
     d = to_dict(record)
     d.pop("mac", None)
+    return canonical_json(d)
+
+
+def identity_bytes(record: Any) -> bytes:
+    """Canonical bytes of a record without its ``mac`` and ``sig`` fields: what a node's
+    signature covers (with the run id, the record kind and its key: ``protocol.members``)."""
+    d = to_dict(record)
+    d.pop("mac", None)
+    d.pop("sig", None)
     return canonical_json(d)
 
 

@@ -19,6 +19,7 @@ from ..codec.payload import decode_payload, encode_payload, sha256_hex
 from ..codec.quant import dequantize, quantize
 from ..errors import MissingExtra, PayloadCorrupt, RecordInvalid
 from ..protocol import keys
+from ..protocol.members import SignatureInvalid
 from ..protocol.records import Participant, PayloadRef, Rejection, RoundRecord, Snapshot
 from ..protocol.run import RunInfo, payload_cap
 from ..protocol.schedule import fragment_of, nominal_step, version_before
@@ -26,6 +27,7 @@ from ..protocol.store import RunStore
 from .timing import ema, grace_seconds
 
 T = TypeVar("T")
+IGNORED = "ignored"  # a snapshot no member signed: judged once, in no record
 
 
 def cast(values: Mapping[str, np.ndarray], dtypes: Mapping[str, str]) -> dict[str, np.ndarray]:
@@ -118,6 +120,11 @@ class Collector:
         key = keys.snapshot_key(self.round, learner)
         try:
             snap = own[0] if own is not None else store.read_record(key, Snapshot)
+        except SignatureInvalid as e:
+            # Members-only runs: not signed by a member (a copied public key, a revoked key, a
+            # replay). Not a contribution at all: reported once, kept out of the record.
+            store.on_ignored(key, str(e))
+            return self._record(Judged(learner, IGNORED))
         except RecordInvalid:
             return self._record(Judged(learner, "corrupt"))
         if snap is None:
@@ -347,7 +354,7 @@ def compute_commit(
         rejected=[
             Rejection(learner=j.learner, reason=j.reason)
             for j in sorted(c.judged.values(), key=lambda j: j.learner)
-            if j.reason is not None
+            if j.reason is not None and j.reason != IGNORED
         ],
         theta=refs["theta"],
         theta_digest=theta_digest,

@@ -11,7 +11,7 @@ from ..protocol.records import RoundRecord
 from ..protocol.run import payload_cap
 from ..protocol.schedule import fragment_of, gap
 from ..protocol.tape import fetch_theta
-from .closer import Collector, Estimates, FragmentState, compute_commit
+from .closer import IGNORED, Collector, Estimates, FragmentState, compute_commit
 from .following import Following
 
 
@@ -55,7 +55,7 @@ class Closing(Following):
             j = c.judge_snapshot(
                 self.store, learner, own=self.own_snapshots.get(c.round) if learner == self.me else None
             )
-            if j.reason is not None:
+            if j.reason is not None and j.reason != IGNORED:
                 self.stats.rejected[j.reason] = self.stats.rejected.get(j.reason, 0) + 1
                 self.emit(ev.ContributionRejected(self.me, c.round, learner, j.reason))
         live = self.liveness.live()
