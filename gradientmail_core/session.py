@@ -22,8 +22,11 @@ from .config import DiLoCo
 from .errors import MailboxUnavailable, SessionFailed
 from .mailbox import Mailbox
 from .protocol import keys
+from .protocol.auth import Policy
 from .protocol.auth import policy as auth_policy
 from .protocol.guard import GuardedMailbox
+from .protocol.identity import Identity
+from .protocol.members import MemberAuth
 from .protocol.store import RunStore
 from .protocol.tape import load_newest
 from .syncer.bridge import Bridge, CommitNotice
@@ -71,6 +74,8 @@ class Session:
         seed: int | None = None,
         secret: bytes | str | None = None,
         secret_file: str | os.PathLike[str] | None = None,
+        identity: str | os.PathLike[str] | None = None,
+        owner_key: str | os.PathLike[str] | None = None,
     ) -> None:
         self.learner_id = keys.validate_learner_id(learner_id if learner_id is not None else default_learner_id())
         if not isinstance(algorithm, DiLoCo):
@@ -79,7 +84,17 @@ class Session:
             raise ValueError(f"compression={compression!r}: expected 'off' or 'zstd'")
         if not poll_interval > 0 or not lease_timeout > poll_interval:
             raise ValueError(f"need 0 < poll_interval ({poll_interval}) < lease_timeout ({lease_timeout})")
-        self.auth = auth_policy(secret, secret_file)  # validated before any I/O; see docs/security.md
+        self.auth: Policy | MemberAuth = auth_policy(secret, secret_file)  # validated before any I/O
+        self.identity: Identity | None = None  # docs/security.md: shared secret, identities, or neither
+        if identity is not None or owner_key is not None:
+            # Members-only runs (protocol/members.py): this node's key pair, created on first use. Its
+            # learner id carries the key's fingerprint, so every record names the key that signs it.
+            if identity is None:
+                raise ValueError("owner_key= names the owner of a run this node creates: it needs identity= too")
+            self.identity = Identity.load(identity)
+            owner = Identity.load(owner_key) if owner_key is not None else None
+            self.auth = MemberAuth(self.auth, identity=self.identity, owner=owner)
+            self.learner_id = self.identity.learner_id(self.learner_id)
         self.model = model
         self.adapter = adapter_for(model)
         self.algorithm = algorithm
@@ -314,7 +329,7 @@ def align(
     run needs its ``secret`` (or ``secret_file``).
     """
     adapter = adapter_for(model)
-    auth = auth_policy(secret, secret_file)
+    auth = MemberAuth(auth_policy(secret, secret_file))  # reads open, secret and members-only runs
     _, head, thetas = load_newest(RunStore(GuardedMailbox(mailbox, auth=auth), auth=auth), adapter)
     for theta in thetas.values():
         adapter.write(theta)

@@ -56,6 +56,10 @@ class SessionOptions:
     secret: bytes | str | None = None
     #: a file holding that secret, instead of ``secret``.
     secret_file: str | os.PathLike[str] | None = None
+    #: this node's key file (Ed25519, created on first use): a members-only run (see docs/security.md).
+    identity: str | os.PathLike[str] | None = None
+    #: the owner key file of a run this node creates, if not its identity (signs the membership log).
+    owner_key: str | os.PathLike[str] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "callbacks", tuple(self.callbacks))  # frozen: a list passed in is copied
