@@ -110,6 +110,7 @@ class WorkQueue:
         self._watch: dict[int, _Watch] = {}
         self._cursor = int.from_bytes(hashlib.sha256(holder.encode()).digest()[:8], "big") % units
         self._retry_at = float("-inf")
+        self._done_seen = 0  # done markers in the newest listing
         self._lock = threading.RLock()
 
     def __repr__(self) -> str:
@@ -155,6 +156,7 @@ class WorkQueue:
         scan = scan_queue(self.mailbox, self.name)
         now = self.clock.now()
         with self._lock:
+            self._done_seen = len(scan.done)
             for u in list(self._watch):
                 if u in scan.done or u not in scan.attempts:
                     del self._watch[u]
@@ -247,8 +249,8 @@ class WorkQueue:
                 hold = self.claim()
                 if hold is not None or not wait:
                     return hold
-                if self.finished():
-                    return None
+                if self._done_seen >= self.units and not self._held:
+                    return None  # the listing claim() just took shows every unit done
             except MailboxUnavailable as e:
                 log.warning("work queue %s: store unavailable while looking for a unit (%s); retrying", self.name, e)
             self.heartbeat()
