@@ -5,6 +5,7 @@ A linear-regression model held as a dict of float32 numpy arrays, trained on dat
 ``overlap_steps=0`` so it waits for that round: the run's result does not depend on timing.
 
     python tests/adversary_learner.py --mailbox DIR --learner-id a --steps 12 --out OUT [--secret-file F]
+        [--identity F [--ignore-revocation]]
 
 Writes ``OUT.npz`` (final parameters) and ``OUT.events.jsonl`` (one event per line).
 """
@@ -53,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--secret-file", default=None)
     p.add_argument("--outlier-factor", type=float, default=None)
+    p.add_argument("--identity", default=None, help="this node's key file: a members-only run")
+    p.add_argument("--ignore-revocation", action="store_true", help="never read the membership log again")
     a = p.parse_args(argv)
 
     events = open(a.out + ".events.jsonl", "w")  # noqa: SIM115 - closed below
@@ -77,7 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         callbacks=[record, gm.log_events],
         seed=sum(map(ord, a.learner_id)),
         secret_file=a.secret_file,
+        identity=a.identity,
     ) as session:
+        if a.ignore_revocation:  # a member that keeps writing after its key was revoked
+            session.auth.frozen = True  # type: ignore[union-attr]
         session.wait_for(a.learners, timeout=60)
         for step in range(a.steps):
             train_step(model, a.learner_id, step)

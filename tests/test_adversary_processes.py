@@ -199,3 +199,106 @@ def test_without_a_secret_bad_input_is_rejected_with_reasons_and_the_run_complet
     # the honest contributions were never touched, so the result is the honest one too
     for lr in LEARNERS:
         assert same(out["params"][lr], honest["params"]["a"]), lr
+
+
+# ---- members-only runs: a member revoked mid-run keeps writing ----------------------------------
+
+REVOKE_AFTER = 2
+MEMBER_STEPS = 24
+
+
+def _cli(*args: str) -> str:
+    out = subprocess.run(
+        [sys.executable, "-m", "gradientmail_core.cli", *args],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=HERE.parent,
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def _wait_for(path: Path, procs: dict, timeout: float = 120.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        for lr, p in procs.items():
+            assert p.poll() is None, f"learner {lr} exited early"
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.02)
+
+
+def test_a_revoked_member_that_keeps_writing_is_ignored_and_the_others_agree(tmp_path):
+    from gradientmail_core.protocol.identity import Identity
+    from gradientmail_core.protocol.members import MemberAuth, change
+    from gradientmail_core.protocol.records import decode
+
+    root = tmp_path / "mailbox"
+    root.mkdir()
+    url = f"file://{root}"
+    names = ("a", "b", "c", "k")
+    key_files = {n: tmp_path / f"{n}.key" for n in names}
+    pubs = {n: _cli("members", "key", "--identity", str(key_files[n])).strip() for n in names}
+    ident = {n: Identity.load(key_files[n]) for n in names}
+    assert all(ident[n].public_hex == pubs[n] for n in names)
+    procs: dict[str, subprocess.Popen] = {}
+
+    def start(n: str, *extra: str) -> None:
+        log = open(tmp_path / f"log-{n}.txt", "wb")  # noqa: SIM115 - the child holds it
+        procs[n] = subprocess.Popen(
+            [sys.executable, str(HERE / "adversary_learner.py"), "--mailbox", str(root), "--learner-id", n,
+             "--steps", str(MEMBER_STEPS), "--learners", "4", "--out", str(tmp_path / n),
+             "--identity", str(key_files[n]), *extra],
+            stdout=log, stderr=subprocess.STDOUT, env=_env(),
+        )  # fmt: skip
+
+    try:
+        start("a")  # creates the run, and owns it (its identity signs the membership log)
+        _wait_for(root / keys.MANIFEST, procs)
+        _cli("members", "add", url, "--owner-key", str(key_files["a"]), pubs["b"], pubs["c"], pubs["k"])
+        start("b")
+        start("c")
+        start("k", "--ignore-revocation")  # keeps writing after its revocation, believing it is a member
+        _wait_for(root / keys.round_key(REVOKE_AFTER), procs)
+        # in this process (what `gradientmail members remove` does, without its start-up time)
+        mb = FileMailbox(root)
+        change(mb, decode(mb.get(keys.MANIFEST), Manifest), ident["a"], remove=[pubs["k"]])
+        for n in "abc":
+            assert procs[n].wait(timeout=240) == 0, (tmp_path / f"log-{n}.txt").read_text()[-4000:]
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    listing = _cli("members", "list", url)
+    assert f"revoked (1): {ident['k'].fingerprint}" in listing, listing
+
+    params = {}
+    for n in "abc":
+        with np.load(tmp_path / f"{n}.npz", allow_pickle=False) as z:
+            params[n] = {k: z[k] for k in z.files}
+    assert same(params["a"], params["b"]) and same(params["a"], params["c"])  # the honest ones agree
+
+    auth = MemberAuth()
+    store = RunStore(GuardedMailbox(FileMailbox(root), auth=auth), auth=auth)
+    store.read_record(keys.MANIFEST, Manifest)
+    recs = []
+    for key in store.keys(keys.ROUNDS):
+        rec = store.read_record(key, RoundRecord)
+        assert rec is not None and rec.round == len(recs)
+        recs.append(rec)
+    assert len(recs) == MEMBER_STEPS
+    k = ident["k"].learner_id("k")
+    assert k in {p.learner for p in recs[0].participants}  # a member until revoked
+    adopted = next(i for i, r in enumerate(recs) if r.members is not None and int(r.members[:10]) >= 2)
+    assert all(k not in {p.learner for p in r.participants} for r in recs[adopted:])
+    assert all(r.closer != k for r in recs[adopted:])
+    rows = [json.loads(x) for n in "abc" for x in (tmp_path / f"{n}.events.jsonl").read_text().splitlines() if x]
+    assert not [e for e in rows if e["event"] == "BackgroundFailed"]
+    revoked = [e for e in rows if e["event"] == "IgnoredObject" and "revoked" in e["reason"]]
+    assert {e["key"].split("/")[0] for e in revoked} >= {"leases"}, revoked[:5]
+    # it kept writing: snapshots for rounds past the one that adopted its revocation
+    k_rows = [json.loads(x) for x in (tmp_path / "k.events.jsonl").read_text().splitlines() if x]
+    assert any(e["event"] == "Published" and e["round"] >= adopted for e in k_rows)

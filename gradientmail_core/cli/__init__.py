@@ -5,9 +5,13 @@
     gradientmail rounds URL [--from N]      the tape, as a table or JSON lines
     gradientmail plot URL -o run.png        participants, cosine, timings, throughput per round
     gradientmail export URL -o model.safetensors
+    gradientmail syncer URL --id NAME       a node that only closes rounds (runs until interrupted)
+    gradientmail members list|add|remove URL [--owner-key F] [PUBKEY...]   who may join (members-only runs)
+    gradientmail members key --identity F    a node's public key
 
 URL is ``file:///path``, ``s3://bucket/prefix`` (with ``--endpoint-url`` for R2, MinIO...) or
-``memory://name`` (tests). Every command only reads. ``rich`` and ``matplotlib`` (the ``cli``
+``memory://name`` (tests). Every command only reads, but ``members add|remove`` (one entry of a
+members-only run's membership log, ``gradientmail members --help``). ``rich`` and ``matplotlib`` (the ``cli``
 extra) are imported by the commands that use them, so ``--help`` and ``rounds --json`` need
 neither.
 """
@@ -64,6 +68,14 @@ def _parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("export", parents=[common], help="the newest committed parameters as safetensors")
     e.add_argument("-o", "--output", required=True, metavar="FILE.safetensors")
+
+    from .syncer import add_parser as add_syncer
+
+    add_syncer(sub, common)
+
+    from .members import add_parser
+
+    add_parser(sub)
     return p
 
 
@@ -135,9 +147,31 @@ def _is_authenticated(mailbox: Mailbox) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["members"]:
+        from .members import parse
+
+        args = parse(argv[1:])
+    else:
+        args = _parser().parse_args(argv)
     from . import commands
 
+    if args.command == "syncer":  # joins the run (writes its lease and the commits), unlike the others
+        from . import syncer
+
+        try:
+            return syncer.run(args)
+        except (GradientMailError, ValueError, OSError) as e:
+            print(f"gradientmail syncer: error: {_explain(args.url, e)}", file=sys.stderr)
+            return EXIT_USAGE
+    if args.command == "members":  # the one command that writes (one entry of the membership log)
+        from . import members
+
+        try:
+            return members.run(args, open_url)
+        except (GradientMailError, ValueError, OSError) as e:
+            print(f"gradientmail members {args.action}: error: {_explain(args.url or '', e)}", file=sys.stderr)
+            return EXIT_USAGE
     try:
         mailbox = open_url(args.url, endpoint_url=args.endpoint_url, region=args.region)
         if not args.secret_file and _is_authenticated(mailbox):
