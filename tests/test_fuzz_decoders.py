@@ -319,3 +319,104 @@ def test_fuzz_counts_are_positive():
         assert seen[f"{target}:accepted"] > 0, f"{target}: no input decoded: {dict(seen)}"
         assert seen[f"{target}:refused"] > 0, f"{target}: every input decoded: {dict(seen)}"
         assert seen[f"{target}:accepted"] + seen[f"{target}:refused"] == seen[target]
+
+
+# ---- members-only runs: signed records and membership entries --------------------------------
+
+
+def _signed_seeds():
+    """A members-only run's policy (bound to its run, its log holding entry 0) and valid signed
+    records of it: a snapshot, a lease, a claim, a round record, and entry 0 of the log."""
+    from gradientmail_core.mailbox.memory import MemoryMailbox
+    from gradientmail_core.protocol.guard import GuardedMailbox
+    from gradientmail_core.protocol.identity import Identity
+    from gradientmail_core.protocol.members import MemberAuth
+
+    me = Identity.from_seed(b"\x07" * 32)
+    mb = MemoryMailbox()
+    pol = MemberAuth(identity=me)
+    GuardedMailbox(mb, auth=pol)
+    name = me.learner_id("a")
+    manifest = pol.sign(dataclasses.replace(SEEDS[Manifest], created_by=name))
+    ref = PayloadRef(key=keys.snapshot_blob_key(3, name, SHA), sha256=SHA, size=123)
+    recs = [
+        pol.sign(dataclasses.replace(SEEDS[Snapshot], learner=name, payload=ref, mac=None)),
+        pol.sign(dataclasses.replace(SEEDS[Lease], learner=name)),
+        pol.sign(dataclasses.replace(SEEDS[Claim], learner=name)),
+        pol.sign(dataclasses.replace(SEEDS[RoundRecord], closer=name)),
+    ]
+    (entry_key,) = mb.list(keys.MEMBERS)
+    return pol, manifest, {type(r): (keys_of(r), encode(r)) for r in recs}, (entry_key, mb.get(entry_key))
+
+
+def keys_of(rec) -> str:
+    from gradientmail_core.protocol.auth import record_key
+
+    return record_key(rec)
+
+
+SIGNED_POLICY, SIGNED_MANIFEST, SIGNED, SIGNED_ENTRY = _signed_seeds()
+
+
+@st.composite
+def signed_inputs(draw):
+    """Valid signed records and membership entries, and their mutations (bytes, fields, the
+    signature, the signer, the key they are read under), and random bytes."""
+    from gradientmail_core.protocol.records import MemberEntry
+
+    kind = draw(st.sampled_from([*SIGNED, MemberEntry]))
+    key, data = SIGNED_ENTRY if kind is MemberEntry else SIGNED[kind]
+    how = draw(st.sampled_from(["valid", "bytes", "flip", "field", "sig", "signer", "key"]))
+    if how == "valid":
+        return kind, key, data
+    if how == "bytes":
+        return kind, key, draw(st.binary(max_size=1024))
+    raw = json.loads(data)
+    if how == "flip":
+        buf = bytearray(data)
+        for _ in range(draw(st.integers(1, 4))):
+            buf[draw(st.integers(0, len(buf) - 1))] = draw(st.integers(0, 255))
+        return kind, key, bytes(buf)
+    if how == "field":
+        path = draw(st.lists(st.integers(0, 50), min_size=1, max_size=3))
+        return kind, key, canonical_json(_set_path(raw, path, draw(json_values)))
+    if how == "sig":
+        raw["sig"] = draw(st.sampled_from(["00" * 64, raw["sig"][::-1], raw["sig"][:-2] + "00", "zz", None]))
+        return kind, key, canonical_json(raw)
+    if how == "signer":
+        raw["signer"] = draw(st.sampled_from(["11" * 32, "00" * 32, raw["signer"][::-1], "x"]))
+        return kind, key, canonical_json(raw)
+    other = draw(st.sampled_from([keys.snapshot_key(4, "a-0000000000000000"), keys.round_key(5), keys.MANIFEST,
+                                  keys.member_key(1, SHA), keys.lease_key("b", 1), keys.claim_key(3, 2)]))  # fmt: skip
+    return kind, other, data
+
+
+def _read_signed(kind, key, data):
+    from gradientmail_core.protocol.members import Membership
+    from gradientmail_core.protocol.records import MemberEntry
+
+    if kind is MemberEntry:
+        log = Membership(SIGNED_MANIFEST.run_id, SIGNED_MANIFEST.owner)
+        return log.check_entry(key, data)
+    rec = decode(data, kind, key=key)
+    SIGNED_POLICY._tape.clear()  # judged alone, not against the rounds fuzzed before it
+    SIGNED_POLICY.verify(rec, key)
+    return rec
+
+
+@FUZZ
+@given(signed_inputs())
+def test_fuzz_signed_records_and_membership_entries_raise_only_record_invalid(inp):
+    kind, key, data = inp
+    try:
+        bounded("signed", _read_signed, kind, key, data)
+    except RecordInvalid:  # SignatureInvalid is one
+        return
+
+
+def test_fuzz_signed_inputs_reach_both_outcomes():
+    before = Counter(SEEN)
+    test_fuzz_signed_records_and_membership_entries_raise_only_record_invalid()
+    seen = SEEN - before
+    assert seen["signed"] >= EXAMPLES
+    assert seen["signed:accepted"] > 0 and seen["signed:refused"] > 0, dict(seen)
