@@ -205,3 +205,48 @@ def test_work_numbers_and_names_out_of_range_are_refused():
     ):
         with pytest.raises(ValueError):
             bad()
+
+
+# ---- node roles in lease keys ---------------------------------------------------------------
+
+roles = st.sampled_from(keys.ROLES)
+tags = st.from_regex(r"[0-9a-f]{32}", fullmatch=True)
+
+
+@given(learners, st.integers(0, keys.MAX_SEQ), roles)
+def test_lease_keys_with_a_role_round_trip(learner, seq, role):
+    k = keys.lease_key(learner, seq, role)
+    assert keys.parse_lease_key(k) == (learner, seq) and keys.lease_role(k) == role
+    assert keys.validate_key(k) == k and keys.is_known_key(k)
+    if role == "both":  # the keys of runs from before roles
+        assert k == keys.lease_key(learner, seq) == f"leases/{learner}/{seq:010d}.json"
+
+
+@given(learners, st.integers(0, keys.MAX_SEQ), st.integers(0, keys.MAX_SEQ), roles, roles)
+def test_lease_byte_order_is_sequence_order_whatever_the_roles(learner, s, t, ra, rb):
+    # a node's newest lease is the last one listed, even across a restart under another role
+    if s != t:
+        assert (keys.lease_key(learner, s, ra) < keys.lease_key(learner, t, rb)) == (s < t)
+
+
+@given(learners, st.integers(0, keys.MAX_SEQ), roles, learners, st.integers(0, keys.MAX_SEQ), roles, tags, tags)
+def test_tagged_lease_keys_with_a_role_round_trip_and_keep_their_order(la, sa, ra, lb, sb, rb, ta, tb):
+    a, b = keys.lease_key(la, sa, ra), keys.lease_key(lb, sb, rb)
+    pa, pb = keys.tag_key(a, ta), keys.tag_key(b, tb)
+    assert keys.untag_key(pa) == (a, ta) and keys.validate_key(pa) == pa
+    assert keys.parse_lease_key(pa) is None and keys.lease_role(pa) is None  # a tagged key is no plain key
+    if a != b:
+        assert (a < b) == (pa < pb)
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["leases/a/0000000001.x.json", "leases/a/0000000001.L.json", "leases/a/0000000001.l.s.json", "leases/a/0000000001..json"],
+)
+def test_near_miss_role_lease_keys_do_not_parse(key):
+    assert keys.parse_lease_key(key) is None and keys.lease_role(key) is None
+
+
+def test_an_unknown_role_is_refused():
+    with pytest.raises(ValueError, match="role"):
+        keys.lease_key("a", 1, "closer")

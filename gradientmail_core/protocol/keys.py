@@ -7,7 +7,7 @@ property test holds us to that. All keys are relative to the mailbox prefix.
     claims/{round:010d}/{n:03d}.json
     rounds/{round:010d}.json
     snapshots/{round:010d}/{learner}.json
-    leases/{learner}/{seq:010d}.json
+    leases/{learner}/{seq:010d}.json          (role "both"; ".l.json" a learner, ".s.json" a syncer)
     blobs/init/{fragment:03d}-{sha256}.safetensors[.zst]
     blobs/rounds/{round:010d}/{kind}-{sha256}.safetensors[.zst]
     blobs/snapshots/{round:010d}/{learner}/{sha256}.safetensors[.zst]
@@ -58,7 +58,15 @@ _LEARNER = r"[a-z0-9][a-z0-9-]{0,63}"
 _CLAIM_RE = re.compile(r"claims/(\d{10})/(\d{3})\.json")
 _ROUND_RE = re.compile(r"rounds/(\d{10})\.json")
 _SNAPSHOT_RE = re.compile(rf"snapshots/(\d{{10}})/({_LEARNER})\.json")
-_LEASE_RE = re.compile(rf"leases/({_LEARNER})/(\d{{10}})\.json")
+_LEASE_RE = re.compile(rf"leases/({_LEARNER})/(\d{{10}})(\.[ls])?\.json")
+
+# A node's role is in its lease key, so that one listing of ``leases/`` tells every observer who may
+# close rounds: "both" trains and may close (no suffix: the keys of runs from before roles),
+# "learner" only trains, "syncer" only closes.
+ROLES = ("both", "learner", "syncer")
+CLOSER_ROLES = ("both", "syncer")
+_ROLE_SUFFIX = {"both": "", "learner": ".l", "syncer": ".s"}
+_SUFFIX_ROLE = {v: k for k, v in _ROLE_SUFFIX.items()}
 _INIT_BLOB_RE = re.compile(rf"blobs/init/(\d{{3}})-({_SHA})({_EXT})")
 _ROUND_BLOB_RE = re.compile(rf"blobs/rounds/(\d{{10}})/(theta|outer|change)-({_SHA})({_EXT})")
 _MEMBER_RE = re.compile(rf"members/(\d{{10}})-({_SHA})\.json")
@@ -178,10 +186,16 @@ def lease_prefix(learner: str) -> str:
     return f"{LEASES}{validate_learner_id(learner)}/"
 
 
-def lease_key(learner: str, seq: int) -> str:
+def validate_role(role: str) -> str:
+    if role not in ROLES:
+        raise ValueError(f"role={role!r}: expected one of {', '.join(map(repr, ROLES))}")
+    return role
+
+
+def lease_key(learner: str, seq: int, role: str = "both") -> str:
     if not 0 <= seq <= MAX_SEQ:
         raise ValueError(f"lease sequence {seq} out of range")
-    return f"{lease_prefix(learner)}{seq:010d}.json"
+    return f"{lease_prefix(learner)}{seq:010d}{_ROLE_SUFFIX[validate_role(role)]}.json"
 
 
 def init_blob_key(fragment: int, sha: str, compression: str = "") -> str:
@@ -319,8 +333,15 @@ def parse_snapshot_key(key: str) -> tuple[int, str] | None:
 
 
 def parse_lease_key(key: str) -> tuple[str, int] | None:
+    """``(learner, seq)`` of a lease key of any role (``lease_role`` tells the role)."""
     m = _LEASE_RE.fullmatch(key)
     return (m[1], int(m[2])) if m else None
+
+
+def lease_role(key: str) -> str | None:
+    """The role of the node holding lease ``key``: "both", "learner" or "syncer"."""
+    m = _LEASE_RE.fullmatch(key)
+    return _SUFFIX_ROLE[m[3] or ""] if m else None
 
 
 def parse_queue_info_key(key: str) -> str | None:
