@@ -35,6 +35,7 @@ from .mailbox import CountingMailbox, Mailbox, open_mailbox
 from .mailbox.file import FileMailbox
 from .mailbox.memory import MemoryMailbox
 from .session import Progress, Session, align
+from .syncer.standalone import Syncer
 from .workqueue import HoldLost, WorkQueue
 
 __version__ = "0.1.0"
@@ -81,6 +82,7 @@ __all__ = [
     "SessionFailed",
     "StoreUnsupported",
     "Strided",
+    "Syncer",
     "SystemClock",
     "WeightedMean",
     "WorkQueue",

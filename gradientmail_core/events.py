@@ -129,6 +129,31 @@ class GaveUp(Event):
 
 
 @dataclass(frozen=True)
+class WaitingForRun(Event):
+    """A syncer (``gm.Syncer``) found no run in its mailbox (no manifest): it never creates one,
+    so it waits for a learner to. Emitted once."""
+
+    where: str
+
+
+@dataclass(frozen=True)
+class NoCloser(Event):
+    """A learner-only node (``role="learner"``) sees no live node that may close rounds (a syncer
+    or a ``role="both"`` node): the run waits at ``round``. Start one, e.g.
+    ``gradientmail syncer URL --id NAME``. Emitted once, until ``CloserBack``."""
+
+    round: int
+
+
+@dataclass(frozen=True)
+class CloserBack(Event):
+    """A node that may close rounds (``who``) is live again after ``NoCloser``."""
+
+    round: int
+    who: str
+
+
+@dataclass(frozen=True)
 class StoreFailure(Event):
     """A transient store error; the node retries on its next poll."""
 
@@ -160,7 +185,8 @@ def log_events(event: Event) -> None:
     Both names start with ``gm`` so they never collide with ``LogRecord``'s own attributes
     (``logging`` refuses ``extra`` keys such as ``message`` or ``args``).
     """
-    level = logging.WARNING if isinstance(event, _QUIET + (GaveUp, BackgroundFailed, Superseded)) else logging.INFO
+    loud = (GaveUp, BackgroundFailed, Superseded, NoCloser)
+    level = logging.WARNING if isinstance(event, _QUIET + loud) else logging.INFO
     if not _log.isEnabledFor(level):
         return
     data = {f.name: getattr(event, f.name) for f in fields(event)}

@@ -64,6 +64,7 @@ class Session:
         algorithm: DiLoCo,
         mailbox: Mailbox,
         learner_id: str | None = None,
+        role: str = "both",
         poll_interval: float = 1.0,
         lease_timeout: float = 120.0,
         round_timeout: float | None = None,
@@ -82,6 +83,12 @@ class Session:
             raise TypeError(f"algorithm must be a gm.DiLoCo(...), found {type(algorithm).__name__}")
         if compression not in _COMPRESSION:
             raise ValueError(f"compression={compression!r}: expected 'off' or 'zstd'")
+        if role not in ("both", "learner"):
+            raise ValueError(
+                f"role={role!r}: expected 'both' (train and close rounds) or 'learner' (train only); "
+                "a node that only closes rounds is gm.Syncer (`gradientmail syncer URL --id NAME`)"
+            )
+        self.role = role
         if not poll_interval > 0 or not lease_timeout > poll_interval:
             raise ValueError(f"need 0 < poll_interval ({poll_interval}) < lease_timeout ({lease_timeout})")
         self.auth: Policy | MemberAuth = auth_policy(secret, secret_file)  # validated before any I/O
@@ -158,6 +165,7 @@ class Session:
             options=self.options,
             rng=self._rng,
             bridge=self.bridge,
+            role=self.role,
         )
         self.node, self.learner = node, learner
         self._thread = threading.Thread(target=self._background, name=f"gradientmail-{self.learner_id}", daemon=True)

@@ -36,6 +36,8 @@ class SessionOptions:
     wait_timeout: float | None = None
     #: this node's learner id (None: one restored from a checkpoint, else a fresh one).
     learner_id: str | None = None
+    #: ``"both"`` (train and close rounds) or ``"learner"`` (train only, never close: e.g. a laptop on a home link).
+    role: str = "both"
     #: seconds between polls of the mailbox.
     poll_interval: float = 1.0
     #: seconds without a lease renewal after which a learner counts as gone.

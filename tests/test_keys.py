@@ -241,7 +241,12 @@ def test_tagged_lease_keys_with_a_role_round_trip_and_keep_their_order(la, sa, r
 
 @pytest.mark.parametrize(
     "key",
-    ["leases/a/0000000001.x.json", "leases/a/0000000001.L.json", "leases/a/0000000001.l.s.json", "leases/a/0000000001..json"],
+    [
+        "leases/a/0000000001.x.json",
+        "leases/a/0000000001.L.json",
+        "leases/a/0000000001.l.s.json",
+        "leases/a/0000000001..json",
+    ],
 )
 def test_near_miss_role_lease_keys_do_not_parse(key):
     assert keys.parse_lease_key(key) is None and keys.lease_role(key) is None

@@ -5,6 +5,7 @@
     gradientmail rounds URL [--from N]      the tape, as a table or JSON lines
     gradientmail plot URL -o run.png        participants, cosine, timings, throughput per round
     gradientmail export URL -o model.safetensors
+    gradientmail syncer URL --id NAME       a node that only closes rounds (runs until interrupted)
     gradientmail members list|add|remove URL [--owner-key F] [PUBKEY...]   who may join (members-only runs)
     gradientmail members key --identity F    a node's public key
 
@@ -67,6 +68,10 @@ def _parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("export", parents=[common], help="the newest committed parameters as safetensors")
     e.add_argument("-o", "--output", required=True, metavar="FILE.safetensors")
+
+    from .syncer import add_parser as add_syncer
+
+    add_syncer(sub, common)
 
     from .members import add_parser
 
@@ -151,6 +156,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _parser().parse_args(argv)
     from . import commands
 
+    if args.command == "syncer":  # joins the run (writes its lease and the commits), unlike the others
+        from . import syncer
+
+        try:
+            return syncer.run(args)
+        except (GradientMailError, ValueError, OSError) as e:
+            print(f"gradientmail syncer: error: {_explain(args.url, e)}", file=sys.stderr)
+            return EXIT_USAGE
     if args.command == "members":  # the one command that writes (one entry of the membership log)
         from . import members
 

@@ -55,6 +55,8 @@ class LeaseInfo:
     tokens: int
     last_round: int | None  # newest round among those read that this learner contributed to
     in_open_round: bool  # it has published into the round being collected now
+    role: str = "both"  # from its lease key: "both", "learner" (never closes) or "syncer" (never trains)
+    waiting_for_closer: bool = False  # a learner-only node that sees no live node that may close rounds
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,12 @@ class Overview:
     @property
     def open_fragment(self) -> int:
         return fragment_of(self.open_round, self.run.P)
+
+    @property
+    def waiting_for_closer(self) -> list[str]:
+        """Learner-only nodes whose newest lease says they see no live node that may close rounds
+        (a single look cannot judge liveness; they can, on their own clocks)."""
+        return [le.learner for le in self.leases if le.waiting_for_closer]
 
 
 def read_manifest(mailbox: Mailbox) -> RunInfo:
@@ -165,6 +173,8 @@ def read_overview(mailbox: Mailbox, *, last: int = 8) -> Overview:
             tokens=lease.tokens if lease else 0,
             last_round=last_round.get(learner),
             in_open_round=learner in contributors,
+            role=keys.lease_role(k) or "both",
+            waiting_for_closer=bool(lease and lease.waiting_for_closer),
         )
         for learner, (k, lease) in read_leases(mailbox).items()
     ]

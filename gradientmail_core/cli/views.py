@@ -94,7 +94,7 @@ def learners(ov: Overview, renewed: Mapping[str, float | None] | None = None) ->
         t.add_column("lease renewed", justify="right")
     for le in ov.leases:
         row = [
-            le.learner,
+            le.learner if le.role == "both" else f"{le.learner} [dim]({le.role})[/dim]",
             f"#{le.seq}" if le.seq >= 0 else "[red]unreadable[/red]",
             str(le.local_step),
             human_count(le.tokens),
@@ -154,8 +154,22 @@ def work(ov: Overview) -> Table:
     return t
 
 
+def waiting_line(ov: Overview, url: str) -> str | None:
+    """The run waits for a node that may close rounds, as its learner-only nodes report it."""
+    seen_by = ov.waiting_for_closer
+    if not seen_by:
+        return None
+    return (
+        f"the run is waiting: no node that may close rounds is live (seen by {', '.join(seen_by)}); "
+        f"start one with `gradientmail syncer {url} --id NAME`"
+    )
+
+
 def status(ov: Overview, url: str, renewed: Mapping[str, float | None] | None = None) -> RenderableType:
     parts: list[RenderableType] = [summary(ov, url), Text(), learners(ov, renewed)]
+    waiting = waiting_line(ov, url)
+    if waiting is not None:
+        parts[1:1] = [Text(), Text(waiting, style="bold red")]
     if ov.work:
         parts += [Text(), work(ov)]
     if ov.recent:

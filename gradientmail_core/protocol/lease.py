@@ -17,10 +17,17 @@ from .store import RunStore
 
 
 class LeaseWriter:
-    """This node's own lease: ``leases/{learner}/{seq}.json``, rewritten every ``interval``."""
+    """This node's own lease: ``leases/{learner}/{seq}.json``, rewritten every ``interval``.
 
-    def __init__(self, store: RunStore, clock: Clock, learner: str, nonce: str, interval: float) -> None:
+    ``role`` is in the key (``keys.lease_key``) and the record; ``waiting_for_closer`` goes into the
+    next lease written (a learner-only node that sees no live node that may close rounds)."""
+
+    def __init__(
+        self, store: RunStore, clock: Clock, learner: str, nonce: str, interval: float, role: str = "both"
+    ) -> None:
         self.store, self.clock, self.learner, self.nonce, self.interval = store, clock, learner, nonce, interval
+        self.role = keys.validate_role(role)
+        self.waiting_for_closer = False
         self.seq = 0
         self.key: str | None = None
         self.renewed_at = float("-inf")
@@ -55,8 +62,16 @@ class LeaseWriter:
     def renew(self, *, local_step: int, tokens: int, force: bool = False) -> None:
         if not force and not self.due():
             return
-        key = keys.lease_key(self.learner, self.seq)
-        lease = Lease(learner=self.learner, nonce=self.nonce, seq=self.seq, local_step=local_step, tokens=tokens)
+        key = keys.lease_key(self.learner, self.seq, self.role)
+        lease = Lease(
+            learner=self.learner,
+            nonce=self.nonce,
+            seq=self.seq,
+            local_step=local_step,
+            tokens=tokens,
+            role=self.role,
+            waiting_for_closer=self.waiting_for_closer,
+        )
         outcome, existing = self.store.put_record(key, lease)
         if outcome is CreateOutcome.TAKEN and not self._ours(existing, key):
             # Our next lease key exists with someone else's bytes: another process with our id.
@@ -95,11 +110,18 @@ class _Seen:
 
 
 class Liveness:
-    """Who is live, from listings of ``leases/``, judged on this node's own clock."""
+    """Who is live, from listings of ``leases/``, judged on this node's own clock.
 
-    def __init__(self, clock: Clock, timeout: float, me: str | None) -> None:
+    Each node's role comes from its newest lease key. ``live()`` is the live *learners* (roles
+    "both" and "learner": the nodes that contribute, which quorum, batch size and a closer's wait
+    count); a syncer never contributes, so counting it would hold every round until its grace ran
+    out. ``closers()`` is the live nodes that may close rounds (roles "both" and "syncer")."""
+
+    def __init__(self, clock: Clock, timeout: float, me: str | None, role: str = "both") -> None:
         self.clock, self.timeout, self.me = clock, timeout, me
+        self.role = keys.validate_role(role)
         self.seen: dict[str, _Seen] = {}
+        self.roles: dict[str, str] = {}  # learner -> role, from its newest lease key
         self.listed_at = float("-inf")
 
     def observe(self, lease_keys: list[str]) -> None:
@@ -117,8 +139,10 @@ class Liveness:
             prev = self.seen.get(learner)
             if prev is None or prev.key != k or blind:
                 self.seen[learner] = _Seen(k, now)
+            self.roles[learner] = keys.lease_role(k) or "both"
         for gone in set(self.seen) - set(newest):
             del self.seen[gone]
+            self.roles.pop(gone, None)
         self.listed_at = now
 
     def is_live(self, learner: str) -> bool:
@@ -127,11 +151,29 @@ class Liveness:
         s = self.seen.get(learner)
         return s is not None and self.clock.now() - s.changed_at < self.timeout
 
-    def live(self) -> set[str]:
+    def role_of(self, learner: str) -> str:
+        return self.role if learner == self.me else self.roles.get(learner, "both")
+
+    def live_nodes(self) -> set[str]:
+        """Every live node, whatever its role (this one included)."""
         out = {n for n in self.seen if self.is_live(n)}
         if self.me is not None:
             out.add(self.me)
         return out
+
+    def live(self) -> set[str]:
+        """The live learners: nodes that train (roles "both" and "learner"), this one included
+        unless it is a syncer."""
+        return {n for n in self.live_nodes() if self.role_of(n) != "syncer"}
+
+    def closers(self) -> set[str]:
+        """The live nodes that may close rounds (roles "both" and "syncer"), this one included
+        when its role allows."""
+        return {n for n in self.live_nodes() if self.role_of(n) in keys.CLOSER_ROLES}
+
+    def closer_live(self) -> bool:
+        """Is any node that may close rounds live (this one included when its role allows)?"""
+        return bool(self.closers())
 
     def abandoned(self, factor: float = 10.0) -> list[str]:
         """Lease keys unchanged for ``factor`` timeouts: their owners are long gone."""

@@ -215,10 +215,15 @@ def to_dict(record: Any) -> dict[str, Any]:
     return d
 
 
-@functools.cache
+_OMITTED: dict[type, tuple[dataclasses.Field[Any], ...]] = {}
+
+
 def _omitted_if_default(cls: type) -> tuple[dataclasses.Field[Any], ...]:
     """Fields left out of the JSON while they hold their default (``metadata["omit_default"]``)."""
-    return tuple(f for f in dataclasses.fields(cls) if f.metadata.get("omit_default"))
+    out = _OMITTED.get(cls)
+    if out is None:
+        out = _OMITTED[cls] = tuple(f for f in dataclasses.fields(cls) if f.metadata.get("omit_default"))
+    return out
 
 
 def canonical_json(obj: Any) -> bytes:

@@ -5,6 +5,11 @@ the open round's newest claim; it claims the next number itself when the holder'
 (``lease_lost``), when the round overruns what the past rounds predict (``timeout``), or when
 nobody claimed it within ``claim_wait`` (``unclaimed``). Claims are create-once, so one number
 has one winner.
+
+Only nodes whose role may close (``role="both"``, the default, and syncers) take part. A
+learner-only node never claims: it only watches whether any node that may close is live, and says
+so once when none is (``NoCloser``, and ``waiting_for_closer`` in its lease for ``gradientmail
+status``) and once when one is back (``CloserBack``).
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ from .state import Follow
 class Election(Closing, GarbageCollection):
     def _drive_round(self) -> None:
         r = self.head + 1
+        if not self.may_close:
+            self._watch_closers(r)
+            return
         if self.collector is not None and self.collector.round != r:
             self.collector = None
         if self.collector is None:
@@ -30,6 +38,24 @@ class Election(Closing, GarbageCollection):
         elif self._collect(self.collector):
             self._try_claim(r + 1, 1, previous=None, reason=None)
             self._collect_garbage(r)
+
+    def _watch_closers(self, r: int) -> None:
+        """A learner-only node: report when the run has no live node that may close its rounds."""
+        if self.liveness.listed_at == float("-inf"):
+            return
+        closers = self.liveness.closers()
+        if not closers and self.closer_gone is None:
+            self.closer_gone = r
+            self.emit(ev.NoCloser(self.me, r))
+            self._waiting_for_closer(True)
+        elif closers and self.closer_gone is not None:
+            self.closer_gone = None
+            self.emit(ev.CloserBack(self.me, r, sorted(closers)[0]))
+            self._waiting_for_closer(False)
+
+    def _waiting_for_closer(self, waiting: bool) -> None:
+        self.lease.waiting_for_closer = waiting
+        self.lease.renew(local_step=self.bridge.local_step, tokens=self.bridge.tokens, force=True)
 
     def _list_claims(self, r: int) -> Claim | None:
         return newest_claim(self.store, r)
@@ -57,8 +83,10 @@ class Election(Closing, GarbageCollection):
             self._become_closer(r)
             return
         reason = None
-        if self.liveness.listed_at > float("-inf") and not self.liveness.is_live(claim.learner):
-            reason = "lease_lost"
+        if self.liveness.listed_at > float("-inf") and (
+            not self.liveness.is_live(claim.learner) or self.liveness.role_of(claim.learner) == "learner"
+        ):
+            reason = "lease_lost"  # (or its holder came back as a learner-only node: it will not close)
         elif fo.timer_from is not None and now - max(fo.timer_from, fo.claim_seen_at) >= self._round_timeout():
             reason = "timeout"
         if reason is None:
@@ -75,6 +103,8 @@ class Election(Closing, GarbageCollection):
         return max(self.opts.round_timeout, 4 * predicted)
 
     def _try_claim(self, r: int, n: int, *, previous: str | None, reason: str | None) -> None:
+        if not self.may_close:
+            return  # a learner-only node never claims
         if n > keys.MAX_CLAIM:
             raise ProtocolError(f"round {r} has been taken over {keys.MAX_CLAIM} times; the run cannot elect a closer")
         claim = Claim(round=r, n=n, learner=self.me, nonce=self.nonce)

@@ -90,6 +90,8 @@ class Following(NodeState):
         if theta is None:
             return  # pruned already: a newer record of this fragment is on the tape
         self.thetas[f] = (rec.version, theta)
+        if self.role == "syncer":
+            return  # no training thread: nothing would ever drain the inbox
         stage = self.bridge.stage  # e.g. moves the theta to the device here, off the training thread
         self.bridge.inbox.put(
             CommitNotice(

@@ -34,6 +34,7 @@ def join_run(
     rng: random.Random,
     node_rng: random.Random | None = None,
     bridge: Bridge | None = None,
+    role: str = "both",
 ) -> tuple[Node, Learner]:
     """Join (or create) the run in ``store`` as ``learner``; return its node and learner.
 
@@ -41,7 +42,12 @@ def join_run(
     node's own. Raises ``RunConfigMismatch`` or ``SchemaMismatch`` before anything is written
     but the lease, ``DuplicateLearner`` if the id is taken by a live process, and
     ``MailboxUnavailable`` when the store cannot be reached (nothing committed is touched).
+
+    ``role``: "both" (trains and may close rounds) or "learner" (trains, never closes). A node that
+    only closes rounds joins through ``syncer.standalone.Syncer`` instead.
     """
+    if role not in ("both", "learner"):
+        raise ValueError(f"role={role!r}: a training node's role is 'both' or 'learner' (a syncer is gm.Syncer)")
     run, created = open_run(store, adapter, cfg, learner=learner, compression=options.compression, rng=rng)
     store.limit_payloads(max_payload_bytes(run))
     node = Node(
@@ -54,6 +60,7 @@ def join_run(
         options=options,
         bridge=bridge,
         rng=node_rng or rng,
+        role=role,
     )
     thetas = node.join(created=created)
     trainer = Learner(adapter, run, node.bridge, clock, learner=learner, emit=emit)

@@ -12,6 +12,7 @@ import numpy as np
 
 from .. import events as ev
 from ..clock import Clock
+from ..protocol import keys
 from ..protocol.lease import LeaseWriter, Liveness
 from ..protocol.records import Claim, RoundRecord, Snapshot
 from ..protocol.run import RunInfo
@@ -77,13 +78,19 @@ class NodeState:
         options: NodeOptions,
         bridge: Bridge | None = None,
         rng: random.Random | None = None,
+        role: str = "both",
     ) -> None:
         self.store, self.clock, self.run, self.me, self.nonce = store, clock, run, learner, nonce
         self.emit, self.opts = emit, options
         self.bridge = bridge or Bridge()
         self.rng = rng or random.Random(0)
-        self.lease = LeaseWriter(store, clock, learner, nonce, options.lease_interval)
-        self.liveness = Liveness(clock, options.lease_timeout, learner)
+        # "both": trains and may close rounds; "learner": trains, never claims or takes over;
+        # "syncer": closes rounds, trains nothing (no commit is handed to a training thread).
+        self.role = keys.validate_role(role)
+        self.lease = LeaseWriter(store, clock, learner, nonce, options.lease_interval, role=self.role)
+        self.liveness = Liveness(clock, options.lease_timeout, learner, role=self.role)
+        # A learner-only node that sees no live node that may close rounds: the round it waits in.
+        self.closer_gone: int | None = None
         self.head = -1
         self.newest: dict[int, RoundRecord] = {}
         self.thetas: dict[int, tuple[int, dict[str, np.ndarray]]] = {}
@@ -98,6 +105,11 @@ class NodeState:
         self.stats = NodeStats()
         self._last_sync: float | None = None
         self.stuck: str | None = None
+
+    @property
+    def may_close(self) -> bool:
+        """May this node claim and close rounds (roles "both" and "syncer")?"""
+        return self.role in keys.CLOSER_ROLES
 
     def newest_of_head(self) -> RoundRecord | None:
         """The record of the newest committed round (None before the first commit)."""

@@ -1,0 +1,125 @@
+"""``gradientmail syncer URL --id NAME``: a node that trains nothing and only closes rounds
+(``gm.Syncer``), with one line per round it closes. Stops cleanly, releasing its lease, on
+SIGINT or SIGTERM.
+
+It never creates a run: started before the learners, it waits for the manifest and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from typing import Any, TextIO
+
+from .. import events as ev
+from ..mailbox import Mailbox, open_mailbox
+
+
+def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    s = sub.add_parser(
+        "syncer",
+        parents=[common],
+        help="close the run's rounds without training (a node next to the store)",
+        description=(
+            "Join the run at URL as a syncer: a node that closes rounds (merges the learners' "
+            "contributions and commits) and trains nothing. Learners started with role='learner' "
+            "never close rounds themselves. Runs until interrupted (SIGINT/SIGTERM), then releases "
+            "its lease."
+        ),
+    )
+    s.add_argument("--id", dest="syncer_id", required=True, metavar="NAME", help="this syncer's id ([a-z0-9-])")
+    s.add_argument("--poll-interval", type=_positive_float, default=1.0, metavar="S", help="seconds between polls")
+    s.add_argument(
+        "--lease-timeout",
+        type=_positive_float,
+        default=120.0,
+        metavar="S",
+        help="seconds without a lease renewal after which a node counts as gone (as the learners use)",
+    )
+    s.add_argument("--round-timeout", type=_positive_float, default=None, metavar="S")
+    s.add_argument("--compression", choices=("off", "zstd"), default="off", help="compression of the commits")
+    s.add_argument("--identity", metavar="FILE", help="this node's key file, for a members-only run")
+
+
+def _positive_float(text: str) -> float:
+    v = float(text)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
+    return v
+
+
+class _Lines:
+    """The syncer's events as one line each: a line per round it closes, and what it waits for."""
+
+    def __init__(self, out: TextIO, url: str) -> None:
+        self.out, self.url = out, url
+        self.participants: dict[int, tuple[str, ...]] = {}
+
+    def __call__(self, e: ev.Event) -> None:
+        line = self.line(e)
+        if line is not None:
+            print(line, file=self.out, flush=True)
+
+    def line(self, e: ev.Event) -> str | None:
+        if isinstance(e, ev.WaitingForRun):
+            return f"{e.learner}: no run at {self.url} yet ({e.where}); waiting for a learner to create it"
+        if isinstance(e, ev.Joined):
+            head = f"round {e.round}" if e.round >= 0 else "no round committed yet"
+            return f"{e.learner}: joined the run ({head}; {e.live} live learner{'s' if e.live != 1 else ''})"
+        if isinstance(e, ev.RoundClosed):
+            self.participants[e.round] = e.participants
+            return None
+        if isinstance(e, ev.Committed):
+            who = self.participants.pop(e.round, ())
+            return (
+                f"round {e.round}  fragment {e.fragment} v{e.version}  contributors {len(who)}: "
+                f"{', '.join(who) or '-'}  {e.bytes_written} bytes written"
+            )
+        if isinstance(e, ev.TookOver):
+            was = f" from {e.previous}" if e.previous else ""
+            return f"{e.learner}: took round {e.round} over{was} ({e.reason})"
+        if isinstance(e, ev.Superseded):
+            return f"{e.learner}: round {e.round} was committed by {e.by}; following it"
+        if isinstance(e, ev.ContributionRejected):
+            return f"{e.learner}: round {e.round}: rejected {e.contributor} ({e.reason})"
+        if isinstance(e, ev.StoreFailure | ev.BackgroundFailed):
+            return f"{e.learner}: {type(e).__name__}: {' '.join(str(getattr(e, 'error', '')).split())[:300]}"
+        if isinstance(e, ev.Left):
+            return f"{e.learner}: left the run at round {e.round} (lease released)"
+        return None
+
+
+def _open(url: str, endpoint_url: str | None, region: str | None) -> Mailbox:
+    # Unlike the reading commands, a file:// directory that does not exist yet is fine: the
+    # syncer waits there for the learners to create the run.
+    options = {k: v for k, v in (("endpoint_url", endpoint_url), ("region", region)) if v is not None}
+    return open_mailbox(url, **options)
+
+
+def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    from ..syncer.standalone import Syncer
+
+    mailbox = _open(args.url, args.endpoint_url, args.region)
+    syncer = Syncer(
+        mailbox,
+        syncer_id=args.syncer_id,
+        poll_interval=args.poll_interval,
+        lease_timeout=args.lease_timeout,
+        round_timeout=args.round_timeout,
+        compression=args.compression,
+        secret_file=args.secret_file,
+        identity=args.identity,
+        callbacks=[_Lines(out, args.url)],
+    )
+
+    def stop(signum: int, frame: Any) -> None:
+        syncer.stop()
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        syncer.run()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 0

@@ -1,0 +1,219 @@
+"""``gm.Syncer``: a node that trains nothing and only closes rounds.
+
+A syncer joins a run that learners created (it never creates one: it waits for the manifest and
+says so, ``WaitingForRun``), holds a lease with the role "syncer" (``leases/{id}/{seq}.s.json``,
+so every node knows from its listing of ``leases/`` that it never contributes) and drives a
+``Node`` with no learner: it claims, closes and takes over rounds by the usual rules, and never
+publishes. Put it next to the store (a cloud VM) and start the laptops with ``role="learner"``:
+the rounds are merged where the bandwidth is.
+
+    with gm.Syncer(gm.open_mailbox(url), syncer_id="sync-1") as syncer:
+        syncer.run()                    # until stop() (another thread, a signal) or Ctrl-C
+
+or ``gradientmail syncer URL --id sync-1``. Numpy only: no framework is imported. What it holds
+is what closing needs: per fragment the newest parameters and the outer state of the fragments
+it closes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+from collections.abc import Callable, Sequence
+from types import TracebackType
+
+from .. import events as ev
+from ..clock import Clock, SystemClock
+from ..errors import MailboxUnavailable
+from ..mailbox import Mailbox
+from ..protocol import keys
+from ..protocol.auth import Policy
+from ..protocol.auth import policy as auth_policy
+from ..protocol.guard import GuardedMailbox
+from ..protocol.identity import Identity
+from ..protocol.members import MemberAuth
+from ..protocol.run import RunInfo, max_payload_bytes, read_manifest
+from ..protocol.store import RunStore
+from .marker import RestartMarker
+from .node import Node, NodeOptions
+
+_log = logging.getLogger(__name__)
+_COMPRESSION = {"off": "", "none": "", "": "", "zstd": "zstd"}
+
+
+class Syncer:
+    """A node that only closes rounds (see the module). ``open()`` waits for the run and joins it;
+    ``tick()`` is one poll (tests drive it on a fake clock); ``run()`` polls until ``stop()``;
+    ``close()`` releases the lease. A context manager: ``__exit__`` closes."""
+
+    def __init__(
+        self,
+        mailbox: Mailbox,
+        *,
+        syncer_id: str,
+        poll_interval: float = 1.0,
+        lease_timeout: float = 120.0,
+        lease_every: float | None = None,
+        round_timeout: float | None = None,
+        compression: str = "off",
+        callbacks: Sequence[Callable[[ev.Event], None]] = (ev.log_events,),
+        clock: Clock | None = None,
+        seed: int | None = None,
+        secret: bytes | str | None = None,
+        secret_file: str | os.PathLike[str] | None = None,
+        identity: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.syncer_id = keys.validate_learner_id(syncer_id)
+        if compression not in _COMPRESSION:
+            raise ValueError(f"compression={compression!r}: expected 'off' or 'zstd'")
+        if not poll_interval > 0 or not lease_timeout > poll_interval:
+            raise ValueError(f"need 0 < poll_interval ({poll_interval}) < lease_timeout ({lease_timeout})")
+        self.auth: Policy | MemberAuth = auth_policy(secret, secret_file)  # validated before any I/O
+        if identity is not None:  # a members-only run (docs/security.md): this node's key pair
+            me = Identity.load(identity)
+            self.auth = MemberAuth(auth_policy(secret, secret_file), identity=me)
+            self.syncer_id = me.learner_id(self.syncer_id)
+        self.mailbox = mailbox
+        self.clock = clock or SystemClock()
+        self.callbacks = list(callbacks)
+        self.options = NodeOptions(
+            poll_interval=poll_interval,
+            lease_timeout=lease_timeout,
+            lease_every=lease_every,
+            round_timeout=round_timeout if round_timeout is not None else max(30.0, 10 * poll_interval),
+            compression=_COMPRESSION[compression],
+        )
+        self._rng = random.Random(seed if seed is not None else int.from_bytes(os.urandom(8), "big"))
+        self.nonce = f"{self._rng.getrandbits(64):016x}"
+        self._marker = RestartMarker(self.syncer_id)
+        self._stop = threading.Event()
+        self.node: Node | None = None
+        self.run_info: RunInfo | None = None
+        self._closed = False
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    def __enter__(self) -> Syncer:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def emit(self, event: ev.Event) -> None:
+        for cb in self.callbacks:
+            try:
+                cb(event)
+            except Exception:  # a broken logger must not stop the rounds
+                _log.exception("event callback %r failed on %s", cb, type(event).__name__)
+
+    def stop(self) -> None:
+        """Make ``run()`` (or an ``open()`` waiting for the run) return; safe from any thread or a
+        signal handler."""
+        self._stop.set()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def open(self) -> bool:
+        """Wait for the run (its manifest) and join it. False if ``stop()`` came first."""
+        if self.node is not None:
+            return True
+        if self._closed:
+            raise RuntimeError("this syncer is closed; make a new gm.Syncer")
+
+        def ignored(key: str, why: str) -> None:
+            self.emit(ev.IgnoredObject(self.syncer_id, key, why))
+
+        store = RunStore(GuardedMailbox(self.mailbox, auth=self.auth, on_ignored=ignored), auth=self.auth)
+        said = False
+        failures = 0
+        while True:
+            if self._stop.is_set():
+                return False
+            try:
+                manifest = read_manifest(store)
+                failures = 0
+            except MailboxUnavailable as e:
+                failures += 1
+                self.emit(ev.StoreFailure(self.syncer_id, str(e)))
+                manifest = None
+            if manifest is not None:
+                break
+            if not said and failures == 0:
+                said = True
+                self.emit(ev.WaitingForRun(self.syncer_id, f"no {keys.MANIFEST} yet"))
+            self._pause(self.options.poll_interval * min(2**failures, 16))
+        run = RunInfo.from_manifest(manifest)
+        store.limit_payloads(max_payload_bytes(run))
+        node = Node(
+            store,
+            self.clock,
+            run,
+            learner=self.syncer_id,
+            nonce=self.nonce,
+            emit=self.emit,
+            options=self.options,
+            rng=self._rng,
+            role="syncer",
+        )
+        predecessor = self._marker.open(run.manifest.run_id)
+        try:
+            node.join(created=False, predecessor=predecessor)
+        except BaseException:
+            self._marker.close()
+            raise
+        self._marker.hold(self.nonce)
+        self.node, self.run_info = node, run
+        return True
+
+    def tick(self) -> None:
+        """One poll: follow the tape, claim, close or take over rounds."""
+        if self.node is None:
+            raise RuntimeError("the syncer has not joined a run: call open() first")
+        self.node.tick()
+
+    def run(self) -> None:
+        """Poll until ``stop()`` (or KeyboardInterrupt), then release the lease. Transient store
+        errors are reported (``StoreFailure``) and retried with a growing pause."""
+        try:
+            if not self.open():
+                return
+            failures = 0
+            while not self._stop.is_set():
+                try:
+                    self.tick()
+                    failures = 0
+                except MailboxUnavailable as e:
+                    failures += 1
+                    self.emit(ev.StoreFailure(self.syncer_id, str(e)))
+                self._pause(self.options.poll_interval * min(2**failures, 16))
+        except KeyboardInterrupt:
+            pass
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Leave the run: release the lease, so that the others stop counting on this syncer at their
+        next look at the leases (another node that may close takes the open round over)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self.node is not None:
+            try:
+                self.node.leave()
+            except MailboxUnavailable as e:
+                self.emit(ev.StoreFailure(self.syncer_id, f"could not release the lease: {e}"))
+        self._marker.close()
+
+    def _pause(self, seconds: float) -> None:
+        if isinstance(self.clock, SystemClock):
+            self._stop.wait(seconds)
+        else:
+            self.clock.sleep(seconds)  # a fake clock: time moves only when told
+
+
+__all__ = ["Syncer"]
