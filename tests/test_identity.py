@@ -430,3 +430,32 @@ def test_unauthenticated_policy_reads_signed_records_of_an_open_run():
     Unauthenticated().verify(decode(encode(snap), Snapshot), keys.snapshot_key(2, me.learner_id("a")))
     store = RunStore(MemoryMailbox())
     assert store.decode_record(encode(snap), Snapshot, "k").sig == snap.sig
+
+
+# ---- the command line -------------------------------------------------------------------------------
+
+
+def test_members_commands_key_list_add_remove(tmp_path, capsys):
+    from gradientmail_core.cli import main
+    from gradientmail_core.mailbox.file import FileMailbox
+
+    root = tmp_path / "run"
+    sim = SimRun(CFG, mailbox=FileMailbox(root))
+    sim.join(IDS["a"].learner_id("a"), params(0), auth=MemberAuth(identity=IDS["a"]))
+    owner = tmp_path / "owner.key"
+    owner.write_text(IDS["a"].pem().decode())
+    owner.chmod(0o600)
+    url = f"file://{root}"
+    assert main(["members", "key", "--identity", str(tmp_path / "b.key")]) == 0
+    pub_b = capsys.readouterr().out.strip()
+    assert ids.PUBKEY.fullmatch(pub_b) and (tmp_path / "b.key").exists()
+    assert main(["members", "add", url, "--owner-key", str(owner), pub_b]) == 0
+    assert "admitted" in capsys.readouterr().out
+    assert main(["members", "remove", url, pub_b, "--owner-key", str(owner)]) == 0  # any order
+    assert main(["members", "list", url]) == 0
+    out = capsys.readouterr().out
+    assert f"revoked (1): {ids.fingerprint(pub_b)}" in out and IDS["a"].public_hex in out
+    assert main(["members", "add", url, "--owner-key", str(tmp_path / "b.key"), pub_b]) == 2
+    assert "not the owner" in capsys.readouterr().err
+    assert main(["members", "add", url, "--owner-key", str(owner), "nothex"]) == 2
+    assert "not a public key" in capsys.readouterr().err

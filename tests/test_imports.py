@@ -14,7 +14,8 @@ def test_importing_the_core_imports_no_framework_or_sdk():
     code = (
         "import sys, gradientmail_core as gm\n"
         "gm.MemoryMailbox(); gm.FileMailbox\n"
-        "bad = [m for m in ('torch', 'mlx', 'lightning', 'accelerate', 'boto3', 'botocore', 'zstandard') "
+        "bad = [m for m in ('torch', 'mlx', 'lightning', 'accelerate', 'boto3', 'botocore', 'zstandard', "
+        "'cryptography') "
         "if m in sys.modules]\n"
         "print(','.join(bad))\n"
     )
