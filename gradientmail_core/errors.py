@@ -39,6 +39,11 @@ class PayloadCorrupt(GradientMailError):
     """
 
 
+class PayloadLayoutMismatch(PayloadCorrupt):
+    """A well-formed payload whose tensors are not the expected ones: other names, shapes or
+    dtypes. Its bytes are intact; a contribution like this is rejected as ``schema``."""
+
+
 class ProtocolError(GradientMailError):
     """An object in the mailbox breaks the protocol (malformed, wrong version, bad field)."""
 

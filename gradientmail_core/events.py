@@ -31,6 +31,15 @@ class Joined(Event):
 
 
 @dataclass(frozen=True)
+class FragmentsClamped(Event):
+    """``fragments`` asked for more fragments than the model has tensors: the run uses ``used``
+    (``min(fragments, tensors)``, as recorded in the manifest's config)."""
+
+    asked: int
+    used: int
+
+
+@dataclass(frozen=True)
 class Left(Event):
     round: int
 

@@ -32,6 +32,7 @@ from .protocol.tape import load_newest
 from .syncer.bridge import Bridge, CommitNotice
 from .syncer.join import join_run
 from .syncer.learner import Learner
+from .syncer.marker import RestartMarker
 from .syncer.node import Node, NodeOptions
 
 _log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class Session:
         role: str = "both",
         poll_interval: float = 1.0,
         lease_timeout: float = 120.0,
+        lease_every: float | None = None,
         round_timeout: float | None = None,
         close_timeout: float | None = None,
         compression: str = "off",
@@ -91,6 +93,8 @@ class Session:
         self.role = role
         if not poll_interval > 0 or not lease_timeout > poll_interval:
             raise ValueError(f"need 0 < poll_interval ({poll_interval}) < lease_timeout ({lease_timeout})")
+        if lease_every is not None and not 0 < lease_every < lease_timeout:
+            raise ValueError(f"need 0 < lease_every ({lease_every}) < lease_timeout ({lease_timeout})")
         self.auth: Policy | MemberAuth = auth_policy(secret, secret_file)  # validated before any I/O
         self.identity: Identity | None = None  # docs/security.md: shared secret, identities, or neither
         if identity is not None or owner_key is not None:
@@ -111,6 +115,7 @@ class Session:
         self.options = NodeOptions(
             poll_interval=poll_interval,
             lease_timeout=lease_timeout,
+            lease_every=lease_every,
             round_timeout=round_timeout if round_timeout is not None else max(30.0, 10 * poll_interval),
             compression=_COMPRESSION[compression],
         )
@@ -120,6 +125,7 @@ class Session:
         self._rng = random.Random(seed if seed is not None else int.from_bytes(os.urandom(8), "big"))
         self.nonce = f"{self._rng.getrandbits(64):016x}"
         self.bridge = Bridge()
+        self._marker = RestartMarker(self.learner_id)  # a restart on this host resumes the id at once
         self.node: Node | None = None
         self.learner: Learner | None = None
         self._thread: threading.Thread | None = None
@@ -165,6 +171,7 @@ class Session:
             options=self.options,
             rng=self._rng,
             bridge=self.bridge,
+            marker=self._marker,
             role=self.role,
         )
         self.node, self.learner = node, learner
@@ -236,14 +243,21 @@ class Session:
         )
 
     def wait_for(self, learners: int, timeout: float | None = None) -> None:
-        """Block until ``learners`` learners are live (this one included)."""
+        """Block until ``learners`` distinct learners (this one included) have been seen since
+        the wait began: live at a listing of the leases, or contributing. A learner that joined
+        and left again between two looks still counts, so two learners waiting for each other
+        cannot miss one another."""
         self._check()
         deadline = None if timeout is None else self.clock.now() + timeout
-        while self.bridge.view.live < learners:
+        view = self.bridge.view
+        mark = view.listing
+        seen = {lr for lr, n in view.sightings.items() if n >= mark} | {self.learner_id}
+        while len(seen) < learners:
             if deadline is not None and self.clock.now() >= deadline:
-                raise TimeoutError(f"only {self.bridge.view.live} of {learners} learners live after {timeout} s")
+                raise TimeoutError(f"only {len(seen)} of {learners} learners seen after {timeout} s")
             self._check()
             self._stop.wait(min(self.options.poll_interval, 0.2))
+            seen |= {lr for lr, n in self.bridge.view.sightings.items() if n > mark}
 
     # ---- leaving ----------------------------------------------------------------------
 
@@ -322,6 +336,7 @@ class Session:
                 self.node.leave()
             except MailboxUnavailable as e:
                 self.emit(ev.StoreFailure(self.learner_id, f"could not release the lease: {e}"))
+        self._marker.close()
 
 
 def align(

@@ -42,6 +42,8 @@ class SessionOptions:
     poll_interval: float = 1.0
     #: seconds without a lease renewal after which a learner counts as gone.
     lease_timeout: float = 120.0
+    #: seconds between lease renewals, 0 < lease_every < lease_timeout (None: lease_timeout / 4).
+    lease_every: float | None = None
     #: seconds without a record from a round's closer before another node takes over (None: max(30, 10 x poll_interval)).
     round_timeout: float | None = None
     #: seconds ``close`` waits for this node's rounds in flight (None: lease_timeout + 2 x round_timeout).

@@ -15,7 +15,7 @@ import numpy as np
 
 from .fused import Delta, fragment_norm
 
-PayloadStatus = Literal["ok", "missing", "corrupt"]
+PayloadStatus = Literal["ok", "missing", "corrupt", "schema"]
 
 
 def judge(
@@ -34,9 +34,10 @@ def judge(
     - ``schema``: its schema digest is not the run's (``schema_digest_ok`` is False);
     - ``stale``: ``base_version != current_version`` (a delta against another version of the fragment);
     - ``missing``: ``payload_status == "missing"`` (no payload at the ref's key);
-    - ``corrupt``: ``payload_status == "corrupt"`` (bytes do not hash to the ref, or do not decode),
-      or, given ``expected_shapes`` (the fragment's delta layout), the payload's tensor names or
-      shapes differ from it;
+    - ``corrupt``: ``payload_status == "corrupt"`` (bytes do not hash to the ref, or do not decode);
+    - ``schema``: ``payload_status == "schema"`` (an intact payload whose tensor names, shapes or
+      dtypes are not the fragment's delta layout), or, given ``expected_shapes``, the payload's
+      tensor names or shapes differ from them;
     - ``nonfinite``: any value is NaN or infinite.
 
     The cheap record checks come first so a stale snapshot's payload never needs fetching: the
@@ -52,12 +53,14 @@ def judge(
         return "missing"
     if payload_status == "corrupt":
         return "corrupt"
+    if payload_status == "schema":
+        return "schema"
     assert payload_status == "ok" and payload is not None, payload_status
     if expected_shapes is not None:
         if set(payload) != set(expected_shapes):
-            return "corrupt"
+            return "schema"
         if any(tuple(np.shape(payload[k])) != tuple(expected_shapes[k]) for k in expected_shapes):
-            return "corrupt"
+            return "schema"
     if not all(np.isfinite(a).all() for a in payload.values()):
         return "nonfinite"
     return None

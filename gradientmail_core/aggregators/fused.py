@@ -76,7 +76,7 @@ def merge_fragment(
             else None
         )
         for name in names:
-            radial = isinstance(cfg, RDA) and cfg.direct_pattern not in name
+            radial = isinstance(cfg, RDA) and not cfg.is_direct(name)
             cos_in = (
                 None if units is None else [None if u is None else (deltas[i][name], u) for i, u in enumerate(units)]
             )

@@ -88,8 +88,8 @@ def merge(
 ) -> dict[str, np.ndarray]:
     """Merge whole-fragment deltas, tensor by tensor, in the order given (callers sort by learner).
 
-    With ``RDA``, tensors whose name contains ``cfg.direct_pattern`` (embeddings, whose rows are
-    updated sparsely so per-row norms mean little) use the weighted mean. ``clip_norm`` first
+    With ``RDA``, tensors whose name contains ``cfg.direct_pattern`` (compared lowercased; embeddings,
+    whose rows are updated sparsely so per-row norms mean little) use the weighted mean. ``clip_norm`` first
     scales each contribution down to at most that whole-fragment L2 norm (bounds what one bad
     contribution can do). Output names follow the first contribution's order.
     """

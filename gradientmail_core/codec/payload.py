@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ..errors import PayloadCorrupt
+from ..errors import PayloadCorrupt, PayloadLayoutMismatch
 from ..protocol.records import TensorSpec
 from . import compress as codec  # the byte-plane zstd codec (tests patch it as ``payload.codec``)
 from . import quant, safetensors_io
@@ -259,11 +259,14 @@ def decode_payload(
     compression: str = "",
     max_bytes: int | None = None,
     kind: str | None = None,
+    dtypes: Mapping[str, str] | None = None,
 ) -> dict[str, np.ndarray]:
     """Payload bytes -> {name: float32 array of the expected shape} (fresh, writable arrays).
 
     The header must describe exactly the ``expected`` tensors (and, with ``kind``, be of that
-    kind); this is checked in full before any tensor data is read.
+    kind; with ``dtypes``, store each in that logical dtype); this is checked in full before any
+    tensor data is read. A well-formed payload of other tensor names, shapes or dtypes raises
+    ``PayloadLayoutMismatch`` (a ``PayloadCorrupt``); broken bytes raise ``PayloadCorrupt``.
     """
     cap = default_payload_cap(expected) if max_bytes is None else max_bytes
     header, start, info = _read(data, compression, cap, _header_cap(expected))
@@ -271,13 +274,17 @@ def decode_payload(
         raise PayloadCorrupt(f"payload is of kind {info.kind!r}, expected {kind!r}")
     if set(info.dtypes) != set(expected):
         missing, extra = sorted(set(expected) - set(info.dtypes)), sorted(set(info.dtypes) - set(expected))
-        raise PayloadCorrupt(
+        raise PayloadLayoutMismatch(
             f"payload tensors differ from the expected: missing {missing[:10]}, unexpected {extra[:10]}"
         )
     for name, shape in expected.items():
         if info.shapes[name] != tuple(shape):
-            raise PayloadCorrupt(
+            raise PayloadLayoutMismatch(
                 f"tensor {name!r}: expected shape {list(shape)}, payload has {list(info.shapes[name])}"
+            )
+        if dtypes is not None and info.dtypes[name] != dtypes[name]:
+            raise PayloadLayoutMismatch(
+                f"tensor {name!r}: expected dtype {dtypes[name]}, payload has {info.dtypes[name]}"
             )
 
     # The exact stored layout follows from the expected shapes and the declared dtypes.

@@ -173,7 +173,9 @@ class S3Mailbox:
             # Paged by hand so a failure retries one page, not the whole listing.
             page = self._retried("LIST", prefix, functools.partial(self._list_page, prefix, after, token))
             n = len(self._root)
-            out.extend(obj["Key"][n:] for obj in page.get("Contents", ()))
+            # Filtered here too: some stores ignore StartAfter (reported for Hugging Face buckets)
+            # and list the whole prefix; the contract is keys strictly after ``after``.
+            out.extend(k for k in (obj["Key"][n:] for obj in page.get("Contents", ())) if k > after)
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token:
                 return out

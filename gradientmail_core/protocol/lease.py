@@ -33,16 +33,19 @@ class LeaseWriter:
         self.renewed_at = float("-inf")
         self._behind: list[str] = []  # our older lease keys not deleted yet
 
-    def acquire(self, *, poll: float) -> None:
+    def acquire(self, *, poll: float, predecessor: str | None = None) -> None:
         """Write the first lease. Refuses when another live process holds this learner id.
 
-        A lease left by a crashed process with our id is taken over once it has not changed
-        for 1.5 renewal intervals; one that changes meanwhile belongs to a live process.
+        A lease left by a crashed process with our id is taken over at once when it carries
+        ``predecessor``, the nonce of a process known to be dead (``syncer.marker``: our own
+        previous incarnation on this host). Any other is taken over once it has not changed for
+        1.5 renewal intervals; one that changes meanwhile belongs to a live process.
         """
         existing = self.store.keys(keys.lease_prefix(self.learner))
         if existing:
             first = existing[-1]
-            deadline = self.clock.now() + 1.5 * self.interval
+            known_dead = predecessor is not None and self._nonce_of(first) == predecessor
+            deadline = self.clock.now() + (0.0 if known_dead else 1.5 * self.interval)
             while self.clock.now() < deadline:
                 self.clock.sleep(poll)
                 now = self.store.keys(keys.lease_prefix(self.learner))
@@ -88,6 +91,10 @@ class LeaseWriter:
             self._behind.append(old)
             self.store.delete(list(self._behind))
             self._behind.clear()
+
+    def _nonce_of(self, key: str) -> str | None:
+        lease = self.store.try_record(key, Lease)
+        return None if lease is None else lease.nonce
 
     def _ours(self, existing: bytes | None, key: str) -> bool:
         try:

@@ -168,7 +168,8 @@ class RoundRecord:
     final: bool = False
     live: int = nonneg(default=0)
     quorum_seconds: float = nonneg(default=0.0)
-    grace_seconds: float = nonneg(default=0.0)
+    grace_seconds: float = nonneg(default=0.0)  # realized: from quorum to the close
+    grace_planned: float | None = field(default=None, metadata=_meta(min=0))  # the window planned at quorum
     x_step: float | None = field(default=None, metadata=_meta(min=0))
     x_quorum: float | None = field(default=None, metadata=_meta(min=0))
     x_sync: float | None = field(default=None, metadata=_meta(min=0))

@@ -48,6 +48,12 @@ class RunInfo:
     def fragment_dtypes(self, f: int) -> dict[str, str]:
         return {n: self.dtypes[n] for n in self.fragments[f]}
 
+    def delta_dtypes(self, f: int) -> dict[str, str]:
+        """The dtype of each tensor of fragment ``f``'s deltas: ``delta_dtype``, else its own."""
+        if self.cfg.delta_dtype:
+            return dict.fromkeys(self.fragments[f], self.cfg.delta_dtype)
+        return self.fragment_dtypes(f)
+
     def master_is_theta(self, f: int) -> bool:
         """True when fragment ``f``'s published parameters are its fp32 master (every tensor F32
         and no ``commit_dtype``): the outer-state payload then holds the momentum only (SPEC 3.3)."""
@@ -118,11 +124,14 @@ def open_run(
     """
     manifest = read_manifest(store)
     created = False
+    schema = adapter.schema()
+    # More fragments than tensors: each fragment gets one tensor (min(fragments, tensors)), the
+    # clamped config is the run's, and a node asking the same is compared with the clamp applied.
+    cfg = cfg.for_tensors(len(schema))
     if manifest is None:
         if not create:
             raise ProtocolError(f"no run in this mailbox ({keys.MANIFEST} is missing)")
         manifest, created = _create(store, adapter, cfg, learner=learner, compression=compression, rng=rng)
-    schema = adapter.schema()
     diffs = schema_differences(manifest.schema, schema)
     if diffs:
         raise SchemaMismatch(diffs)

@@ -102,9 +102,15 @@ class RunStore:
         self.bytes_up += len(data)
 
     def get_payload(
-        self, ref: PayloadRef, expected: Mapping[str, tuple[int, ...]], *, max_bytes: int | None = None
+        self,
+        ref: PayloadRef,
+        expected: Mapping[str, tuple[int, ...]],
+        *,
+        max_bytes: int | None = None,
+        dtypes: Mapping[str, str] | None = None,
     ) -> dict[str, np.ndarray] | None:
-        """Fetch, verify and decode a payload. None if it is gone; ``PayloadCorrupt`` if bad."""
+        """Fetch, verify and decode a payload. None if it is gone; ``PayloadCorrupt`` if bad
+        (``PayloadLayoutMismatch`` if intact but of other tensors, or other ``dtypes``)."""
         if max_bytes is not None and ref.size > max_bytes:
             raise PayloadCorrupt(f"{ref.key}: declared size {ref.size} exceeds the cap of {max_bytes} bytes")
         data = self.mailbox.get(ref.key)
@@ -120,4 +126,4 @@ class RunStore:
             compression = keys.compression_of(ref.key)
         except ValueError as e:
             raise PayloadCorrupt(str(e)) from None
-        return decode_payload(data, expected, compression=compression, max_bytes=max_bytes)
+        return decode_payload(data, expected, compression=compression, max_bytes=max_bytes, dtypes=dtypes)

@@ -170,7 +170,7 @@ class Chaos(NodeActions):
         delta = {n: np.asarray(0.01 * g.standard_normal(s), np.float32) for n, s in run.shapes[f].items()}
         if kind == "nonfinite":
             next(iter(delta.values())).flat[0] = np.nan
-        data = encode_payload(delta, run.fragment_dtypes(f), kind="delta")
+        data = encode_payload(delta, run.delta_dtypes(f), kind="delta")
         sha = sha256_hex(data)
         if kind == "corrupt":
             sha = sha256_hex(data + b"x")  # the reference does not match the bytes stored under it

@@ -27,7 +27,7 @@ def merge64(
     for name in deltas[0]:
         ds = [np.asarray(d[name], dtype=np.float64) for d in deltas]
         acc = np.zeros_like(ds[0])
-        if rda and direct_pattern not in name:
+        if rda and direct_pattern.lower() not in name.lower():
             radius = 0.0
             for pi, d in zip(p, ds):
                 n = float(np.sqrt((d * d).sum()))

@@ -10,7 +10,7 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -51,12 +51,17 @@ class CommitNotice:
 @dataclass(frozen=True)
 class View:
     head: int = -1
-    # rounds whose snapshots from other learners already meet the quorum: the round will
-    # close without us, so a slower learner contributes what it has rather than be late
+    # rounds whose snapshots from other learners already number max(min(quorum, live) - 1, 1):
+    # the round is about to close, so a slower learner contributes what it has rather than be late
     others_published: frozenset[int] = frozenset()
     live: int = 1
     rounds_seen: int = 0
     closer_of: int | None = None
+    # learner -> the number of the node's newest listing that saw it (live in a listing of the
+    # leases, or a new snapshot of it): ``Session.wait_for`` counts those seen since it began,
+    # so a learner that came and went between two of its looks still counts
+    sightings: Mapping[str, int] = field(default_factory=dict)
+    listing: int = 0  # the number of the node's newest listing
 
 
 class Bridge:

@@ -17,7 +17,7 @@ from ..aggregators.merge import contribution_weight, mean_pairwise_cosine, merge
 from ..aggregators.outer import final_step_tensor, outer_step_tensor
 from ..codec.payload import decode_payload, encode_payload, sha256_hex
 from ..codec.quant import dequantize, quantize
-from ..errors import MissingExtra, PayloadCorrupt, RecordInvalid
+from ..errors import MissingExtra, PayloadCorrupt, PayloadLayoutMismatch, RecordInvalid
 from ..protocol import keys
 from ..protocol.members import SignatureInvalid
 from ..protocol.records import Participant, PayloadRef, Rejection, RoundRecord, Snapshot
@@ -139,14 +139,21 @@ class Collector:
             if not _in_snapshot_blobs(snap, self.round, learner):
                 status = "corrupt"  # checked before any read: the ref may name any object
             else:
+                # A delta holds the fragment's tensors in the run's delta dtypes: intact bytes of
+                # other names, shapes or dtypes are ``schema``; broken bytes are ``corrupt``.
+                dtypes = self.run.delta_dtypes(self.fragment)
                 try:
                     cap = payload_cap(self.run, self.fragment)
                     if own is not None:
                         compression = keys.compression_of(snap.payload.key)
-                        payload = decode_payload(own[1], expected, compression=compression, max_bytes=cap)
+                        payload = decode_payload(
+                            own[1], expected, compression=compression, max_bytes=cap, dtypes=dtypes
+                        )
                     else:
-                        payload = store.get_payload(snap.payload, expected, max_bytes=cap)
+                        payload = store.get_payload(snap.payload, expected, max_bytes=cap, dtypes=dtypes)
                     status = "ok" if payload is not None else "missing"
+                except PayloadLayoutMismatch:
+                    status = "schema"
                 except (PayloadCorrupt, MissingExtra):  # MissingExtra: a zstd payload, zstandard absent
                     status = "corrupt"
         reason = judge(snap.steps, snap.schema_digest == self.run.digest, snap.base_version, base, payload, status)
@@ -364,7 +371,9 @@ def compute_commit(
         final=final,
         live=live,
         quorum_seconds=round(max(c.quorum_at - c.opened_at, 0.0), 6),
-        grace_seconds=round(c.grace, 6),
+        # The grace realized (quorum to close, as the prior art records it), and the one planned.
+        grace_seconds=round(max(now - c.quorum_at, 0.0), 6),
+        grace_planned=round(c.grace, 6),
         x_step=x_step,
         x_quorum=x_quorum,
         x_sync=x_sync,

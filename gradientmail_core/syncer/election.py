@@ -2,9 +2,10 @@
 
 The node that committed round r claims r + 1 at once (``claims/{r+1}/0001``). A follower watches
 the open round's newest claim; it claims the next number itself when the holder's lease lapses
-(``lease_lost``), when the round overruns what the past rounds predict (``timeout``), or when
-nobody claimed it within ``claim_wait`` (``unclaimed``). Claims are create-once, so one number
-has one winner.
+(``lease_lost``), when the round overruns what the past rounds predict (``timeout``), or at once
+when nobody claims it (``unclaimed``: number 1, which only one node can create, so followers
+racing for it and the previous closer's own late claim are safe). A node that finds a claim of its
+own id (it restarted under that id) resumes closing the round.
 
 Only nodes whose role may close (``role="both"``, the default, and syncers) take part. A
 learner-only node never claims: it only watches whether any node that may close is live, and says
@@ -70,13 +71,11 @@ class Election(Closing, GarbageCollection):
         if fo.timer_from is None and n_snaps >= need:
             fo.timer_from = now
         if fo.claim is None:
-            if now - fo.claims_listed_at >= self.opts.claim_wait / 3:
-                fo.claims_listed_at = now
-                fo.claim = self._list_claims(r)
-                fo.claim_seen_at = now
+            fo.claims_listed_at = now
+            fo.claim = self._list_claims(r)
+            fo.claim_seen_at = now
             if fo.claim is None:
-                if now - fo.opened_at >= self.opts.claim_wait:
-                    self._try_claim(r, 1, previous=None, reason="unclaimed")
+                self._try_claim(r, 1, previous=None, reason="unclaimed")
                 return
         claim = fo.claim
         if claim.learner == self.me:
@@ -99,7 +98,10 @@ class Election(Closing, GarbageCollection):
 
     def _round_timeout(self) -> float:
         rec = self.newest_of_head()
-        predicted = 0.0 if rec is None else (rec.x_sync or 0.0) + rec.grace_seconds + (rec.x_quorum or 0.0)
+        # The longer of the grace realized and the one planned: a round that closed early (every
+        # live learner reported) must not shorten the patience with one that waits its window.
+        grace = 0.0 if rec is None else max(rec.grace_seconds, rec.grace_planned or 0.0)
+        predicted = 0.0 if rec is None else (rec.x_sync or 0.0) + grace + (rec.x_quorum or 0.0)
         return max(self.opts.round_timeout, 4 * predicted)
 
     def _try_claim(self, r: int, n: int, *, previous: str | None, reason: str | None) -> None:
@@ -110,12 +112,15 @@ class Election(Closing, GarbageCollection):
         claim = Claim(round=r, n=n, learner=self.me, nonce=self.nonce)
         outcome, existing = self.store.put_record(keys.claim_key(r, n), claim)
         if outcome is CreateOutcome.TAKEN:
+            try:
+                theirs = self.store.decode_record(existing, Claim, keys.claim_key(r, n))
+            except RecordInvalid:
+                # Not a claim anyone can hold: the next number is the one to create.
+                self._try_claim(r, n + 1, previous=previous, reason=reason)
+                return
             fo = self.follow
             if fo is not None and fo.round == r:
-                try:
-                    fo.claim = self.store.decode_record(existing, Claim, keys.claim_key(r, n))
-                except RecordInvalid:
-                    fo.claim = None
+                fo.claim = theirs
                 fo.claim_seen_at = self.clock.now()
             return
         self.emit(ev.RoundClaimed(self.me, r, n))

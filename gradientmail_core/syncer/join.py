@@ -18,6 +18,7 @@ from ..protocol.run import max_payload_bytes, open_run
 from ..protocol.store import RunStore
 from .bridge import Bridge
 from .learner import Learner
+from .marker import RestartMarker
 from .node import Node, NodeOptions
 
 
@@ -34,6 +35,7 @@ def join_run(
     rng: random.Random,
     node_rng: random.Random | None = None,
     bridge: Bridge | None = None,
+    marker: RestartMarker | None = None,
     role: str = "both",
 ) -> tuple[Node, Learner]:
     """Join (or create) the run in ``store`` as ``learner``; return its node and learner.
@@ -43,12 +45,18 @@ def join_run(
     but the lease, ``DuplicateLearner`` if the id is taken by a live process, and
     ``MailboxUnavailable`` when the store cannot be reached (nothing committed is touched).
 
+    ``marker``: this host's record of who holds the learner id (``syncer.marker``); a lease left
+    by this id's previous process on this host, now dead, is then taken over without waiting. The
+    caller closes the marker when it leaves.
+
     ``role``: "both" (trains and may close rounds) or "learner" (trains, never closes). A node that
     only closes rounds joins through ``syncer.standalone.Syncer`` instead.
     """
     if role not in ("both", "learner"):
         raise ValueError(f"role={role!r}: a training node's role is 'both' or 'learner' (a syncer is gm.Syncer)")
     run, created = open_run(store, adapter, cfg, learner=learner, compression=options.compression, rng=rng)
+    if run.P != cfg.fragments:
+        emit(ev.FragmentsClamped(learner, cfg.fragments, run.P))
     store.limit_payloads(max_payload_bytes(run))
     node = Node(
         store,
@@ -62,7 +70,15 @@ def join_run(
         rng=node_rng or rng,
         role=role,
     )
-    thetas = node.join(created=created)
+    predecessor = marker.open(run.manifest.run_id) if marker is not None else None
+    try:
+        thetas = node.join(created=created, predecessor=predecessor)
+    except BaseException:
+        if marker is not None:
+            marker.close()
+        raise
+    if marker is not None:
+        marker.hold(nonce)
     trainer = Learner(adapter, run, node.bridge, clock, learner=learner, emit=emit)
     trainer.start(node.head, thetas, {f: v for f, (v, _) in node.thetas.items()})
     return node, trainer

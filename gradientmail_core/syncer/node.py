@@ -30,15 +30,18 @@ __all__ = ["Node", "NodeOptions", "NodeStats"]
 class Node(Publishing, Election):
     # ---- joining ----------------------------------------------------------------------
 
-    def join(self, *, created: bool) -> dict[int, dict[str, np.ndarray]]:
-        """Take a lease, read the tape and the newest parameters of every fragment."""
+    def join(self, *, created: bool, predecessor: str | None = None) -> dict[int, dict[str, np.ndarray]]:
+        """Take a lease, read the tape and the newest parameters of every fragment.
+
+        ``predecessor``: the nonce of this learner id's previous process, known dead (its lease
+        is then taken over at once, ``LeaseWriter.acquire``)."""
         try:
-            return self._join(created)
+            return self._join(created, predecessor)
         except PayloadCorrupt as e:  # a payload damaged in transit: transient, like any failed read
             raise MailboxUnavailable(f"{e}; retry joining") from e
 
-    def _join(self, created: bool) -> dict[int, dict[str, np.ndarray]]:
-        self.lease.acquire(poll=self.opts.poll_interval)
+    def _join(self, created: bool, predecessor: str | None) -> dict[int, dict[str, np.ndarray]]:
+        self.lease.acquire(poll=self.opts.poll_interval, predecessor=predecessor)
         self._list_leases()
         recs, thetas = read_newest(self.store, self.run)
         for f, theta in thetas.items():
@@ -75,23 +78,38 @@ class Node(Publishing, Election):
         after = keys.round_key(self.head) if self.head >= 0 else keys.ROUNDS
         listing = self.store.keys("", after=after)
         round_keys = [k for k in listing if k.startswith(keys.ROUNDS)]
-        self.snapshot_keys = {}
+        before, self.snapshot_keys = self.snapshot_keys, {}
         for k in listing:
             parsed = keys.parse_snapshot_key(k)
             if parsed is not None:
                 self.snapshot_keys.setdefault(parsed[0], set()).add(parsed[1])
+        self.listing += 1
+        for learner in self.liveness.live():
+            self.sightings[learner] = self.listing
+        for r, learners in self.snapshot_keys.items():
+            for learner in learners - before.get(r, set()):
+                self.sightings[learner] = self.listing  # a new contribution
         if self._advance(round_keys):
             self._drive_round()  # never for a round the listing shows committed but we could not read yet
         self._publish_view()
 
     def _list_leases(self) -> None:
         self.liveness.observe(self.store.keys(keys.LEASES))
+        self.listing += 1
+        for learner in self.liveness.live():
+            self.sightings[learner] = self.listing
 
     def _publish_view(self) -> None:
-        quorum = self.run.cfg.quorum_size
-        others = frozenset(r for r, ls in self.snapshot_keys.items() if r > self.head and len(ls - {self.me}) >= quorum)
+        # The round will close without us once the others' snapshots, with ours, would meet the
+        # quorum the closer uses (at most the live learners): ``max(min(quorum, live) - 1, 1)``
+        # others, as the prior art counts them.
+        live = len(self.liveness.live())
+        need = max(min(self.run.cfg.quorum_size, live) - 1, 1)
+        others = frozenset(r for r, ls in self.snapshot_keys.items() if r > self.head and len(ls - {self.me}) >= need)
         closer_of = self.collector.round if self.collector else None
-        view = View(self.head, others, len(self.liveness.live()), self.rounds_seen, closer_of)
+        view = View(
+            self.head, others, live, self.rounds_seen, closer_of, sightings=dict(self.sightings), listing=self.listing
+        )
         with self.bridge.lock:
             self.bridge.view = view
 

@@ -26,12 +26,8 @@ class Publishing(NodeState):
         if pub.round <= self.head:
             self.emit(ev.Skipped(self.me, pub.round, "round already committed"))
             return
-        cfg, compression = self.run.cfg, self.opts.compression
-        f = pub.fragment
-        dtypes = (
-            dict.fromkeys(self.run.fragments[f], cfg.delta_dtype) if cfg.delta_dtype else self.run.fragment_dtypes(f)
-        )
-        data = pub.delta.encode(dtypes, compression=compression)
+        compression = self.opts.compression
+        data = pub.delta.encode(self.run.delta_dtypes(pub.fragment), compression=compression)
         ref = self.store.put_payload(lambda sha: keys.snapshot_blob_key(pub.round, self.me, sha, compression), data)
         snap = Snapshot(
             learner=self.me,

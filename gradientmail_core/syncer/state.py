@@ -28,20 +28,19 @@ class NodeOptions:
     lease_timeout: float = 120.0
     round_timeout: float = 60.0  # floor of the follower's no-record timeout
     compression: str = ""
+    lease_every: float | None = None  # lease renewal interval; None: lease_timeout / 4
+
+    def __post_init__(self) -> None:
+        if self.lease_every is not None and not 0 < self.lease_every < self.lease_timeout:
+            raise ValueError(f"need 0 < lease_every ({self.lease_every}) < lease_timeout ({self.lease_timeout})")
 
     @property
     def lease_interval(self) -> float:
-        return self.lease_timeout / 4
+        return self.lease_timeout / 4 if self.lease_every is None else self.lease_every
 
     @property
     def lease_list_interval(self) -> float:
         return min(self.lease_timeout / 4, 5 * self.poll_interval)
-
-    @property
-    def claim_wait(self) -> float:
-        # How long an open round may stay unclaimed before anyone claims it: the node that
-        # committed the previous round normally claims it within one of its own polls.
-        return max(3 * self.poll_interval, self.lease_timeout / 8)
 
 
 @dataclass
@@ -102,6 +101,9 @@ class NodeState:
         # judged from them when it closes the round, instead of being read back from the store.
         self.own_snapshots: dict[int, tuple[Snapshot, bytes]] = {}
         self.rounds_seen = 0
+        # Who this node has seen (``View.sightings``): learner -> number of the newest listing.
+        self.listing = 0
+        self.sightings: dict[str, int] = {}
         self.stats = NodeStats()
         self._last_sync: float | None = None
         self.stuck: str | None = None
