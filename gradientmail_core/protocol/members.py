@@ -291,12 +291,28 @@ class MemberAuth:
             if self.membership is not None:
                 self._check_self()
                 if isinstance(record, RoundRecord):
-                    ref = self.membership.head_ref()
+                    ref = self._ref_for(record)
                     record = dataclasses.replace(record, members=ref)
                     if ref is not None:
                         self._tape[record.round] = parse_ref(ref)[0]
             record = sign_record(record, self.identity, self.run_id, record_key(record))
         return self.inner.sign(record)
+
+    def _ref_for(self, record: RoundRecord) -> str | None:
+        """The membership a round record names: the newest entry this node has read in which its
+        closer and every participant are members (a snapshot judged before this node read a
+        revocation keeps the revocation for the next round), and no older than an earlier round's."""
+        m = self.membership
+        assert m is not None and self.identity is not None
+        floor = max((s for r, s in self._tape.items() if r < record.round), default=0)
+        need = {self.identity.fingerprint} | {p.learner.rsplit("-", 1)[-1] for p in record.participants}
+        e = m.head
+        while e is not None and e.seq >= floor:
+            state = m.at(e.sha)
+            if state is not None and need <= {ids.fingerprint(k) for k in state[0]}:
+                return members_ref(e.seq, e.sha)
+            e = m.entries.get(e.record.prev) if e.seq > 0 else None
+        return m.head_ref()
 
     def _sign_manifest(self, manifest: Manifest) -> Manifest:
         if self.identity is None:
@@ -389,6 +405,10 @@ class MemberAuth:
             raise SignatureInvalid(f"{key}: names membership entry {ref[:24]}..., which is not in the log")
         if record.signer not in state[0]:
             raise SignatureInvalid(self._not_member(key, record.signer, state[1], f" as of entry {seq}"))
+        fps = {ids.fingerprint(k) for k in state[0]}
+        outside = [p.learner for p in record.participants if p.learner.rsplit("-", 1)[-1] not in fps]
+        if outside:
+            raise SignatureInvalid(f"{key}: merges {outside[0]}, which is not a member as of entry {seq}")
         older = [s for r, s in self._tape.items() if r < record.round and s > seq]
         if older:
             raise SignatureInvalid(
