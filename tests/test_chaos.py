@@ -20,16 +20,18 @@ import sys
 import time
 from pathlib import Path
 
-import boto3
 import numpy as np
 import pytest
 
-import gradientmail_core as gm
-from gradientmail_core.adapters.base import NumpyAdapter
-from gradientmail_core.protocol import keys
-from gradientmail_core.protocol.records import RoundRecord, decode
-from gradientmail_core.protocol.store import RunStore
-from gradientmail_core.protocol.tape import fetch_theta, load_newest
+pytest.importorskip("boto3")
+import boto3  # noqa: E402
+
+import gradientmail_core as gm  # noqa: E402
+from gradientmail_core.adapters.base import NumpyAdapter  # noqa: E402
+from gradientmail_core.protocol import keys  # noqa: E402
+from gradientmail_core.protocol.records import RoundRecord, decode  # noqa: E402
+from gradientmail_core.protocol.store import RunStore  # noqa: E402
+from gradientmail_core.protocol.tape import fetch_theta, load_newest  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from chaos_learner import SHAPES, loss, target  # noqa: E402

@@ -6,11 +6,13 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from gradientmail_core.codec import compress, quant
-from gradientmail_core.errors import MissingExtra, PayloadCorrupt
+pytest.importorskip("hypothesis")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from gradientmail_core.codec import compress, quant  # noqa: E402
+from gradientmail_core.errors import MissingExtra, PayloadCorrupt  # noqa: E402
 
 zstandard = pytest.importorskip("zstandard")
 

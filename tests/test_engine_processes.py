@@ -6,13 +6,15 @@ from __future__ import annotations
 import signal
 import time
 
-import boto3
 import pytest
-from nodes import Node, identical, wait_until
 
-import gradientmail_core as gm
-from gradientmail_core.protocol import keys
-from gradientmail_core.protocol.records import RoundRecord, decode
+pytest.importorskip("boto3")
+import boto3  # noqa: E402
+from nodes import Node, identical, wait_until  # noqa: E402
+
+import gradientmail_core as gm  # noqa: E402
+from gradientmail_core.protocol import keys  # noqa: E402
+from gradientmail_core.protocol.records import RoundRecord, decode  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -11,9 +11,11 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
 
-import gradientmail_core as gm
+pytest.importorskip("torch")
+import torch  # noqa: E402
+
+import gradientmail_core as gm  # noqa: E402
 
 N, H, ROUNDS, BATCH = 3, 5, 4, 16
 

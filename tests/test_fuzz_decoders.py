@@ -19,15 +19,17 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, example, given, settings
-from hypothesis import strategies as st
 
-from gradientmail_core.codec import safetensors_io
-from gradientmail_core.codec.payload import decode_payload, encode_payload, schema_digest
-from gradientmail_core.config import DiLoCo
-from gradientmail_core.errors import PayloadCorrupt, ProtocolError, RecordInvalid
-from gradientmail_core.protocol import keys
-from gradientmail_core.protocol.records import (
+pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from gradientmail_core.codec import safetensors_io  # noqa: E402
+from gradientmail_core.codec.payload import decode_payload, encode_payload, schema_digest  # noqa: E402
+from gradientmail_core.config import DiLoCo  # noqa: E402
+from gradientmail_core.errors import PayloadCorrupt, ProtocolError, RecordInvalid  # noqa: E402
+from gradientmail_core.protocol import keys  # noqa: E402
+from gradientmail_core.protocol.records import (  # noqa: E402
     Claim,
     Lease,
     Manifest,
@@ -42,7 +44,7 @@ from gradientmail_core.protocol.records import (
     encode,
     to_dict,
 )
-from gradientmail_core.protocol.run import RunInfo
+from gradientmail_core.protocol.run import RunInfo  # noqa: E402
 
 EXAMPLES = int(os.environ.get("GM_FUZZ_EXAMPLES", "150"))
 MAX_PEAK_BYTES = 64 << 20  # per input, whatever sizes the input declares

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
-from gradientmail_core.protocol import keys
+pytest.importorskip("hypothesis")
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from gradientmail_core.protocol import keys  # noqa: E402
 
 rounds = st.integers(0, keys.MAX_ROUND)
 learners = st.from_regex(keys.LEARNER_ID, fullmatch=True)

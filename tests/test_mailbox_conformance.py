@@ -20,12 +20,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
-from gradientmail_core.clock import FakeClock
-from gradientmail_core.errors import MailboxUnavailable, MissingExtra, StoreUnsupported
-from gradientmail_core.mailbox import (
+pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from gradientmail_core.clock import FakeClock  # noqa: E402
+from gradientmail_core.errors import MailboxUnavailable, MissingExtra, StoreUnsupported  # noqa: E402
+from gradientmail_core.mailbox import (  # noqa: E402
     CountingMailbox,
     CreateOutcome,
     Mailbox,
@@ -34,9 +36,9 @@ from gradientmail_core.mailbox import (
     create_once,
     open_mailbox,
 )
-from gradientmail_core.mailbox.file import TMP_DIR, FileMailbox
-from gradientmail_core.mailbox.memory import MemoryMailbox
-from gradientmail_core.protocol.keys import validate_prefix
+from gradientmail_core.mailbox.file import TMP_DIR, FileMailbox  # noqa: E402
+from gradientmail_core.mailbox.memory import MemoryMailbox  # noqa: E402
+from gradientmail_core.protocol.keys import validate_prefix  # noqa: E402
 
 if TYPE_CHECKING:
     from conftest import MailboxTarget

@@ -1,12 +1,14 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
-from gradientmail_core.config import Balanced, Strided
-from gradientmail_core.protocol.partition import plan, tensor_bytes
-from gradientmail_core.protocol.records import TensorSpec
+pytest.importorskip("hypothesis")
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from gradientmail_core.config import Balanced, Strided  # noqa: E402
+from gradientmail_core.protocol.partition import plan, tensor_bytes  # noqa: E402
+from gradientmail_core.protocol.records import TensorSpec  # noqa: E402
 
 
 def T(name: str, dtype: str, *shape: int) -> TensorSpec:

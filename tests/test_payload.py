@@ -8,13 +8,15 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from hypothesis.extra import numpy as hnp
 
-from gradientmail_core.codec import payload, quant, safetensors_io
-from gradientmail_core.errors import PayloadCorrupt
-from gradientmail_core.protocol.records import TensorSpec
+pytest.importorskip("hypothesis")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.extra import numpy as hnp  # noqa: E402
+
+from gradientmail_core.codec import payload, quant, safetensors_io  # noqa: E402
+from gradientmail_core.errors import PayloadCorrupt  # noqa: E402
+from gradientmail_core.protocol.records import TensorSpec  # noqa: E402
 
 CODECS = ["", "zstd"]
 DTYPES = list(quant.DTYPES)

@@ -6,11 +6,13 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from hypothesis.extra import numpy as hnp
 
-from gradientmail_core.codec import quant
+pytest.importorskip("hypothesis")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.extra import numpy as hnp  # noqa: E402
+
+from gradientmail_core.codec import quant  # noqa: E402
 
 F32_MAX = float(np.finfo(np.float32).max)
 TINY = 1e-40  # a float32 subnormal

@@ -8,11 +8,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from gradientmail_core.codec import safetensors_io as sio
-from gradientmail_core.errors import PayloadCorrupt
+pytest.importorskip("hypothesis")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from gradientmail_core.codec import safetensors_io as sio  # noqa: E402
+from gradientmail_core.errors import PayloadCorrupt  # noqa: E402
 
 CAP = 1 << 20
 

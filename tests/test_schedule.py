@@ -1,9 +1,12 @@
 from __future__ import annotations
 
-from hypothesis import given
-from hypothesis import strategies as st
+import pytest
 
-from gradientmail_core.protocol.schedule import (
+pytest.importorskip("hypothesis")
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from gradientmail_core.protocol.schedule import (  # noqa: E402
     first_round_at_or_after,
     fragment_of,
     gap,

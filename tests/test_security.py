@@ -10,17 +10,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 from adversary_sim import SimRun
-from hypothesis import given
-from hypothesis import strategies as st
 
-import gradientmail_core as gm
-from gradientmail_core import events as ev
-from gradientmail_core.codec.payload import encode_payload
-from gradientmail_core.errors import RecordInvalid, RunConfigMismatch
-from gradientmail_core.protocol import keys
-from gradientmail_core.protocol.auth import RunAuth, Unauthenticated, load_secret, policy, record_key
-from gradientmail_core.protocol.guard import GuardedMailbox
-from gradientmail_core.protocol.records import (
+pytest.importorskip("hypothesis")
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import gradientmail_core as gm  # noqa: E402
+from gradientmail_core import events as ev  # noqa: E402
+from gradientmail_core.codec.payload import encode_payload  # noqa: E402
+from gradientmail_core.errors import RecordInvalid, RunConfigMismatch  # noqa: E402
+from gradientmail_core.protocol import keys  # noqa: E402
+from gradientmail_core.protocol.auth import RunAuth, Unauthenticated, load_secret, policy, record_key  # noqa: E402
+from gradientmail_core.protocol.guard import GuardedMailbox  # noqa: E402
+from gradientmail_core.protocol.records import (  # noqa: E402
     MAX_RECORD_BYTES,
     Claim,
     Lease,
@@ -34,7 +36,7 @@ from gradientmail_core.protocol.records import (
     encode,
     to_dict,
 )
-from gradientmail_core.protocol.store import RunStore
+from gradientmail_core.protocol.store import RunStore  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = b"0123456789abcdef-test-secret"

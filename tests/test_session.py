@@ -7,10 +7,12 @@ import threading
 
 import numpy as np
 import pytest
-import torch
 
-import gradientmail_core as gm
-from gradientmail_core.protocol import keys
+pytest.importorskip("torch")
+import torch  # noqa: E402
+
+import gradientmail_core as gm  # noqa: E402
+from gradientmail_core.protocol import keys  # noqa: E402
 
 
 def model(width: int = 4) -> torch.nn.Module:
