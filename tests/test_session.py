@@ -43,7 +43,7 @@ def test_default_learner_id_is_valid():
     assert keys.LEARNER_ID.fullmatch(s.learner_id)
 
 
-def test_second_live_process_with_the_same_id_is_refused():
+def test_second_live_session_in_this_process_with_the_same_id_is_refused():
     mb = gm.MemoryMailbox()
     cfg = gm.DiLoCo(sync_every=4, fragments=1)
     with gm.Session(model(), algorithm=cfg, mailbox=mb, learner_id="same", **FAST):
@@ -222,7 +222,7 @@ def test_numpy_dict_models_and_threads_share_a_run():
     assert params[0]["w"][0] != 0
 
 
-def test_two_processes_joining_at_once_with_the_same_id_one_is_refused():
+def test_two_sessions_on_threads_joining_at_once_with_the_same_id_one_is_refused():
     mb = gm.MemoryMailbox()
     cfg = gm.DiLoCo(sync_every=4, fragments=1)
     barrier = threading.Barrier(2)
