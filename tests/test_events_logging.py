@@ -77,3 +77,35 @@ def test_nothing_is_logged_below_the_logger_level(caplog: pytest.LogCaptureFixtu
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         ev.log_events(ev.Left(learner="a", round=1))
     assert not [r for r in caplog.records if r.name == LOGGER]
+
+
+def test_the_message_text_is_one_line_naming_the_learner_the_event_and_its_fields(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    record = logged(caplog, ev.Committed(learner="a", round=2, fragment=0, version=1, bytes_written=10))
+    assert record.getMessage() == "[a] Committed round=2 fragment=0 version=1 bytes_written=10"
+    assert record.levelno == logging.INFO
+    record = logged(caplog, ev.TookOver(learner="b", round=5, previous="a", reason="lease_lost"))
+    assert record.getMessage() == "[b] TookOver round=5 previous='a' reason='lease_lost'"
+    assert record.levelno == logging.INFO
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        ev.GaveUp(learner="a", round=3, reason="no round committed for 30 s while waiting to close"),
+        ev.BackgroundFailed(learner="a", error="RuntimeError: boom"),
+        ev.Superseded(learner="a", round=4, by="b"),
+        ev.StoreFailure(learner="a", error="timed out"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_failures_and_lost_work_are_logged_at_warning(caplog: pytest.LogCaptureFixture, event: ev.Event) -> None:
+    record = logged(caplog, event)
+    assert record.levelno == logging.WARNING
+    assert record.getMessage().startswith(f"[a] {type(event).__name__} ")
+
+
+def test_gave_up_message_text(caplog: pytest.LogCaptureFixture) -> None:
+    record = logged(caplog, ev.GaveUp(learner="a", round=3, reason="stalled"))
+    assert record.getMessage() == "[a] GaveUp round=3 reason='stalled'"
