@@ -22,9 +22,16 @@ CAUGHT_BY = {
         "differs from the recomputed",
         "different from the newest commit",
         "was never written intact",  # a ghost's payload that does not match its sha256, accepted
+        "aligned fragment",  # a learner aligned with damaged parameters it trusted
     ),
     "count_twice": ("differ from the merge",),
     "stale_view_is_fatal": ("raised ProtocolError",),
+    # The arithmetic itself: the engine's functions are patched wherever they are called, so only
+    # the independent float64 reference can catch these.
+    "weights_not_normalised": ("differ from the float64 recomputation",),
+    "rda_length_unweighted": ("differ from the float64 recomputation",),
+    "nesterov_without_momentum": ("differ from the float64 recomputation",),
+    "outer_lr_twice": ("differ from the float64 recomputation",),
 }
 
 
@@ -42,29 +49,36 @@ def test_mutant_is_caught(mutant):
         pytest.fail(f"mutant {mutant} survived {MAX_SEEDS} seeds")
 
 
-def test_mutants_leave_the_engine_as_they_found_it():
+def _patch_points() -> tuple:
     from gradientmail_core import mailbox
+    from gradientmail_core.aggregators import fused, merge, outer
     from gradientmail_core.protocol import store
+    from gradientmail_core.protocol.lease import LeaseWriter
     from gradientmail_core.syncer import closer, node
 
-    before = (
+    return (
         mailbox.create_once,
         store.create_once,
         closer.version_before,
         closer.merge_with_cosine,
+        closer.outer_step_tensor,
+        closer.final_step_tensor,
         node.Node._collect_garbage,
         node.Node._try_claim,
+        node.Node._list_leases,
+        node.Node._fragment_state,
+        LeaseWriter.renew,
         store.RunStore.get_payload,
+        merge._normalized,
+        fused.merge_tensor,
+        outer.outer_step_tensor,
+        outer.final_step_tensor,
     )
+
+
+def test_mutants_leave_the_engine_as_they_found_it():
+    before = _patch_points()
     for m in MUTANTS:
         run_seed(0, 5, mutant=m)
-    after = (
-        mailbox.create_once,
-        store.create_once,
-        closer.version_before,
-        closer.merge_with_cosine,
-        node.Node._collect_garbage,
-        node.Node._try_claim,
-        store.RunStore.get_payload,
-    )
+    after = _patch_points()
     assert before == after

@@ -12,7 +12,10 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
+
 from .. import mailbox
+from ..aggregators import fused, merge, outer
 from ..errors import MailboxUnavailable, ProtocolError
 from ..mailbox import CreateOutcome
 from ..protocol import keys, store
@@ -115,11 +118,15 @@ def skip_sha_check() -> contextlib.AbstractContextManager[None]:
     """Payloads are decoded without checking their sha256: bytes damaged in transit are trusted."""
     from ..codec.payload import decode_payload
 
-    def get_payload(self: store.RunStore, ref: Any, expected: Any, *, max_bytes: int | None = None) -> Any:
+    def get_payload(
+        self: store.RunStore, ref: Any, expected: Any, *, max_bytes: int | None = None, dtypes: Any = None
+    ) -> Any:
         data = self.mailbox.get(ref.key)
         if data is None:
             return None
-        return decode_payload(data, expected, compression=keys.compression_of(ref.key), max_bytes=max_bytes)
+        return decode_payload(
+            data, expected, compression=keys.compression_of(ref.key), max_bytes=max_bytes, dtypes=dtypes
+        )
 
     return _patched((store.RunStore, "get_payload", get_payload))
 
@@ -152,6 +159,70 @@ def stale_view_is_fatal() -> contextlib.AbstractContextManager[None]:
     return _patched((node.Node, "_fragment_state", fragment_state))
 
 
+# ---- the arithmetic itself -------------------------------------------------------------------
+# These patch the merge and outer-step functions everywhere the engine reaches them (the closer
+# and the auditor's exact recomputation both call them), so only the simulation's independent
+# float64 reference (``sim/reference.py``) can tell the committed numbers are wrong.
+
+
+def weights_not_normalised() -> contextlib.AbstractContextManager[None]:
+    """The merge weights are used as they are (``tokens**2 / steps``), not divided by their sum."""
+
+    def normalized(weights: Any, n: int) -> list[float]:
+        assert len(weights) == n
+        return [float(w) for w in weights]
+
+    return _patched((merge, "_normalized", normalized))
+
+
+def rda_length_unweighted() -> contextlib.AbstractContextManager[None]:
+    """RDA's length is the plain sum of the contributions' norms, not their weighted mean."""
+    orig = fused.merge_tensor
+
+    def merge_tensor(xs: Any, p: Any, *, radial: bool, **kw: Any) -> Any:
+        values, scale = orig(xs, p, radial=radial, **kw)
+        if radial and scale is not None:
+            norms = [float(np.sqrt(np.sum(np.square(x, dtype=np.float64)))) for x in xs]
+            weighted = sum(p_i * n for p_i, n in zip(p, norms, strict=True))
+            if weighted > 0.0:
+                scale = np.float32(float(scale) * sum(norms) / weighted)
+        return values, scale
+
+    return _patched((fused, "merge_tensor", merge_tensor))
+
+
+def _outer_patches(step: Callable[..., Any]) -> contextlib.AbstractContextManager[None]:
+    from ..syncer import closer as closer_module
+
+    return _patched((outer, "outer_step_tensor", step), (closer_module, "outer_step_tensor", step))
+
+
+def nesterov_without_momentum() -> contextlib.AbstractContextManager[None]:
+    """The outer step updates the momentum but leaves it out of the parameter update:
+    ``theta - lr * d`` instead of ``theta - lr * (d + beta * m)``."""
+    orig = outer.outer_step_tensor
+
+    def step(theta: Any, momentum: Any, delta: Any, *, lr: float, beta: float, scale: Any = None, **kw: Any) -> Any:
+        t_new, m_new = orig(theta, momentum, delta, lr=lr, beta=beta, scale=scale, **kw)
+        d = np.asarray(delta, np.float32)
+        if scale is not None:
+            d = d * scale
+        np.subtract(np.asarray(theta, np.float32), np.float32(lr) * d, out=t_new)
+        return t_new, m_new
+
+    return _outer_patches(step)
+
+
+def outer_lr_twice() -> contextlib.AbstractContextManager[None]:
+    """The outer learning rate is applied twice: ``theta - lr * lr * (d + beta * m)``."""
+    orig = outer.outer_step_tensor
+
+    def step(theta: Any, momentum: Any, delta: Any, *, lr: float, beta: float, **kw: Any) -> Any:
+        return orig(theta, momentum, delta, lr=lr * lr, beta=beta, **kw)
+
+    return _outer_patches(step)
+
+
 MUTANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "skip_readback": skip_readback,
     "accept_stale": accept_stale,
@@ -161,6 +232,10 @@ MUTANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "skip_sha_check": skip_sha_check,
     "count_twice": count_twice,
     "stale_view_is_fatal": stale_view_is_fatal,
+    "weights_not_normalised": weights_not_normalised,
+    "rda_length_unweighted": rda_length_unweighted,
+    "nesterov_without_momentum": nesterov_without_momentum,
+    "outer_lr_twice": outer_lr_twice,
 }
 
 
