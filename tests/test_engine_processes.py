@@ -14,7 +14,7 @@ from nodes import Node, identical, wait_until  # noqa: E402
 
 import gradientmail_core as gm  # noqa: E402
 from gradientmail_core.protocol import keys  # noqa: E402
-from gradientmail_core.protocol.records import RoundRecord, decode  # noqa: E402
+from gradientmail_core.protocol.records import Claim, RoundRecord, decode  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -160,3 +160,51 @@ def test_killed_learner_restarts_with_its_id_and_contributes_again(tmp_path):
     a.wait()
     joined = b2.events("Joined")
     assert joined and joined[-1]["round"] >= killed_at - 1 and not joined[-1]["created_run"]
+
+
+def _claim_holder(mailbox: gm.Mailbox) -> str | None:
+    """The learner holding the newest claim (highest round, then highest number), read from claims/."""
+    newest: tuple[int, int, str] | None = None
+    for k in mailbox.list(keys.CLAIMS):
+        parsed = keys.parse_claim_key(k)
+        data = mailbox.get(k) if parsed is not None else None
+        if data is None:
+            continue  # collected meanwhile
+        claim = decode(data, Claim, key=k)
+        if newest is None or (claim.round, claim.n) > newest[:2]:
+            newest = (claim.round, claim.n, claim.learner)
+    return None if newest is None else newest[2]
+
+
+def test_closer_killed_over_s3_is_taken_over_and_the_run_goes_on(tmp_path, s3_server):
+    """Three learner processes on moto's S3 over HTTP: the node holding the current claim is
+    SIGKILLed; another takes over, the run commits every remaining round, the survivors end
+    bit-identical."""
+    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket="kill")
+    url = "s3://kill/runs/r1"
+    mb = gm.open_mailbox(url, endpoint_url=s3_server)
+    steps = 300
+    args = ["--steps", str(steps), "--sync-every", "20", "--fragments", "2", "--overlap-steps", "10"]
+    args += ["--wait-for", "3", "--step-sleep", "0.01"]
+    nodes = {name: Node(tmp_path, name, url, *args, endpoint=s3_server) for name in "abc"}
+    wait_until(lambda: len(mb.list(keys.ROUNDS)) >= 3, timeout=180, what="three commits")
+    holder = _claim_holder(mb)
+    assert holder in nodes, holder
+    victim = nodes[holder]
+    victim.kill(signal.SIGKILL)
+    victim.wait()
+    head_at_kill = len(mb.list(keys.ROUNDS))  # its last commit, if any, is on the tape by now
+    assert head_at_kill < steps // 20 * 2, "the run ended before the kill; nothing to take over"
+    survivors = [n for name, n in nodes.items() if name != holder]
+    for n in survivors:
+        assert n.wait() == 0, (tmp_path / f"log-{n.learner}.txt").read_text()[-3000:]
+    recs = tape(mb)
+    assert len(recs) == steps // 20 * 2  # every round after the kill committed
+    before = [r for r in recs if r.round < head_at_kill]
+    after = [r for r in recs if r.round >= head_at_kill]
+    assert holder in {r.closer for r in before}, "the killed node was not the closer"
+    assert after and holder not in {r.closer for r in after}
+    assert {r.closer for r in after} <= {n.learner for n in survivors}
+    took = [t for n in survivors for t in n.events("TookOver")]
+    assert any(t["previous"] == holder or t["reason"] == "unclaimed" for t in took), took
+    assert identical(*[n.params() for n in survivors])
