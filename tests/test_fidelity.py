@@ -22,6 +22,7 @@ from gradientmail_core.aggregators.merge import merge
 from gradientmail_core.clock import FakeClock
 from gradientmail_core.codec.payload import encode_payload
 from gradientmail_core.config import RDA, WeightedMean
+from gradientmail_core.errors import MailboxUnavailable
 from gradientmail_core.mailbox.memory import MemoryMailbox
 from gradientmail_core.protocol import keys
 from gradientmail_core.protocol.lease import LeaseWriter
@@ -160,6 +161,31 @@ def test_an_unclaimed_round_is_claimed_at_once() -> None:
     assert c.clock.now() == now
     assert [(e.round, e.reason) for e in b.of(ev.TookOver)] == [(1, "unclaimed")]
     assert b.node.collector is not None and b.node.collector.round == 1
+
+
+def test_a_takeover_whose_state_read_fails_resumes_its_own_claim_on_the_next_poll() -> None:
+    c = Cluster(gm.DiLoCo(sync_every=2, fragments=1))
+    a, b = c.join_all("ab")
+    c.run(4)
+    r = c.head() + 1
+    b.node.tick()
+    fo = b.node.follow
+    assert fo is not None and fo.round == r and fo.claim is not None and fo.claim.learner == "a"
+    orig = b.node._fragment_state
+    failures = [1]
+
+    def flaky(f: int):
+        if failures:
+            failures.pop()
+            raise MailboxUnavailable("GET outer: HTTP 503 (injected)")
+        return orig(f)
+
+    b.node._fragment_state = flaky  # type: ignore[method-assign]
+    with pytest.raises(MailboxUnavailable):
+        b.node._try_claim(r, fo.claim.n + 1, previous="a", reason="timeout")  # a is still live
+    assert b.node.collector is None
+    b.node.tick()  # b holds the newest claim: it resumes closing at once, no second timeout
+    assert b.node.collector is not None and b.node.collector.round == r
 
 
 def test_an_invalid_claim_does_not_block_the_round() -> None:

@@ -127,4 +127,9 @@ class Election(Closing, GarbageCollection):
         if previous is not None or reason == "unclaimed":
             self.stats.takeovers += 1
             self.emit(ev.TookOver(self.me, r, previous or "", reason or "unclaimed"))
+        fo = self.follow
+        if fo is not None and fo.round == r:
+            # Ours now: if becoming the closer fails (a transient read of the fragment's state),
+            # the next poll finds this claim and retries, instead of watching the one it replaced.
+            fo.claim, fo.claim_seen_at = claim, self.clock.now()
         self._become_closer(r)
