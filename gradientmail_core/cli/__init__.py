@@ -11,7 +11,8 @@
 
 URL is ``file:///path``, ``s3://bucket/prefix`` (with ``--endpoint-url`` for R2, MinIO...) or
 ``memory://name`` (tests). Every command only reads, but ``members add|remove`` (one entry of a
-members-only run's membership log, ``gradientmail members --help``). ``rich`` and ``matplotlib`` (the ``cli``
+members-only run's membership log, ``gradientmail members --help``) and ``syncer`` (a node of the
+run: its lease and the commits of the rounds it closes). ``rich`` and ``matplotlib`` (the ``cli``
 extra) are imported by the commands that use them, so ``--help`` and ``rounds --json`` need
 neither.
 """

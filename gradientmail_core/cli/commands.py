@@ -96,7 +96,7 @@ def watch(mailbox: Mailbox, args: argparse.Namespace) -> int:
             open_task,
             description=f"Round {ov.open_round} (fragment {ov.open_fragment})",
             completed=len(ov.open_contributors),
-            total=max(len(ov.leases), len(ov.open_contributors), 1),
+            total=max(sum(le.role != "syncer" for le in ov.leases), len(ov.open_contributors), 1),
             note="contributions from learners holding a lease",
         )
         parts = [progress, Text(), views.status(ov, args.url, leases.observe(ov))]
