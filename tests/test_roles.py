@@ -18,6 +18,8 @@ from gradientmail_core.adapters.base import NumpyAdapter
 from gradientmail_core.cli import views
 from gradientmail_core.cli.overview import read_overview
 from gradientmail_core.protocol import keys
+from gradientmail_core.protocol.auth import policy
+from gradientmail_core.protocol.guard import GuardedMailbox
 from gradientmail_core.protocol.records import Claim, Lease, decode, encode
 from gradientmail_core.protocol.run import open_run
 from gradientmail_core.protocol.store import RunStore
@@ -33,12 +35,14 @@ class Roles(Cluster):
     syncers: dict[str, gm.Syncer] = field(default_factory=dict)
     syncer_events: dict[str, list[ev.Event]] = field(default_factory=dict)
     down: set[str] = field(default_factory=set)  # syncers not ticked (killed)
+    secret: bytes | None = None  # an authenticated run: every node reads through the guarded view
 
     def join(self, name: str, seed: int | None = None, role: str = "both", **_: object) -> Member:  # type: ignore[override]
         seed = len(self.members) if seed is None else seed
         params = make_params(100 + seed, self.shapes)
         adapter = NumpyAdapter(params)
-        store = RunStore(self.mailbox)
+        auth = policy(self.secret)
+        store = RunStore(GuardedMailbox(self.mailbox, auth=auth), auth=auth)
         events: list[ev.Event] = []
         run, created = open_run(store, adapter, self.cfg, learner=name, compression="", rng=random.Random(seed))
         bridge = Bridge()
@@ -78,6 +82,7 @@ class Roles(Cluster):
             clock=self.clock,
             seed=seed,
             callbacks=[events.append],
+            secret=self.secret,
         )
         assert s.open()
         self.syncers[name] = s
@@ -301,4 +306,23 @@ def test_no_closer_fires_once_when_the_syncer_lapses_and_closer_back_when_it_ret
         c.close(m)
     recs = assert_tape_contiguous(c)
     assert {r.closer for r in recs} == {"s"}
+    assert_identical([a, b])
+
+
+def test_roles_in_an_authenticated_run_live_under_tagged_lease_keys():
+    c = Roles(gm.DiLoCo(sync_every=4, fragments=2, quorum_size=2), options=options(), secret=b"k" * 32)
+    a, b = c.learners("ab")
+    c.start_syncer("s")
+    raw = c.mailbox.list(keys.LEASES)
+    untagged = [keys.untag_key(k) for k in raw]
+    assert all(u is not None for u in untagged)  # every lease key carries the run's tag...
+    roles = {keys.parse_lease_key(u[0])[0]: keys.lease_role(u[0]) for u in untagged if u is not None}
+    assert roles == {"a": "learner", "b": "learner", "s": "syncer"}  # ...and its role
+    c.run(40)
+    c.settle()
+    for m in (a, b):
+        c.close(m)
+    recs = assert_tape_contiguous(c)
+    assert len(recs) == 40 // 4 * 2 and {r.closer for r in recs} == {"s"}
+    assert all(r.live == 2 for r in recs)
     assert_identical([a, b])
