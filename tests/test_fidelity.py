@@ -330,13 +330,19 @@ def test_a_delta_of_another_layout_or_dtype_is_rejected_as_schema(make, reason) 
 
 def test_a_round_counts_as_closing_once_the_others_would_meet_the_quorum_with_us() -> None:
     c = Cluster(gm.DiLoCo(sync_every=8, fragments=1, quorum_size=3))
-    a, _, _ = c.join_all("abc")
+    a, _, _, _ = c.join_all("abcd")
     a.node.snapshot_keys = {0: {"b"}}
     a.node._publish_view()
     assert 0 not in a.node.view().others_published  # 1 other: with us 2, the quorum is 3
     a.node.snapshot_keys = {0: {"b", "c"}}
     a.node._publish_view()
     assert 0 in a.node.view().others_published  # 2 others: with us, the quorum
+    # The quorum is every live learner: the round waits for us, so nobody publishes early.
+    c3 = Cluster(gm.DiLoCo(sync_every=8, fragments=1, quorum_size=3))
+    a3, _, _ = c3.join_all("abc")
+    a3.node.snapshot_keys = {0: {"b", "c"}}
+    a3.node._publish_view()
+    assert 0 not in a3.node.view().others_published
     # quorum 1: one other is enough (never zero)
     c1 = Cluster(gm.DiLoCo(sync_every=8, fragments=1, quorum_size=1))
     a1, _ = c1.join_all("ab")
@@ -346,6 +352,27 @@ def test_a_round_counts_as_closing_once_the_others_would_meet_the_quorum_with_us
     a1.node.snapshot_keys = {0: {"b"}}
     a1.node._publish_view()
     assert 0 in a1.node.view().others_published
+
+
+def test_a_laggard_in_an_all_learner_quorum_contributes_its_full_steps() -> None:
+    # Why the prior art's count is not used when the quorum is every live learner: c lags the
+    # others by one step; counting 2 others as "closing" would make it publish 7 steps of 8.
+    c = Cluster(gm.DiLoCo(sync_every=8, fragments=1, quorum_size=3))
+    a, b, lag = c.join_all("abc")
+    for _ in range(6):
+        for m in (a, b, lag):
+            m.train()
+    for m in (a, b):
+        m.train()
+        m.train()
+    c.settle(ticks=5)  # a and b have published round 0; c's node sees both snapshots
+    assert {"a", "b"} <= lag.node.snapshot_keys.get(0, set())
+    lag.train()  # its 7th step
+    assert not lag.learner.published
+    lag.train()
+    c.settle()
+    snaps = [e for e in lag.of(ev.Published) if e.round == 0]
+    assert snaps and snaps[0].steps == 8
 
 
 # ---- 8. RDA's direct_pattern is case-insensitive ------------------------------------------------

@@ -100,11 +100,15 @@ class Node(Publishing, Election):
             self.sightings[learner] = self.listing
 
     def _publish_view(self) -> None:
-        # The round will close without us once the others' snapshots, with ours, would meet the
-        # quorum the closer uses (at most the live learners): ``max(min(quorum, live) - 1, 1)``
-        # others, as the prior art counts them.
+        # A round is about to close once the others' snapshots, with ours, would meet the quorum
+        # the closer uses: ``max(min(quorum, live) - 1, 1)`` others, as the prior art counts them;
+        # a learner then contributes what it has rather than be left out. Not when the quorum is
+        # every live learner (textbook DiLoCo): that round waits for us anyway, and publishing
+        # before we are due would only cut our contribution short (by the steps we lag: the
+        # prior art's count breaks the equality with the textbook loop, tests/test_equivalence.py).
         live = len(self.liveness.live())
-        need = max(min(self.run.cfg.quorum_size, live) - 1, 1)
+        quorum = self.run.cfg.quorum_size
+        need = quorum if quorum >= live else max(min(quorum, live) - 1, 1)
         others = frozenset(r for r, ls in self.snapshot_keys.items() if r > self.head and len(ls - {self.me}) >= need)
         closer_of = self.collector.round if self.collector else None
         view = View(
