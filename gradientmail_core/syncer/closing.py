@@ -16,6 +16,12 @@ from .following import Following
 
 
 class Closing(Following):
+    next_claimed: int | None = None  # the round after the one committing, if this node claimed it
+
+    def _claim_next(self, r: int) -> bool:
+        """Claim round ``r`` (the next) before committing ``r - 1``: ``election`` does it."""
+        return False
+
     def _become_closer(self, r: int) -> None:
         if r != self.head + 1:
             return
@@ -90,6 +96,7 @@ class Closing(Following):
         )
         written = sum(len(data) for data in commit.payloads.values())
         rec = commit.record
+        self.next_claimed = c.round + 1 if self._claim_next(c.round + 1) else None
         outcome, existing = self.store.put_record(keys.round_key(c.round), rec)
         self._last_sync = self.clock.now() - t0
         if outcome is CreateOutcome.TAKEN:

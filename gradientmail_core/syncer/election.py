@@ -37,8 +37,16 @@ class Election(Closing, GarbageCollection):
         if self.collector is None:
             self._follow(r)
         elif self._collect(self.collector):
-            self._try_claim(r + 1, 1, previous=None, reason=None)
+            if self.next_claimed == r + 1:
+                self._become_closer(r + 1)  # claimed before the commit landed (``_claim_next``)
+            else:
+                self._try_claim(r + 1, 1, previous=None, reason=None)
             self._collect_garbage(r)
+
+    def _claim_next(self, r: int) -> bool:
+        # The round after the one being committed is claimed before its record is written, so
+        # no follower ever sees it unclaimed (and claims it at once) while this closer lives.
+        return self._try_claim(r, 1, previous=None, reason=None)
 
     def _watch_closers(self, r: int) -> None:
         """A learner-only node: report when the run has no live node that may close its rounds."""
@@ -104,9 +112,10 @@ class Election(Closing, GarbageCollection):
         predicted = 0.0 if rec is None else (rec.x_sync or 0.0) + grace + (rec.x_quorum or 0.0)
         return max(self.opts.round_timeout, 4 * predicted)
 
-    def _try_claim(self, r: int, n: int, *, previous: str | None, reason: str | None) -> None:
+    def _try_claim(self, r: int, n: int, *, previous: str | None, reason: str | None) -> bool:
+        """Create claim ``n`` of round ``r``; True if this node holds it."""
         if not self.may_close:
-            return  # a learner-only node never claims
+            return False  # a learner-only node never claims
         if n > keys.MAX_CLAIM:
             raise ProtocolError(f"round {r} has been taken over {keys.MAX_CLAIM} times; the run cannot elect a closer")
         claim = Claim(round=r, n=n, learner=self.me, nonce=self.nonce)
@@ -116,13 +125,12 @@ class Election(Closing, GarbageCollection):
                 theirs = self.store.decode_record(existing, Claim, keys.claim_key(r, n))
             except RecordInvalid:
                 # Not a claim anyone can hold: the next number is the one to create.
-                self._try_claim(r, n + 1, previous=previous, reason=reason)
-                return
+                return self._try_claim(r, n + 1, previous=previous, reason=reason)
             fo = self.follow
             if fo is not None and fo.round == r:
                 fo.claim = theirs
                 fo.claim_seen_at = self.clock.now()
-            return
+            return False
         self.emit(ev.RoundClaimed(self.me, r, n))
         if previous is not None or reason == "unclaimed":
             self.stats.takeovers += 1
@@ -133,3 +141,4 @@ class Election(Closing, GarbageCollection):
             # the next poll finds this claim and retries, instead of watching the one it replaced.
             fo.claim, fo.claim_seen_at = claim, self.clock.now()
         self._become_closer(r)
+        return True

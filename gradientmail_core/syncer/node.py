@@ -86,9 +86,16 @@ class Node(Publishing, Election):
         self.listing += 1
         for learner in self.liveness.live():
             self.sightings[learner] = self.listing
+        newcomers = False
         for r, learners in self.snapshot_keys.items():
             for learner in learners - before.get(r, set()):
                 self.sightings[learner] = self.listing  # a new contribution
+                newcomers = newcomers or learner not in self.liveness.seen
+        if newcomers:
+            # A learner contributes before this node listed its lease (it joined since): list the
+            # leases now, so a round this node closes waits for it as the quorum says (at most one
+            # extra LIST a poll, and only when an unknown learner's snapshot appears).
+            self._list_leases()
         if self._advance(round_keys):
             self._drive_round()  # never for a round the listing shows committed but we could not read yet
         self._publish_view()
@@ -106,10 +113,15 @@ class Node(Publishing, Election):
         # every live learner (textbook DiLoCo): that round waits for us anyway, and publishing
         # before we are due would only cut our contribution short (by the steps we lag: the
         # prior art's count breaks the equality with the textbook loop, tests/test_equivalence.py).
-        live = len(self.liveness.live())
+        # Only live learners' snapshots count: objects under names nobody holds a lease for (stray
+        # or hostile) must not hurry every learner into contributing early.
+        learners = self.liveness.live()
+        live = len(learners)
         quorum = self.run.cfg.quorum_size
         need = quorum if quorum >= live else max(min(quorum, live) - 1, 1)
-        others = frozenset(r for r, ls in self.snapshot_keys.items() if r > self.head and len(ls - {self.me}) >= need)
+        others = frozenset(
+            r for r, ls in self.snapshot_keys.items() if r > self.head and len((ls & learners) - {self.me}) >= need
+        )
         closer_of = self.collector.round if self.collector else None
         view = View(
             self.head, others, live, self.rounds_seen, closer_of, sightings=dict(self.sightings), listing=self.listing
