@@ -8,6 +8,7 @@ structured data; tests and integrations subscribe with their own callables.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Protocol
 
@@ -200,3 +201,13 @@ def log_events(event: Event) -> None:
         return
     data = {f.name: getattr(event, f.name) for f in fields(event)}
     _log.log(level, event.describe(), extra={"gm_event": type(event).__name__, "gm": data})
+
+
+def deliver(callbacks: Sequence[Callable[[Event], None]], event: Event) -> None:
+    """Hand ``event`` to every callback; one that raises is logged and the others still run (a
+    broken logger must not stop training or the rounds)."""
+    for cb in callbacks:
+        try:
+            cb(event)
+        except Exception:
+            _log.exception("event callback %r failed on %s", cb, type(event).__name__)

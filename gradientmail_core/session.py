@@ -22,11 +22,9 @@ from .config import DiLoCo
 from .errors import MailboxUnavailable, SessionFailed
 from .mailbox import Mailbox
 from .protocol import keys
-from .protocol.auth import Policy
 from .protocol.auth import policy as auth_policy
 from .protocol.guard import GuardedMailbox
-from .protocol.identity import Identity
-from .protocol.members import MemberAuth
+from .protocol.members import MemberAuth, node_policy
 from .protocol.store import RunStore
 from .protocol.tape import load_newest
 from .syncer.bridge import Bridge, CommitNotice
@@ -36,7 +34,6 @@ from .syncer.marker import RestartMarker
 from .syncer.node import Node, NodeOptions
 
 _log = logging.getLogger(__name__)
-_COMPRESSION = {"off": "", "none": "", "": "", "zstd": "zstd"}
 
 
 @dataclass(frozen=True)
@@ -83,28 +80,22 @@ class Session:
         self.learner_id = keys.validate_learner_id(learner_id if learner_id is not None else default_learner_id())
         if not isinstance(algorithm, DiLoCo):
             raise TypeError(f"algorithm must be a gm.DiLoCo(...), found {type(algorithm).__name__}")
-        if compression not in _COMPRESSION:
-            raise ValueError(f"compression={compression!r}: expected 'off' or 'zstd'")
         if role not in ("both", "learner"):
             raise ValueError(
                 f"role={role!r}: expected 'both' (train and close rounds) or 'learner' (train only); "
                 "a node that only closes rounds is gm.Syncer (`gradientmail syncer URL --id NAME`)"
             )
         self.role = role
-        if not poll_interval > 0 or not lease_timeout > poll_interval:
-            raise ValueError(f"need 0 < poll_interval ({poll_interval}) < lease_timeout ({lease_timeout})")
-        if lease_every is not None and not 0 < lease_every < lease_timeout:
-            raise ValueError(f"need 0 < lease_every ({lease_every}) < lease_timeout ({lease_timeout})")
-        self.auth: Policy | MemberAuth = auth_policy(secret, secret_file)  # validated before any I/O
-        self.identity: Identity | None = None  # docs/security.md: shared secret, identities, or neither
-        if identity is not None or owner_key is not None:
-            # Members-only runs (protocol/members.py): this node's key pair, created on first use. Its
-            # learner id carries the key's fingerprint, so every record names the key that signs it.
-            if identity is None:
-                raise ValueError("owner_key= names the owner of a run this node creates: it needs identity= too")
-            self.identity = Identity.load(identity)
-            owner = Identity.load(owner_key) if owner_key is not None else None
-            self.auth = MemberAuth(self.auth, identity=self.identity, owner=owner)
+        self.options = NodeOptions.from_user(
+            poll_interval=poll_interval,
+            lease_timeout=lease_timeout,
+            lease_every=lease_every,
+            round_timeout=round_timeout,
+            compression=compression,
+        )
+        # docs/security.md: shared secret, identities, or neither; validated before any I/O
+        self.auth, self.identity = node_policy(secret, secret_file, identity, owner_key)
+        if self.identity is not None:
             self.learner_id = self.identity.learner_id(self.learner_id)
         self.model = model
         self.adapter = adapter_for(model)
@@ -112,13 +103,6 @@ class Session:
         self.mailbox = mailbox
         self.clock = clock or SystemClock()
         self.callbacks = list(callbacks)
-        self.options = NodeOptions(
-            poll_interval=poll_interval,
-            lease_timeout=lease_timeout,
-            lease_every=lease_every,
-            round_timeout=round_timeout if round_timeout is not None else max(30.0, 10 * poll_interval),
-            compression=_COMPRESSION[compression],
-        )
         self.close_timeout = (
             close_timeout if close_timeout is not None else lease_timeout + 2 * self.options.round_timeout
         )
@@ -145,11 +129,7 @@ class Session:
             self._shutdown()  # the loop failed: leave without waiting for rounds
 
     def emit(self, event: ev.Event) -> None:
-        for cb in self.callbacks:
-            try:
-                cb(event)
-            except Exception:  # a broken logger must not kill training
-                _log.exception("event callback %r failed on %s", cb, type(event).__name__)
+        ev.deliver(self.callbacks, event)
 
     def open(self) -> None:
         """Join the run (creating it if the mailbox is empty) and start the background work."""

@@ -36,6 +36,7 @@ keys). What this protects against is in ``docs/security.md``.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +44,7 @@ from ..errors import ProtocolError, RecordInvalid
 from . import identity as ids
 from . import keys
 from .auth import Policy, Unauthenticated, record_key
+from .auth import policy as secret_policy
 from .membership import (  # noqa: F401 (the log's names, re-exported: this is the module users import)
     NO_PREV,
     Entry,
@@ -338,3 +340,23 @@ class MemberAuth:
             fps = frozenset(ids.fingerprint(k) for k in members), frozenset(ids.fingerprint(k) for k in removed)
             self._fps = (head, *fps)
         return self._fps[1], self._fps[2]
+
+
+def node_policy(
+    secret: bytes | str | None,
+    secret_file: str | os.PathLike[str] | None,
+    identity: str | os.PathLike[str] | None,
+    owner_key: str | os.PathLike[str] | None = None,
+) -> tuple[Policy | MemberAuth, ids.Identity | None]:
+    """What a node (``gm.Session``, ``gm.Syncer``) signs and checks with, from its keywords, checked
+    before any I/O: the run secret's policy, under ``MemberAuth`` with this node's key pair when it
+    has an ``identity`` (a members-only run). Returns the policy and the identity. A node with an
+    identity names itself ``identity.learner_id(its id)``, so every record names the key that signs it."""
+    auth = secret_policy(secret, secret_file)
+    if identity is None:
+        if owner_key is not None:
+            raise ValueError("owner_key= names the owner of a run this node creates: it needs identity= too")
+        return auth, None
+    me = ids.Identity.load(identity)
+    owner = ids.Identity.load(owner_key) if owner_key is not None else None
+    return MemberAuth(auth, identity=me, owner=owner), me

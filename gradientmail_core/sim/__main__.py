@@ -9,6 +9,7 @@ python -m gradientmail_core.sim --seeds 0:300 --mutant accept_stale   # is this 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -36,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
 
     if a.seed is not None:
+        if a.verbose:
+            logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")
         r = run_seed(a.seed, a.rounds, faults=not a.no_faults, nodes=a.nodes, verbose=a.verbose, mutant=a.mutant)
         print(r.summary())
         print("stats:", dict(sorted(r.stats.items())))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import logging
 import random
 from collections import Counter
 from dataclasses import dataclass
@@ -29,6 +30,9 @@ from ..syncer.learner import Learner
 from ..syncer.node import Node
 from .audit import Auditor
 from .scenario import SIZE, SimConfig, _views, draw_scenario
+
+# The trace of a verbose run (``python -m gradientmail_core.sim --seed N -v`` shows it on stdout).
+_trace_log = logging.getLogger("gradientmail.sim.trace")
 
 
 @dataclass
@@ -102,7 +106,7 @@ class SimState:
         self.hash.update(line.encode())
         self.hash.update(b"\n")
         if self.config.verbose:
-            print(line)
+            _trace_log.info(line)
 
     def _advance_to(self, at: float) -> None:
         if at > self.T:

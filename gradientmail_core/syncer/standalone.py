@@ -29,18 +29,14 @@ from ..clock import Clock, SystemClock
 from ..errors import MailboxUnavailable
 from ..mailbox import Mailbox
 from ..protocol import keys
-from ..protocol.auth import Policy
-from ..protocol.auth import policy as auth_policy
 from ..protocol.guard import GuardedMailbox
-from ..protocol.identity import Identity
-from ..protocol.members import MemberAuth
+from ..protocol.members import node_policy
 from ..protocol.run import RunInfo, max_payload_bytes, read_manifest
 from ..protocol.store import RunStore
 from .marker import RestartMarker
 from .node import Node, NodeOptions
 
 _log = logging.getLogger(__name__)
-_COMPRESSION = {"off": "", "none": "", "": "", "zstd": "zstd"}
 
 
 class Syncer:
@@ -66,25 +62,19 @@ class Syncer:
         identity: str | os.PathLike[str] | None = None,
     ) -> None:
         self.syncer_id = keys.validate_learner_id(syncer_id)
-        if compression not in _COMPRESSION:
-            raise ValueError(f"compression={compression!r}: expected 'off' or 'zstd'")
-        if not poll_interval > 0 or not lease_timeout > poll_interval:
-            raise ValueError(f"need 0 < poll_interval ({poll_interval}) < lease_timeout ({lease_timeout})")
-        self.auth: Policy | MemberAuth = auth_policy(secret, secret_file)  # validated before any I/O
-        if identity is not None:  # a members-only run (docs/security.md): this node's key pair
-            me = Identity.load(identity)
-            self.auth = MemberAuth(auth_policy(secret, secret_file), identity=me)
+        self.options = NodeOptions.from_user(
+            poll_interval=poll_interval,
+            lease_timeout=lease_timeout,
+            lease_every=lease_every,
+            round_timeout=round_timeout,
+            compression=compression,
+        )
+        self.auth, me = node_policy(secret, secret_file, identity)  # docs/security.md; before any I/O
+        if me is not None:
             self.syncer_id = me.learner_id(self.syncer_id)
         self.mailbox = mailbox
         self.clock = clock or SystemClock()
         self.callbacks = list(callbacks)
-        self.options = NodeOptions(
-            poll_interval=poll_interval,
-            lease_timeout=lease_timeout,
-            lease_every=lease_every,
-            round_timeout=round_timeout if round_timeout is not None else max(30.0, 10 * poll_interval),
-            compression=_COMPRESSION[compression],
-        )
         self._rng = random.Random(seed if seed is not None else int.from_bytes(os.urandom(8), "big"))
         self.nonce = f"{self._rng.getrandbits(64):016x}"
         self._marker = RestartMarker(self.syncer_id)
@@ -102,11 +92,7 @@ class Syncer:
         self.close()
 
     def emit(self, event: ev.Event) -> None:
-        for cb in self.callbacks:
-            try:
-                cb(event)
-            except Exception:  # a broken logger must not stop the rounds
-                _log.exception("event callback %r failed on %s", cb, type(event).__name__)
+        ev.deliver(self.callbacks, event)
 
     def stop(self) -> None:
         """Make ``run()`` (or an ``open()`` waiting for the run) return; safe from any thread or a

@@ -21,6 +21,8 @@ from ..protocol.store import RunStore
 from .bridge import Bridge
 from .closer import Collector, FragmentState
 
+_COMPRESSION = {"off": "", "none": "", "": "", "zstd": "zstd"}  # user-facing name -> payload suffix
+
 
 @dataclass(frozen=True)
 class NodeOptions:
@@ -31,8 +33,32 @@ class NodeOptions:
     lease_every: float | None = None  # lease renewal interval; None: lease_timeout / 4
 
     def __post_init__(self) -> None:
+        if not self.poll_interval > 0 or not self.lease_timeout > self.poll_interval:
+            raise ValueError(f"need 0 < poll_interval ({self.poll_interval}) < lease_timeout ({self.lease_timeout})")
         if self.lease_every is not None and not 0 < self.lease_every < self.lease_timeout:
             raise ValueError(f"need 0 < lease_every ({self.lease_every}) < lease_timeout ({self.lease_timeout})")
+
+    @classmethod
+    def from_user(
+        cls,
+        *,
+        poll_interval: float,
+        lease_timeout: float,
+        lease_every: float | None,
+        round_timeout: float | None,
+        compression: str,
+    ) -> NodeOptions:
+        """The options as ``gm.Session`` and ``gm.Syncer`` take them: compression by its user-facing
+        name (``"off"``/``"zstd"``), ``round_timeout`` None for ``max(30, 10 x poll_interval)``."""
+        if compression not in _COMPRESSION:
+            raise ValueError(f"compression={compression!r}: expected 'off' or 'zstd'")
+        return cls(
+            poll_interval=poll_interval,
+            lease_timeout=lease_timeout,
+            lease_every=lease_every,
+            round_timeout=round_timeout if round_timeout is not None else max(30.0, 10 * poll_interval),
+            compression=_COMPRESSION[compression],
+        )
 
     @property
     def lease_interval(self) -> float:
