@@ -5,14 +5,23 @@ provide ``put_if_absent``, ``get``, ``list`` and ``delete``; everything else in 
 protocol is built from those four. A backend that can read part of an object cheaply (a
 ranged GET, a bounded file read) also provides ``get_prefix``; ``read_prefix`` is how
 callers use it, falling back to a whole ``get`` where it is missing.
+
+A backend that can move an object without holding all of it in memory (S3 multipart uploads and
+parallel ranged GETs, a file written and read in chunks) also provides ``put_stream`` and
+``get_stream`` (``StreamingMailbox``); ``write_stream`` and ``read_stream`` are how callers use
+them, joining the chunks into one ``bytes`` only where the backend cannot stream.
 ``docs/backends.md`` says how to write a backend or a wrapper.
 """
 
 from __future__ import annotations
 
 import builtins
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol, runtime_checkable
+
+# A chunk handed to ``put_stream`` or yielded by ``get_stream``: any contiguous byte buffer.
+# A yielded chunk stays valid after the next one is requested (backends never reuse its memory).
+Chunk = bytes | bytearray | memoryview
 
 
 @runtime_checkable
@@ -64,3 +73,86 @@ def read_prefix(mailbox: Mailbox, key: str, n: int) -> bytes | None:
         return get_prefix(key, n)
     data = mailbox.get(key)
     return data if data is None or n < 0 or len(data) <= n else bytes(data[:n])
+
+
+@runtime_checkable
+class StreamingMailbox(Mailbox, Protocol):
+    """A mailbox that writes and reads an object chunk by chunk, never holding all of it.
+
+    Optional, like ``RangedMailbox``: callers go through ``write_stream`` and ``read_stream``,
+    which work with any ``Mailbox``. For payloads (content-addressed, hundreds of MB to GBs), so
+    that moving one costs a bounded buffer (on S3 about ``part_size * max_concurrency``), not a
+    joined copy of the object.
+    """
+
+    def put_stream(self, key: str, chunks: Iterable[Chunk], *, create_once: bool = False) -> bool:
+        """Write the object under ``key`` from ``chunks``, consumed in order as they come.
+
+        Readers see no object, or an older object under ``key``, or the whole new one, never
+        part of one: a stream that fails (an exception from ``chunks`` or from the store) leaves
+        nothing under ``key`` and nothing half-written behind it (an S3 multipart upload is
+        aborted). Validates ``key`` before consuming anything.
+
+        - ``create_once=False`` (payloads, whose keys are content-addressed): an existing
+          object under ``key`` is replaced. Returns True.
+        - ``create_once=True``: like ``put_if_absent``. True only if this call created the
+          object; False (and nothing changed) if ``key`` existed. The chunks may then have been
+          consumed or not.
+        """
+        ...
+
+    def get_stream(self, key: str, *, part_size: int | None = None) -> Iterator[Chunk] | None:
+        """The object's bytes in order, chunk by chunk as they arrive; None if there is no object.
+
+        Whether the object exists is settled before this returns (the first request is made
+        eagerly); the iterator then yields non-empty chunks (``part_size`` bytes each where the
+        backend reads in parts, the backend's default for None; an empty object yields nothing).
+        A store failure in the middle surfaces from the iterator as ``MailboxUnavailable`` once
+        the backend's retries are spent. Closing the iterator early (``close()``, or dropping a
+        ``for`` loop) cancels the reads still in flight. The bytes are not verified: the
+        caller checks them against the sha256 it expects.
+        """
+        ...
+
+
+def write_stream(mailbox: Mailbox, key: str, chunks: Iterable[Chunk], *, create_once: bool = False) -> bool:
+    """Write ``key`` from ``chunks`` through ``mailbox.put_stream`` where the mailbox offers it.
+
+    Otherwise the chunks are joined into one ``bytes`` and written with ``put_if_absent``; an
+    object already under ``key`` is then kept, not replaced, so with ``create_once=False`` it is
+    read back: True if it holds exactly our bytes, False if it holds others (for a
+    content-addressed key: damaged or planted bytes, which the caller handles).
+
+    Returns True when ``key`` holds exactly the streamed bytes because of this call (or, without
+    ``create_once``, identical ones already there); False when ``create_once`` found the key taken
+    (or, without a streaming backend, found other bytes there). See ``StreamingMailbox.put_stream``.
+    """
+    put_stream: Callable[..., bool] | None = getattr(mailbox, "put_stream", None)
+    if put_stream is not None:
+        return put_stream(key, chunks, create_once=create_once)
+    data = b"".join(chunks)
+    # Present-then-gone means a concurrent delete (GC); trying again settles it, as in create_once.
+    for _ in range(3):
+        if mailbox.put_if_absent(key, data):
+            return True
+        if create_once:
+            return False
+        existing = mailbox.get(key)
+        if existing is not None:
+            return existing == data
+    return False
+
+
+def read_stream(mailbox: Mailbox, key: str, *, part_size: int | None = None) -> Iterator[Chunk] | None:
+    """The object's bytes chunk by chunk (``mailbox.get_stream`` where the mailbox offers it), or None.
+
+    Without a streaming backend the object is read whole with ``get`` and yielded as one chunk.
+    See ``StreamingMailbox.get_stream`` for what the iterator promises.
+    """
+    get_stream: Callable[..., Iterator[Chunk] | None] | None = getattr(mailbox, "get_stream", None)
+    if get_stream is not None:
+        return get_stream(key, part_size=part_size)
+    data = mailbox.get(key)
+    if data is None:
+        return None
+    return iter((data,) if data else ())

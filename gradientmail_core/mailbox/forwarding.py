@@ -1,22 +1,24 @@
-"""The base of every mailbox that wraps another: it forwards all five operations to ``inner``.
+"""The base of every mailbox that wraps another: it forwards every operation to ``inner``.
 
 A wrapper (counting, fault injection, the guard, the simulation's auditor) derives from
 ``ForwardingMailbox`` and overrides only what it changes. Whatever it does not override,
-including the optional ranged read, reaches the inner mailbox unchanged, so stacking
-wrappers never turns a ranged read into a whole download.
+including the optional ranged read and the streams, reaches the inner mailbox unchanged, so
+stacking wrappers never turns a ranged read into a whole download nor a stream into a joined copy.
 """
 
 from __future__ import annotations
 
 import builtins
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
-from .contract import Mailbox, read_prefix
+from .contract import Chunk, Mailbox, read_prefix, read_stream, write_stream
 
 
 class ForwardingMailbox:
-    """A mailbox that is ``inner``, unchanged. A ``RangedMailbox`` whatever ``inner`` is:
-    ``get_prefix`` uses the inner one where it exists and cuts a whole ``get`` otherwise."""
+    """A mailbox that is ``inner``, unchanged. A ``RangedMailbox`` and a ``StreamingMailbox``
+    whatever ``inner`` is: ``get_prefix``, ``put_stream`` and ``get_stream`` use the inner ones
+    where they exist and fall back on ``get`` / ``put_if_absent`` otherwise (``read_prefix``,
+    ``write_stream``, ``read_stream``)."""
 
     def __init__(self, inner: Mailbox) -> None:
         self.inner = inner
@@ -29,6 +31,12 @@ class ForwardingMailbox:
 
     def get_prefix(self, key: str, n: int) -> bytes | None:
         return read_prefix(self.inner, key, n)
+
+    def put_stream(self, key: str, chunks: Iterable[Chunk], *, create_once: bool = False) -> bool:
+        return write_stream(self.inner, key, chunks, create_once=create_once)
+
+    def get_stream(self, key: str, *, part_size: int | None = None) -> Iterator[Chunk] | None:
+        return read_stream(self.inner, key, part_size=part_size)
 
     def list(self, prefix: str, after: str = "") -> builtins.list[str]:
         return self.inner.list(prefix, after)
