@@ -1,9 +1,11 @@
-"""Every wrapper mailbox forwards every operation, the optional ranged read included.
+"""Every wrapper mailbox forwards every operation, the optional ranged read and streams included.
 
 A wrapper that drops ``get_prefix`` does not break anything visibly: the guard falls back to
 downloading whole objects through it, which is exactly what the ranged read exists to avoid.
 So these tests find every wrapper (every ``ForwardingMailbox`` in the package) and check that a
-ranged read through it reaches the inner mailbox's ranged read.
+ranged read through it reaches the inner mailbox's ranged read. A wrapper that joins a stream
+breaks nothing visibly either (the payload still arrives), it just holds the whole payload in
+memory: the stream tests check that chunks pass through every wrapper one by one.
 """
 
 from __future__ import annotations
@@ -13,14 +15,24 @@ import importlib
 import inspect
 import pkgutil
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import pytest
 
 import gradientmail_core
 from gradientmail_core.errors import MailboxUnavailable, MissingExtra
-from gradientmail_core.mailbox import CountingMailbox, ForwardingMailbox, Mailbox, RangedMailbox, read_prefix
-from gradientmail_core.mailbox.faults import Fault, FaultyMailbox
+from gradientmail_core.mailbox import (
+    Chunk,
+    CountingMailbox,
+    ForwardingMailbox,
+    Mailbox,
+    RangedMailbox,
+    StreamingMailbox,
+    read_prefix,
+    read_stream,
+    write_stream,
+)
+from gradientmail_core.mailbox.faults import Fault, FaultyMailbox, InjectedCrash
 from gradientmail_core.mailbox.memory import MemoryMailbox
 from gradientmail_core.protocol import keys
 from gradientmail_core.protocol.auth import RunAuth
@@ -119,6 +131,31 @@ class RangedRecorder(Recorder):
     def get_prefix(self, key: str, n: int) -> bytes | None:
         self.calls.append("get_prefix")
         return self.store.get_prefix(key, n)
+
+
+class StreamingRecorder(RangedRecorder):
+    """The same, with the streams; records the chunks it is handed and whether a read was closed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.chunks_in: builtins.list[bytes] = []
+        self.closed_reads = 0
+
+    def put_stream(self, key: str, chunks: Iterable[Chunk], *, create_once: bool = False) -> bool:
+        self.calls.append("put_stream")
+        self.chunks_in = [bytes(c) for c in chunks]
+        return self.store.put_stream(key, self.chunks_in, create_once=create_once)
+
+    def get_stream(self, key: str, *, part_size: int | None = None) -> Iterator[Chunk] | None:
+        self.calls.append("get_stream")
+        stream = self.store.get_stream(key, part_size=part_size)
+        return None if stream is None else self._watched(stream)
+
+    def _watched(self, stream: Iterator[Chunk]) -> Iterator[Chunk]:
+        try:
+            yield from stream
+        finally:
+            self.closed_reads += 1
 
 
 def _holding(inner: Recorder) -> Recorder:
@@ -239,3 +276,123 @@ def test_the_guard_caps_a_ranged_read_and_maps_it_to_the_physical_key() -> None:
     assert len(guard.get_prefix(record, -1) or b"") == MAX_RECORD_BYTES + 1
     assert len(guard.get_prefix(record, 10 * MAX_RECORD_BYTES) or b"") == MAX_RECORD_BYTES + 1
     assert inner.calls == ["get_prefix"] * 3
+
+
+# ---- streams ----------------------------------------------------------------------------------
+
+CHUNKS = [b"0123", b"4567", b"89"]
+
+
+@pytest.mark.parametrize("cls", WRAPPERS, ids=lambda cls: cls.__qualname__)
+def test_a_stream_reaches_the_inner_stream_chunk_by_chunk(cls: type) -> None:
+    inner = StreamingRecorder()
+    mailbox = wrap(cls, inner)
+    assert isinstance(mailbox, StreamingMailbox)
+    assert write_stream(mailbox, KEY, iter(CHUNKS)) is True
+    assert inner.chunks_in == CHUNKS  # handed on as they came, never joined
+    stream = read_stream(mailbox, KEY, part_size=4)
+    assert stream is not None
+    assert [bytes(c) for c in stream] == CHUNKS
+    assert read_stream(mailbox, "blobs/missing.bin") is None
+    assert write_stream(mailbox, KEY, iter(CHUNKS), create_once=True) is False
+    assert inner.calls == ["put_stream", "get_stream", "get_stream", "put_stream"], inner.calls
+
+
+@pytest.mark.parametrize("cls", WRAPPERS, ids=lambda cls: cls.__qualname__)
+def test_closing_a_stream_early_closes_the_inner_stream(cls: type) -> None:
+    inner = StreamingRecorder()
+    inner.store.put_if_absent(KEY, DATA)
+    stream = read_stream(wrap(cls, inner), KEY, part_size=2)
+    assert stream is not None
+    assert bytes(next(stream)) == b"01"
+    stream.close()  # type: ignore[attr-defined]
+    assert inner.closed_reads == 1
+
+
+@pytest.mark.parametrize("cls", WRAPPERS, ids=lambda cls: cls.__qualname__)
+def test_a_stream_over_a_mailbox_without_streams_joins_at_the_bottom(cls: type) -> None:
+    inner = Recorder()
+    mailbox = wrap(cls, inner)
+    assert write_stream(mailbox, KEY, iter(CHUNKS)) is True
+    assert write_stream(mailbox, KEY, iter(CHUNKS)) is True  # identical bytes already there
+    assert write_stream(mailbox, KEY, [b"other"]) is False  # other bytes there: kept, reported
+    assert write_stream(mailbox, KEY, iter(CHUNKS), create_once=True) is False
+    stream = read_stream(mailbox, KEY)
+    assert stream is not None and b"".join(stream) == DATA
+    assert set(inner.calls) == {"put_if_absent", "get"}
+
+
+def test_the_shipped_backends_stream() -> None:
+    from gradientmail_core.mailbox.file import FileMailbox
+    from gradientmail_core.mailbox.s3 import S3Mailbox
+
+    for cls in (MemoryMailbox, FileMailbox, S3Mailbox):
+        assert hasattr(cls, "put_stream") and hasattr(cls, "get_stream"), cls
+
+
+def test_counting_counts_a_stream_once_and_its_bytes_as_they_pass() -> None:
+    counting = CountingMailbox(StreamingRecorder())
+    assert counting.put_stream(KEY, iter(CHUNKS))
+    stream = counting.get_stream(KEY, part_size=4)
+    assert stream is not None
+    assert counting.counts == {"LIST": 0, "GET": 1, "PUT": 1, "DELETE": 0}
+    assert (counting.bytes_up, counting.bytes_down) == (len(DATA), 0)
+    next(stream)
+    assert counting.bytes_down == 4
+    assert b"".join([b"0123", *stream]) == DATA and counting.bytes_down == len(DATA)
+
+
+def test_a_part_that_fails_to_upload_fails_the_stream_and_writes_nothing() -> None:
+    inner = StreamingRecorder()
+    faulty = FaultyMailbox(inner, [Fault(kind="error", ops=("put",), part=1, times=1)], rng=random.Random(0))
+    with pytest.raises(MailboxUnavailable, match="part 1"):
+        faulty.put_stream(KEY, iter(CHUNKS))
+    assert inner.store.get(KEY) is None
+    assert faulty.log.counts["error/before/put/blobs/object.bin"] == 1
+    assert faulty.put_stream(KEY, iter(CHUNKS)) and inner.store.get(KEY) == DATA  # times=1: the retry passes
+
+
+def test_a_stream_read_can_be_cut_mid_download_or_flipped_in_one_part() -> None:
+    inner = _holding(StreamingRecorder())
+    faulty = FaultyMailbox(inner, [Fault(kind="error", ops=("get",), part=1, times=1)], rng=random.Random(0))
+    stream = faulty.get_stream(KEY, part_size=4)
+    assert stream is not None and bytes(next(stream)) == b"0123"
+    with pytest.raises(MailboxUnavailable, match="part 1"):
+        next(stream)
+    assert inner.closed_reads == 1
+    faulty = FaultyMailbox(inner, [Fault(kind="flip", part=2, times=1)], rng=random.Random(0))
+    got = [bytes(c) for c in faulty.get_stream(KEY, part_size=4) or ()]
+    assert got[:2] == CHUNKS[:2] and got[2] != CHUNKS[2]
+    assert sum(bin(a ^ b).count("1") for a, b in zip(got[2], CHUNKS[2], strict=True)) == 1
+    crash = FaultyMailbox(inner, [Fault(kind="crash", ops=("get",), part=0)], rng=random.Random(0))
+    with pytest.raises(InjectedCrash):
+        list(crash.get_stream(KEY) or ())
+
+
+def test_a_fault_before_a_stream_is_raised_before_any_request() -> None:
+    inner = _holding(StreamingRecorder())
+    faulty = FaultyMailbox(inner, [Fault(kind="error", times=2)], rng=random.Random(0))
+    with pytest.raises(MailboxUnavailable):
+        faulty.get_stream(KEY)
+    with pytest.raises(MailboxUnavailable):
+        faulty.put_stream(KEY, iter(CHUNKS))
+    assert inner.calls == []
+
+
+def test_the_guard_caps_a_stream_and_maps_it_to_the_physical_key() -> None:
+    inner = StreamingRecorder()
+    auth = RunAuth(b"a run secret of 16+ bytes")
+    auth.bind("0123456789abcdef")
+    record = keys.snapshot_key(1, "a")
+    physical = keys.tag_key(record, auth.tag(record) or "")
+    guard = GuardedMailbox(inner, auth=auth)
+    big = b"{" + b" " * (3 * MAX_RECORD_BYTES)
+    assert guard.put_stream(record, [big[:100], big[100:]], create_once=True)
+    assert inner.store.get(physical) == big
+    stream = guard.get_stream(record, part_size=1000)
+    assert stream is not None
+    assert b"".join(stream) == big[: MAX_RECORD_BYTES + 1]
+    assert inner.closed_reads == 1  # the rest was never read
+    guard.limit_payloads(5)
+    guard.put_stream(KEY, iter(CHUNKS))
+    assert b"".join(guard.get_stream(KEY, part_size=4) or ()) == DATA[:6]

@@ -156,3 +156,10 @@ def read_stream(mailbox: Mailbox, key: str, *, part_size: int | None = None) -> 
     if data is None:
         return None
     return iter((data,) if data else ())
+
+
+def close_stream(stream: Iterable[Chunk]) -> None:
+    """Close a stream a wrapper stops reading early, so that the backend cancels its reads in flight."""
+    close: Callable[[], None] | None = getattr(stream, "close", None)
+    if close is not None:
+        close()

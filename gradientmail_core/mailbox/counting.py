@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import builtins
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from .contract import Mailbox
+from .contract import Chunk, Mailbox, close_stream
 from .forwarding import ForwardingMailbox
 
 
@@ -16,7 +16,8 @@ class CountingMailbox(ForwardingMailbox):
 
     ``counts`` has one entry per operation (LIST, GET, PUT, DELETE) and counts calls to
     the wrapped mailbox, not HTTP requests (an S3 listing of many pages is one LIST). A
-    ranged read (``get_prefix``) is a GET of the bytes it returned.
+    ranged read (``get_prefix``) is a GET of the bytes it returned. A stream is one PUT or GET
+    (however many parts the backend sends), and its bytes count as they pass.
     """
 
     OPS = ("LIST", "GET", "PUT", "DELETE")
@@ -50,6 +51,31 @@ class CountingMailbox(ForwardingMailbox):
 
     def get_prefix(self, key: str, n: int) -> bytes | None:
         return self._counted_read(super().get_prefix, key, n)
+
+    def put_stream(self, key: str, chunks: Iterable[Chunk], *, create_once: bool = False) -> bool:
+        self._count("PUT")
+        return super().put_stream(key, self._passing(chunks, up=True), create_once=create_once)
+
+    def get_stream(self, key: str, *, part_size: int | None = None) -> Iterator[Chunk] | None:
+        try:
+            stream = super().get_stream(key, part_size=part_size)
+        finally:
+            self._count("GET")
+        return None if stream is None else self._passing(stream, up=False)
+
+    def _passing(self, chunks: Iterable[Chunk], *, up: bool) -> Iterator[Chunk]:
+        it = iter(chunks)
+        try:
+            for chunk in it:
+                n = memoryview(chunk).nbytes
+                with self._lock:
+                    if up:
+                        self.bytes_up += n
+                    else:
+                        self.bytes_down += n
+                yield chunk
+        finally:
+            close_stream(it)
 
     def list(self, prefix: str, after: str = "") -> builtins.list[str]:
         self._count("LIST")

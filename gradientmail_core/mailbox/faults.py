@@ -20,6 +20,14 @@ the ranged read ``get_prefix``, which is a GET to the rules) to ``inner`` and, d
 - ``flip``: a ``get`` of a payload (``blobs/``) returns the bytes with one bit flipped; readers
   must catch it by the sha256 in the reference.
 
+Streams (``put_stream``, ``get_stream``) are a PUT and a GET to the rules. A rule with ``part=k``
+fires inside the stream, at its chunk ``k`` (0-based): an ``error`` or ``crash`` is raised when
+that chunk is taken from the writer's chunks (a part upload that fails: the backend must leave
+nothing half-written) or instead of yielding it to the reader (a connection reset mid-download),
+and a ``flip`` flips a bit of that chunk (without ``part``, of the first chunk). Rules without
+``part`` fire around the call as usual; on a whole ``get`` or ``put_if_absent`` a rule's ``part``
+is ignored (the object is one part).
+
 Listings can be paginated (``page_size``): each page is a separate request (``list(prefix,
 after=cursor)`` on the inner store) that may itself fail or be slow, as S3's are. Listings are
 never stale: the contract promises list-after-write consistency.
@@ -34,14 +42,14 @@ from __future__ import annotations
 import builtins
 import random
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
 from ..clock import Clock
 from ..errors import MailboxUnavailable
 from ..protocol import keys
-from .contract import Mailbox
+from .contract import Chunk, Mailbox, close_stream
 from .forwarding import ForwardingMailbox
 
 Op = Literal["put", "get", "list", "delete"]
@@ -71,6 +79,7 @@ class Fault:
     skip: int = 0
     times: int | None = None
     seconds: float = 0.0  # latency
+    part: int | None = None  # streams: fire at this chunk (0-based) instead of around the call
     message: str = "HTTP 503 SlowDown (injected)"
 
     def __post_init__(self) -> None:
@@ -86,6 +95,8 @@ class Fault:
             raise ValueError("Fault(kind='retry_412') applies to puts only")
         if self.kind == "flip" and self.ops not in (None, ("get",)):
             raise ValueError("Fault(kind='flip') applies to gets only")
+        if self.part is not None and (self.part < 0 or self.kind not in ("error", "crash", "flip")):
+            raise ValueError(f"Fault(part={self.part!r}): expected an index >= 0 on an error, crash or flip")
 
 
 @dataclass(frozen=True)
@@ -227,6 +238,52 @@ class FaultyMailbox(ForwardingMailbox):
     def get_prefix(self, key: str, n: int) -> bytes | None:
         """A ranged read is a GET to the rules: every rule on ``"get"`` applies to it, flips included."""
         return self._read(key, n)
+
+    def put_stream(self, key: str, chunks: Iterable[Chunk], *, create_once: bool = False) -> bool:
+        """A PUT to the rules; those with ``part`` fail the stream at that chunk."""
+        self._tap("put", key)
+        fired = self._enter("put", key)
+        around = [f for f in fired if f.part is None]
+        self._before("put", key, around)
+        parts = [f for f in fired if f.part is not None and f.kind != "flip"]
+        written = super().put_stream(key, self._parts("put", key, chunks, parts), create_once=create_once)
+        self._after("put", key, around)
+        return written
+
+    def get_stream(self, key: str, *, part_size: int | None = None) -> Iterator[Chunk] | None:
+        """A GET to the rules; those with ``part`` (and flips) act on the chunks as they pass."""
+        self._tap("get", key)
+        fired = self._enter("get", key)
+        around = [f for f in fired if f.part is None and f.kind != "flip"]
+        self._before("get", key, around)
+        stream = super().get_stream(key, part_size=part_size)
+        self._after("get", key, around)
+        parts = [f for f in fired if f.part is not None or f.kind == "flip"]
+        if stream is None or not parts:
+            return stream
+        return self._parts("get", key, stream, parts)
+
+    def _parts(self, op: Op, key: str, chunks: Iterable[Chunk], rules: builtins.list[Fault]) -> Iterator[Chunk]:
+        """``chunks``, with each rule of ``rules`` applied at its chunk (a flip without ``part``: the first)."""
+        it = iter(chunks)
+        try:
+            for i, chunk in enumerate(it):
+                for rule in rules:
+                    if (rule.part or 0) != i:
+                        continue
+                    ev = self._record(rule, op, key)
+                    if rule.kind == "crash":
+                        raise InjectedCrash(ev.describe())
+                    if rule.kind == "error":
+                        raise MailboxUnavailable(f"{op.upper()} {key} (part {i}): {rule.message}")
+                    if rule.kind == "flip" and len(chunk) and key.startswith(keys.BLOBS):
+                        b = bytearray(chunk)
+                        bit = self.rng.randrange(len(b) * 8)
+                        b[bit // 8] ^= 1 << (bit % 8)
+                        chunk = b
+                yield chunk
+        finally:
+            close_stream(it)
 
     def list(self, prefix: str, after: str = "") -> builtins.list[str]:
         self._tap("list", prefix)

@@ -3,7 +3,9 @@
 Each key is a file under the root (``rounds/0000000007.json`` is ``ROOT/rounds/0000000007.json``).
 Create-once is atomic across processes: the bytes go to a temporary file first (fsynced),
 then ``os.link`` gives it its final name, which fails if the name exists. A reader therefore
-sees either no object or the whole object, never a half-written one.
+sees either no object or the whole object, never a half-written one. Payloads stream:
+``put_stream`` writes the temporary file chunk by chunk and links it in the same way,
+``get_stream`` reads the file in parts; neither holds a joined copy of the object.
 
 Temporary files live in ``ROOT/~tmp/``; ``~`` is not a key character, so that directory can
 never be listed or collide with a key. One limitation a directory has and a bucket has not:
@@ -21,11 +23,16 @@ import secrets
 import stat
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import BinaryIO
 
 from ..errors import MailboxUnavailable
 from ..protocol.keys import check_list_args, check_object_key, check_object_keys
+from .contract import Chunk
 
 TMP_DIR = "~tmp"
+# get_stream's default part: large enough that the per-read overhead vanishes against the
+# copy, small enough that a reader holds a few MB, not the payload.
+READ_PART = 8 << 20
 _SEGMENT = re.compile(r"[A-Za-z0-9._-]+")
 # A delete may remove an empty parent directory between our mkdir and our link; each retry
 # recreates it. Three threads churning one directory needed at most 11 tries in 4,500 puts.
@@ -67,9 +74,26 @@ class FileMailbox:
         check_object_key(key)
         final = self._path(key)
         with self._transient("PUT", key):
-            tmp = self._write_temp(data)
+            tmp = self._write_temp((data,))
             try:
                 return self._link(tmp, final, key)
+            finally:
+                _unlink_quietly(tmp)
+
+    def put_stream(self, key: str, chunks: Iterable[Chunk], *, create_once: bool = False) -> bool:
+        """Write ``key`` from ``chunks`` (``StreamingMailbox``): the temporary file is written chunk
+        by chunk, then linked in as by ``put_if_absent``. Without ``create_once`` an existing
+        object is replaced by an atomic rename (a reader holds the old file or the new one)."""
+        check_object_key(key)
+        final = self._path(key)
+        with self._transient("PUT", key):
+            tmp = self._write_temp(chunks)
+            try:
+                if self._link(tmp, final, key):
+                    return True
+                if create_once:
+                    return False
+                return self._replace(tmp, final, key)
             finally:
                 _unlink_quietly(tmp)
 
@@ -83,25 +107,59 @@ class FileMailbox:
         else writing into the directory) reads as absent, never as /dev/zero or a blocking pipe.
         """
         check_object_key(key)
-        path = self._path(key)
         with self._transient("GET", key):
-            try:
-                fd = os.open(
-                    path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-                )
-            except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            f = self._open(key)
+            if f is None:
                 return None
-            except OSError as exc:
-                if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
-                    return None
-                raise
-            try:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    return None
-                with open(fd, "rb", closefd=False) as f:
-                    return f.read(n)
-            finally:
+            with f:
+                return f.read(n)
+
+    def get_stream(self, key: str, *, part_size: int | None = None) -> Iterator[Chunk] | None:
+        """The object in chunks of ``part_size`` bytes (default ``READ_PART``), or None if there is none.
+
+        The file is opened before this returns; a delete after that does not cut the stream short
+        (POSIX keeps an open file's data).
+        """
+        check_object_key(key)
+        if part_size is not None and part_size < 1:
+            raise ValueError(f"part_size={part_size!r}: expected None or an integer >= 1")
+        with self._transient("GET", key):
+            f = self._open(key)
+        return None if f is None else self._chunks(f, key, part_size or READ_PART)
+
+    def _chunks(self, f: BinaryIO, key: str, size: int) -> Iterator[bytes]:
+        # The file was opened outside the generator: one that is never started still closes
+        # it when it is collected.
+        with f:
+            while True:
+                with self._transient("GET", key):
+                    chunk = f.read(size)
+                if not chunk:
+                    return
+                yield chunk
+
+    def _open(self, key: str) -> BinaryIO | None:
+        """The object's file open for reading, or None. Only a regular file is an object: a
+        symlink, FIFO or device planted at a key reads as absent, never as /dev/zero or a pipe."""
+        try:
+            fd = os.open(
+                self._path(key),
+                os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0),
+            )
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
+                return None
+            raise
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
                 os.close(fd)
+                return None
+            return open(fd, "rb")  # the caller closes it
+        except BaseException:
+            os.close(fd)
+            raise
 
     def list(self, prefix: str, after: str = "") -> builtins.list[str]:
         check_list_args(prefix, after)
@@ -136,7 +194,25 @@ class FileMailbox:
             raise ValueError(f"mailbox key {key!r} resolves to {parent!r}, outside the mailbox directory {self.path!r}")
         return path
 
-    def _write_temp(self, data: bytes) -> str:
+    def _replace(self, tmp: str, final: str, key: str) -> bool:
+        """Put ``tmp`` in place of the object at ``final`` (atomic rename); False if a directory
+        occupies the name."""
+        for _ in range(_LINK_TRIES):
+            try:
+                os.replace(tmp, final)
+            except IsADirectoryError:
+                return False
+            except FileNotFoundError:
+                # The object and its parent were deleted since the link failed: link it afresh.
+                if self._link(tmp, final, key):
+                    return True
+                continue
+            if self.fsync:
+                _fsync_dir(os.path.dirname(final))
+            return True
+        raise MailboxUnavailable(f"PUT {key!r} in {self.path!r}: could not replace the object; retry later")
+
+    def _write_temp(self, chunks: Iterable[Chunk]) -> str:
         # pid + random: unique across processes and threads without coordination.
         tmp = os.path.join(self._tmp, f"{os.getpid()}-{secrets.token_hex(8)}")
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
@@ -147,7 +223,8 @@ class FileMailbox:
             fd = os.open(tmp, flags, 0o644)
         try:
             with open(fd, "wb") as f:
-                f.write(data)
+                for chunk in chunks:
+                    f.write(chunk)
                 f.flush()
                 if self.fsync:
                     os.fsync(f.fileno())

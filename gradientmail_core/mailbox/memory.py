@@ -10,9 +10,12 @@ from __future__ import annotations
 import bisect
 import builtins
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from ..protocol.keys import check_list_args, check_object_key, check_object_keys
+from .contract import Chunk
+
+STREAM_PART = 1 << 20  # get_stream's default chunk: small, so tests see several chunks
 
 
 class _Store:
@@ -51,6 +54,32 @@ class MemoryMailbox:
             s.objects[key] = data
             bisect.insort(s.keys, key)
             return True
+
+    def put_stream(self, key: str, chunks: Iterable[Chunk], *, create_once: bool = False) -> bool:
+        """``StreamingMailbox.put_stream``: the chunks are joined (the store is memory anyway) and
+        stored at once; without ``create_once`` an existing object is replaced."""
+        check_object_key(key)
+        data = b"".join(chunks)
+        s = self._store
+        with s.lock:
+            if key in s.objects:
+                if create_once:
+                    return False
+            else:
+                bisect.insort(s.keys, key)
+            s.objects[key] = data
+            return True
+
+    def get_stream(self, key: str, *, part_size: int | None = None) -> Iterator[Chunk] | None:
+        """``StreamingMailbox.get_stream``: views of the stored bytes, ``part_size`` at a time."""
+        if part_size is not None and part_size < 1:
+            raise ValueError(f"part_size={part_size!r}: expected None or an integer >= 1")
+        data = self.get(key)
+        if data is None:
+            return None
+        step = part_size or STREAM_PART
+        view = memoryview(data)
+        return (view[i : i + step] for i in range(0, len(data), step))
 
     def get(self, key: str) -> bytes | None:
         check_object_key(key)

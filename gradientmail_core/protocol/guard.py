@@ -9,7 +9,8 @@ out; a ``ForwardingMailbox``) and adds:
   A larger object reads back as its first ``cap + 1`` bytes, which every decoder then rejects as
   oversized. With a backend that offers ``get_prefix(key, n)`` (the first ``n`` bytes) no more
   than that is ever transferred; with one that does not, the object is downloaded and cut
-  (``read_prefix``). ``get_prefix`` on the guard reads at most the cap plus one byte as well.
+  (``read_prefix``). ``get_prefix`` on the guard reads at most the cap plus one byte as well, and
+  ``get_stream`` stops after the cap plus one byte (cancelling the reads in flight).
 - **Reporting.** Objects in the record folders (claims, rounds, snapshots, leases) that are not
   protocol keys are reported once each through ``on_ignored`` (an ``IgnoredObject`` event).
 - **Authenticated runs** (``auth`` a ``RunAuth``): record keys are stored under their secret-tagged
@@ -25,10 +26,10 @@ from __future__ import annotations
 import builtins
 import hashlib
 import hmac
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
-from ..mailbox.contract import Mailbox, read_prefix
+from ..mailbox.contract import Chunk, Mailbox, close_stream, read_prefix, read_stream, write_stream
 from ..mailbox.forwarding import ForwardingMailbox
 from . import keys
 from .auth import Policy, Unauthenticated
@@ -106,6 +107,17 @@ class GuardedMailbox(ForwardingMailbox):
         """The first ``n`` bytes of what ``get`` returns: never more than the cap plus one."""
         limit = self._limit(key)
         return self._read(self._physical(key), n if limit < 0 or 0 <= n < limit else limit)
+
+    def put_stream(self, key: str, chunks: Iterable[Chunk], *, create_once: bool = False) -> bool:
+        """Streams are for payloads: without ``create_once`` a squatted payload name is simply
+        overwritten by the backend's stream."""
+        return write_stream(self.inner, self._physical(key), chunks, create_once=create_once)
+
+    def get_stream(self, key: str, *, part_size: int | None = None) -> Iterator[Chunk] | None:
+        """What ``get`` returns, in chunks: never more than the cap plus one byte."""
+        stream = read_stream(self.inner, self._physical(key), part_size=part_size)
+        limit = self._limit(key)
+        return stream if stream is None or limit < 0 else _capped(stream, limit)
 
     def list(self, prefix: str, after: str = "") -> builtins.list[str]:
         found = self._list(prefix, after)
@@ -193,3 +205,18 @@ class GuardedMailbox(ForwardingMailbox):
         if len(self._seen) < self.max_reported:
             self._seen.add(key)
             self.on_ignored(key, reason)
+
+
+def _capped(stream: Iterator[Chunk], limit: int) -> Iterator[Chunk]:
+    """The first ``limit`` bytes of ``stream``; the rest is never read (the stream is closed)."""
+    try:
+        for chunk in stream:
+            view = memoryview(chunk).cast("B")
+            if view.nbytes >= limit:
+                if limit:
+                    yield view[:limit]
+                return
+            limit -= view.nbytes
+            yield chunk
+    finally:
+        close_stream(stream)
