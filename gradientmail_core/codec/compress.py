@@ -7,12 +7,16 @@ long run zstd can squeeze and the mantissa planes are passed through as (cheap) 
 The planes go into one frame, with a zstd block boundary at every plane.
 
 The zstd frame always declares its content size; a reader checks it against a hard cap
-before allocating anything, and refuses trailing bytes after the frame. Compression is
-single-threaded so equal input gives equal bytes (content-addressed keys depend on it).
+before allocating anything, and refuses trailing bytes after the frame. Equal input gives equal
+bytes (content-addressed keys depend on it): inputs from ``MT_BYTES`` on use zstd's
+multi-threaded mode, whose frames differ from the single-threaded mode's but not with the number
+of threads (1 and 16 workers write the same bytes), so the bytes depend on the input alone, never
+on the machine. Readers need not know which mode wrote a frame.
 """
 
 from __future__ import annotations
 
+import os
 from types import ModuleType
 from typing import Any
 
@@ -26,7 +30,7 @@ from ..errors import MissingExtra, PayloadCorrupt
 # leaves almost everything to the literal (Huffman) coder: on a trained transformer's weights
 # this was both smaller than level 3 (fp32 -16.9% vs -15.2%, bf16 -33.8% vs -30.5%) and over
 # twice as fast (bench/codec.py).
-# Fixed parameters, single-threaded: the same input gives the same frame.
+# Fixed parameters: the same input gives the same frame.
 PARAMS = {
     "window_log": 17,
     "hash_log": 8,
@@ -81,23 +85,34 @@ def unshuffle(data: np.ndarray, itemsize: int) -> np.ndarray:
     return out
 
 
-def _compressor(level: int | None) -> Any:
+# Inputs from this size on are compressed on ``THREADS`` threads (zstd's own workers, each on a
+# job of 512 KiB with the window above). The mode, not the thread count, decides the bytes, so
+# the switch is on the size alone. bench/codec.py --threads measures both modes.
+MT_BYTES = 8 << 20
+THREADS = max(1, min(8, os.cpu_count() or 1))
+
+
+def _compressor(level: int | None, threads: int) -> Any:
     z = _zstd()
     if level is not None:
-        return z.ZstdCompressor(level=level, write_content_size=True, write_checksum=False, threads=0)
-    params = z.ZstdCompressionParameters(**PARAMS, write_content_size=1, write_checksum=0, threads=0)
+        return z.ZstdCompressor(level=level, write_content_size=True, write_checksum=False, threads=threads)
+    params = z.ZstdCompressionParameters(**PARAMS, write_content_size=1, write_checksum=0, threads=threads)
     return z.ZstdCompressor(compression_params=params)
 
 
-def compress(blob: Any, itemsize: int, *, level: int | None = None) -> bytes:
+def compress(blob: Any, itemsize: int, *, level: int | None = None, threads: int | None = None) -> bytes:
     """Shuffle ``blob`` (anything bytes-like) by ``itemsize`` and zstd it into one frame.
 
     ``level`` picks a standard zstd level instead of the tuned parameters (for benchmarks);
-    readers need not know which was used.
+    readers need not know which was used. ``threads`` overrides the choice by size (0: the
+    single-threaded mode; any positive count: the multi-threaded one, whose bytes are the same
+    for every count).
     """
     z = _zstd()
     planes = shuffle(blob, itemsize)
-    cobj = _compressor(level).compressobj(size=planes.size)  # size: the frame declares it
+    if threads is None:
+        threads = THREADS if planes.size >= MT_BYTES else 0
+    cobj = _compressor(level, threads).compressobj(size=planes.size)  # size: the frame declares it
     # End a zstd block at every plane boundary. Literals are Huffman-coded per block, and a
     # block mixing the random mantissa bytes with the exponent plane gets one table for both:
     # on small tensors that halved the gain (a trained MLP: fp32 -11% -> -17%).

@@ -75,7 +75,7 @@ def schema_digest(schema: Sequence[TensorSpec]) -> str:
 # Layout
 
 
-def _storage_layout(shape: Sequence[int], dtype: str) -> list[tuple[str, str, tuple[int, ...]]]:
+def storage_layout(shape: Sequence[int], dtype: str) -> list[tuple[str, str, tuple[int, ...]]]:
     """[(suffix, safetensors dtype, shape)] of what a tensor of ``dtype`` is stored as."""
     shape = tuple(int(d) for d in shape)
     if dtype == "F8_E4M3":
@@ -86,7 +86,7 @@ def _storage_layout(shape: Sequence[int], dtype: str) -> list[tuple[str, str, tu
     return [("", quant.STORAGE[dtype], shape)]
 
 
-def _header_cap(names: Any) -> int:
+def header_cap(names: Any) -> int:
     # Per tensor: two entries of ~100 bytes, its shape (up to 16 dims) in the metadata, and its
     # name up to four times, JSON-escaped twice in the metadata (a non-ASCII char: 12+ bytes).
     return (1 << 20) + sum(1024 + 32 * len(n) for n in names)
@@ -95,7 +95,7 @@ def _header_cap(names: Any) -> int:
 def default_payload_cap(expected: Mapping[str, Sequence[int]]) -> int:
     """Largest acceptable payload for these tensors: F32 data (the widest dtype) plus scales,
     worst-case zstd framing overhead, and a header allowance."""
-    total = _header_cap(expected)
+    total = header_cap(expected)
     for shape in expected.values():
         n = safetensors_io.numel(shape)
         total += 4 * n + n // 32 + 1 + n // 128 + 128
@@ -164,7 +164,7 @@ def _encode(
         q = quantized(name)
         arrays = [q.data] if q.scale is None else [q.data, q.scale]
         out: dict[str, tuple[str, Sequence[int], Any]] = {}
-        for (suffix, st_dtype, shape), arr in zip(_storage_layout(q.shape, q.dtype), arrays, strict=True):
+        for (suffix, st_dtype, shape), arr in zip(storage_layout(q.shape, q.dtype), arrays, strict=True):
             if compression == "zstd":
                 blob = codec.compress(arr.reshape(-1).view(np.uint8), arr.dtype.itemsize)
                 out[name + suffix] = ("U8", (len(blob),), blob)
@@ -197,7 +197,7 @@ class PayloadInfo:
     shapes: dict[str, tuple[int, ...]]
 
 
-def _info(header: Mapping[str, Any], compression: str) -> PayloadInfo:
+def header_info(header: Mapping[str, Any], compression: str) -> PayloadInfo:
     meta = header.get(safetensors_io.METADATA_KEY)
     if not isinstance(meta, dict):
         raise PayloadCorrupt("payload has no __metadata__; expected a gradientmail payload")
@@ -239,7 +239,7 @@ def _read(
     if len(data) > max_bytes:
         raise PayloadCorrupt(f"payload is {len(data)} bytes, above the cap of {max_bytes}")
     header, start = safetensors_io.read_header(data, max_header_bytes=header_cap)
-    return header, start, _info(header, compression)
+    return header, start, header_info(header, compression)
 
 
 def payload_info(data: bytes | memoryview, compression: str = "", *, max_header_bytes: int = 64 << 20) -> PayloadInfo:
@@ -252,24 +252,17 @@ def payload_dtypes(data: bytes | memoryview, compression: str = "") -> dict[str,
     return payload_info(data, compression).dtypes
 
 
-def decode_payload(
-    data: bytes | memoryview,
+def check_header(
+    header: Mapping[str, Any],
+    info: PayloadInfo,
     expected: Mapping[str, Sequence[int]],
     *,
-    compression: str = "",
-    max_bytes: int | None = None,
     kind: str | None = None,
     dtypes: Mapping[str, str] | None = None,
-) -> dict[str, np.ndarray]:
-    """Payload bytes -> {name: float32 array of the expected shape} (fresh, writable arrays).
-
-    The header must describe exactly the ``expected`` tensors (and, with ``kind``, be of that
-    kind; with ``dtypes``, store each in that logical dtype); this is checked in full before any
-    tensor data is read. A well-formed payload of other tensor names, shapes or dtypes raises
-    ``PayloadLayoutMismatch`` (a ``PayloadCorrupt``); broken bytes raise ``PayloadCorrupt``.
-    """
-    cap = default_payload_cap(expected) if max_bytes is None else max_bytes
-    header, start, info = _read(data, compression, cap, _header_cap(expected))
+) -> tuple[dict[str, Any], dict[str, tuple[str, tuple[int, ...]]]]:
+    """Check a parsed header against the expected tensors (see ``decode_payload``); returns its
+    tensor entries and the exact stored layout ``{stored name: (safetensors dtype, shape)}``."""
+    compression = info.compression
     if kind is not None and info.kind != kind:
         raise PayloadCorrupt(f"payload is of kind {info.kind!r}, expected {kind!r}")
     if set(info.dtypes) != set(expected):
@@ -290,7 +283,7 @@ def decode_payload(
     # The exact stored layout follows from the expected shapes and the declared dtypes.
     layout: dict[str, tuple[str, tuple[int, ...]]] = {}
     for name, shape in expected.items():
-        for suffix, st_dtype, st_shape in _storage_layout(shape, info.dtypes[name]):
+        for suffix, st_dtype, st_shape in storage_layout(shape, info.dtypes[name]):
             layout[name + suffix] = (st_dtype, st_shape)
     entries = {k: v for k, v in header.items() if k != safetensors_io.METADATA_KEY}
     if compression == "zstd":
@@ -303,7 +296,28 @@ def decode_payload(
                 )
     else:
         safetensors_io.check_layout(entries, layout)
+    return entries, layout
 
+
+def decode_payload(
+    data: bytes | memoryview,
+    expected: Mapping[str, Sequence[int]],
+    *,
+    compression: str = "",
+    max_bytes: int | None = None,
+    kind: str | None = None,
+    dtypes: Mapping[str, str] | None = None,
+) -> dict[str, np.ndarray]:
+    """Payload bytes -> {name: float32 array of the expected shape} (fresh, writable arrays).
+
+    The header must describe exactly the ``expected`` tensors (and, with ``kind``, be of that
+    kind; with ``dtypes``, store each in that logical dtype); this is checked in full before any
+    tensor data is read. A well-formed payload of other tensor names, shapes or dtypes raises
+    ``PayloadLayoutMismatch`` (a ``PayloadCorrupt``); broken bytes raise ``PayloadCorrupt``.
+    """
+    cap = default_payload_cap(expected) if max_bytes is None else max_bytes
+    header, start, info = _read(data, compression, cap, header_cap(expected))
+    entries, layout = check_header(header, info, expected, kind=kind, dtypes=dtypes)
     buf = memoryview(data)
 
     def stored(k: str) -> np.ndarray | None:

@@ -74,43 +74,59 @@ def numel(shape: Sequence[int]) -> int:
     return n
 
 
-def write(tensors: Mapping[str, tuple[str, Sequence[int], Any]], metadata: Mapping[str, str] | None = None) -> bytes:
-    """Serialize ``{name: (dtype, shape, data)}`` to safetensors bytes, deterministically.
+def header(
+    tensors: Mapping[str, tuple[str, Sequence[int]]], metadata: Mapping[str, str] | None = None
+) -> tuple[bytes, list[str]]:
+    """The bytes before the tensor data (length prefix and JSON header) of a file holding
+    ``{name: (dtype, shape)}``, and the order the tensors' data follows it in.
 
-    ``data`` is anything bytes-like (bytes, memoryview, a C-contiguous numpy array) holding
-    exactly ``DTYPE_SIZES[dtype] * numel(shape)`` bytes; arrays are joined without an extra copy.
     Tensors are laid out by element size, largest first, then by name (as the safetensors
-    library does) so every tensor is aligned to its own element size.
+    library does) so every tensor is aligned to its own element size. Knowing only dtypes and
+    shapes, a writer can send this first and then each tensor's bytes as they are produced.
     """
     if METADATA_KEY in tensors:
         raise ValueError(f"{METADATA_KEY!r} is reserved and cannot be a tensor name")
     order = sorted(tensors, key=lambda name: (-DTYPE_SIZES.get(tensors[name][0], 0), name))
-    header: dict[str, Any] = {}
-    parts: list[Any] = []
+    entries: dict[str, Any] = {}
     offset = 0
     for name in order:
-        dtype, shape, data = tensors[name]
+        dtype, shape = tensors[name]
         if dtype not in DTYPE_SIZES:
             raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
-        view = _as_bytes(data)
         size = DTYPE_SIZES[dtype] * numel(shape)
-        if view.nbytes != size:
-            raise ValueError(f"tensor {name!r}: {dtype} {list(shape)} needs {size} bytes, got {view.nbytes}")
-        header[name] = {"dtype": dtype, "shape": [int(d) for d in shape], "data_offsets": [offset, offset + size]}
-        parts.append(view)
+        entries[name] = {"dtype": dtype, "shape": [int(d) for d in shape], "data_offsets": [offset, offset + size]}
         offset += size
     if metadata:
         for k, v in metadata.items():
             if not isinstance(k, str) or not isinstance(v, str):
                 raise ValueError(f"metadata must map str to str, got {k!r}: {v!r}")
-        header[METADATA_KEY] = dict(metadata)
-    text = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+        entries[METADATA_KEY] = dict(metadata)
+    text = json.dumps(entries, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
     # Pad with spaces (valid JSON whitespace) so the data section starts 8-byte aligned.
     text += b" " * (-len(text) % 8)
-    return b"".join([struct.pack("<Q", len(text)), text, *parts])
+    return struct.pack("<Q", len(text)) + text, order
 
 
-def _as_bytes(data: Any) -> memoryview:
+def write(tensors: Mapping[str, tuple[str, Sequence[int], Any]], metadata: Mapping[str, str] | None = None) -> bytes:
+    """Serialize ``{name: (dtype, shape, data)}`` to safetensors bytes, deterministically.
+
+    ``data`` is anything bytes-like (bytes, memoryview, a C-contiguous numpy array) holding
+    exactly ``DTYPE_SIZES[dtype] * numel(shape)`` bytes; arrays are joined without an extra copy.
+    The layout is ``header``'s.
+    """
+    head, order = header({name: (dtype, shape) for name, (dtype, shape, _) in tensors.items()}, metadata)
+    parts: list[Any] = []
+    for name in order:
+        dtype, shape, data = tensors[name]
+        view = as_bytes(data)
+        size = DTYPE_SIZES[dtype] * numel(shape)
+        if view.nbytes != size:
+            raise ValueError(f"tensor {name!r}: {dtype} {list(shape)} needs {size} bytes, got {view.nbytes}")
+        parts.append(view)
+    return b"".join([head, *parts])
+
+
+def as_bytes(data: Any) -> memoryview:
     if isinstance(data, np.ndarray):
         if not data.flags.c_contiguous:
             raise ValueError("tensor data must be C-contiguous")
@@ -137,15 +153,21 @@ def is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def read_header(data: bytes | memoryview, *, max_header_bytes: int) -> tuple[dict[str, Any], int]:
+def read_header(
+    data: bytes | memoryview, *, max_header_bytes: int, total: int | None = None
+) -> tuple[dict[str, Any], int]:
     """Parse and strictly validate a safetensors header; returns ``(header, data_offset)``.
 
     The header is returned as parsed (tensor entries plus ``__metadata__`` when present). Nothing
     beyond the header is touched, so this is cheap even on a large payload. Every tensor's byte
     range is checked against its dtype and shape, and the ranges must tile the data section
-    exactly: no gaps, no overlaps, no trailing bytes.
+    exactly: no gaps, no overlaps, no trailing bytes. ``total`` is the file's size when ``data``
+    holds only its start (a stream: at least the header); by default ``len(data)``.
     """
-    total = len(data)
+    if total is None:
+        total = len(data)
+    if len(data) > total:
+        raise PayloadCorrupt(f"payload has {len(data)} bytes, more than the {total} expected")
     if total < 8:
         raise PayloadCorrupt(f"payload is {total} bytes, shorter than the 8-byte safetensors length prefix")
     (n,) = struct.unpack_from("<Q", data, 0)
