@@ -127,6 +127,7 @@ def test_stored_layout_per_dtype() -> None:
         "BF16": {"w": ("BF16", [5, 13])},
         "F8_E4M3": {"w": ("F8_E4M3", [5, 13]), "w#scale": ("U8", [1])},
         "F4": {"w": ("U8", [48]), "w#scale": ("U8", [3])},
+        "I2": {"w": ("U8", [24]), "w#scale": ("U8", [3])},
     }
 
 

@@ -18,18 +18,26 @@ from functools import cache
 import numpy as np
 import torch
 
-from ..codec import quant
+from ..codec import quant, quant_i2
 
 CHUNK = 1 << 24  # elements per chunk; a multiple of F4_BLOCK so blocks never straddle chunks
 _MAG = 0x7FFFFFFF
 _EXP = 0x7F800000
-_NP_STORAGE = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F8_E4M3": np.uint8, "F4": np.uint8}
+_NP_STORAGE = {
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": np.uint16,
+    "F8_E4M3": np.uint8,
+    "F4": np.uint8,
+    "I2": np.uint8,
+}
 
 
 @dataclass(frozen=True, eq=False)
 class DeviceQ:
     """A quantized tensor on the device: ``data`` in a torch dtype of the storage's element size
-    (float32; int16 bits for F16/BF16; uint8 codes for F8_E4M3 and packed F4), ``scale`` uint8."""
+    (float32; int16 bits for F16/BF16; uint8 codes for F8_E4M3, packed F4 and I2), ``scale``
+    uint8."""
 
     dtype: str
     shape: tuple[int, ...]
@@ -54,6 +62,9 @@ def quantize(x: torch.Tensor, dtype: str) -> DeviceQ:
         return DeviceQ(dtype, shape, codes.reshape(shape), scale)
     if dtype == "F4":
         packed, scales = _f4(flat)
+        return DeviceQ(dtype, shape, packed, scales)
+    if dtype == "I2":
+        packed, scales = _i2(flat)
         return DeviceQ(dtype, shape, packed, scales)
     raise ValueError(f"unknown payload dtype {dtype!r}, expected one of {quant.DTYPES}")
 
@@ -196,3 +207,61 @@ def _f4_block_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = torch.where(finite[:, None], codes, nonfinite.to(torch.uint8))
     scale = torch.where(finite, k + 127, 0xFF).to(torch.uint8)
     return codes.reshape(-1), scale
+
+
+# ---------------------------------------------------------------------------------------------
+# I2, one scale per block of 32 (``codec/quant_i2.py``: the grid and why)
+
+
+def _i2(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n = flat.numel()
+    nbytes, nblocks = quant_i2.i2_sizes(n)
+    if n != nblocks * quant_i2.I2_BLOCK:
+        flat = torch.cat([flat, flat.new_zeros(nblocks * quant_i2.I2_BLOCK - n)])
+    packed = torch.empty(nbytes, dtype=torch.uint8, device=flat.device)
+    scales = torch.empty(nblocks, dtype=torch.uint8, device=flat.device)
+    for i in range(0, flat.numel(), CHUNK):
+        blocks = flat[i : i + CHUNK].reshape(-1, quant_i2.I2_BLOCK)
+        last = i + (blocks.shape[0] - 1) * quant_i2.I2_BLOCK  # where the chunk's last block starts
+        codes, sc = _i2_block_codes(blocks, min(n - last, quant_i2.I2_BLOCK))
+        q = codes.reshape(-1, 4)
+        packed[i // 4 : i // 4 + q.shape[0]] = q[:, 0] | (q[:, 1] << 2) | (q[:, 2] << 4) | (q[:, 3] << 6)
+        scales[i // quant_i2.I2_BLOCK : i // quant_i2.I2_BLOCK + sc.numel()] = sc
+    return packed, scales
+
+
+def _i2_block_codes(blocks: torch.Tensor, n_last: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[nblocks, 32] float32 -> (I2 codes [nblocks * 32], scale byte per block); the last block
+    holds ``n_last`` values, then padding. ``quant_i2._choose`` and ``quantize_i2``, op for op."""
+    u = blocks.view(torch.int32)
+    mag = u & _MAG
+    amax = mag.amax(dim=1)
+    k0 = _pow2_exponent(amax, quant_i2.I2_TOP)
+    kn = k0.clamp(max=126)
+    y = mag.view(torch.float32) * _inv_pow2(kn)[:, None]
+    best_k = torch.zeros_like(k0)
+    best_err = torch.full(k0.shape, float("inf"), dtype=torch.float32, device=blocks.device)
+    for j in quant_i2.I2_TRIES:
+        k = (k0 + j).clamp_(-126, 127)
+        s = _inv_pow2(kn - k)[:, None]
+        d = y - torch.where(y > s + s, s * 3, s)
+        d[-1, n_last:] = 0
+        err = _block_sum(d * d)
+        better = err < best_err
+        best_k = torch.where(better, k, best_k)
+        best_err = torch.where(better, err, best_err)
+    outer = (mag > ((best_k + 128) << 23)[:, None]).to(torch.int32)
+    codes = (((u < 0).to(torch.int32) << 1) | outer).to(torch.uint8)
+    regular = (amax > 0) & (amax < _EXP)
+    codes = torch.where(regular[:, None], codes, 0).to(torch.uint8)
+    zero, nan = quant_i2.ZERO_SCALE, quant_i2.NAN_SCALE
+    scale = torch.where(amax == 0, zero, torch.where(amax >= _EXP, nan, best_k + 127)).to(torch.uint8)
+    return codes.reshape(-1), scale
+
+
+def _block_sum(e: torch.Tensor) -> torch.Tensor:
+    """``quant_i2.block_sum``: the same tree of pairwise adds (``torch.sum`` orders its own)."""
+    while e.shape[1] > 1:
+        h = e.shape[1] // 2
+        e = e[:, :h] + e[:, h:]
+    return e[:, 0]

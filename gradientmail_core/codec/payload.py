@@ -14,11 +14,13 @@ BF16       BF16, the tensor's shape                    --
 F8_E4M3    F8_E4M3 codes, the tensor's shape           U8 [1]: E8M0 scale of the tensor
 F4         U8 [16 * nblocks]: E2M1 codes, low nibble   U8 [nblocks]: E8M0 scale per block of 32
            first, flattened, zero-padded to 32
+I2         U8 [8 * nblocks]: 2-bit codes, four a byte,  U8 [nblocks]: scale per block of 32
+           lowest bits first, flattened, zero-padded   (E8M0; 0 = zero block, 255 = NaN block)
 =========  ==========================================  ==========================================
 
 ``__metadata__`` = ``{"format": "gradientmail/1", "kind": kind, "compression": "none" | "zstd",
 "dtypes": canonical JSON {name: logical dtype}, "shapes": canonical JSON {name: shape}}``. The
-logical shapes are there because the stored ones cannot always carry them (packed F4, zstd).
+logical shapes are there because the stored ones cannot always carry them (packed F4/I2, zstd).
 '#' never occurs in parameter names, so auxiliary tensors cannot collide with them.
 
 Byte layout of ``.safetensors.zst`` (``compression="zstd"``): the same container, with the
@@ -82,6 +84,9 @@ def storage_layout(shape: Sequence[int], dtype: str) -> list[tuple[str, str, tup
         return [("", "F8_E4M3", shape), (SCALE, "U8", (1,))]
     if dtype == "F4":
         nbytes, nscales = quant.f4_sizes(safetensors_io.numel(shape))
+        return [("", "U8", (nbytes,)), (SCALE, "U8", (nscales,))]
+    if dtype == "I2":
+        nbytes, nscales = quant.i2_sizes(safetensors_io.numel(shape))
         return [("", "U8", (nbytes,)), (SCALE, "U8", (nscales,))]
     return [("", quant.STORAGE[dtype], shape)]
 

@@ -12,6 +12,8 @@ construction. Every rounding is round-to-nearest-even (RNE):
   one E8M0 scale per block, ``2**ceil(log2(amax_block / 6))`` (127 for an all-zero block), codes
   ``sign<<3 | magnitude`` on the grid {0, .5, 1, 1.5, 2, 3, 4, 6}, two per byte, low nibble first.
   A block holding a non-finite value gets the E8M0 NaN scale (0xFF) and dequantizes to NaN.
+- ``I2``: two-bit codes for the levels {+-1, +-3} times a power-of-two scale per block of 32,
+  four per byte (``quant_i2.py``: the grid, the scale search, the zero and NaN blocks).
 
 E8M0 cannot go below 2**-127, so tensors (F8) or blocks (F4) whose largest magnitude is a
 float32 subnormal lose their low bits. Dequantized values that a scale carries past float32's
@@ -28,9 +30,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-DTYPES = ("F32", "F16", "BF16", "F8_E4M3", "F4")
+from .e8m0 import E8M0_VALUES
+from .e8m0 import inv_pow2 as _inv_pow2
+from .e8m0 import pow2_exponent as _pow2_exponent
+from .quant_i2 import I2_BLOCK, dequantize_i2, i2_sizes, quantize_i2  # noqa: F401 (re-exported)
+
+DTYPES = ("F32", "F16", "BF16", "F8_E4M3", "F4", "I2")
 # Safetensors dtype each logical dtype is stored as.
-STORAGE = {"F32": "F32", "F16": "F16", "BF16": "BF16", "F8_E4M3": "F8_E4M3", "F4": "U8"}
+STORAGE = {"F32": "F32", "F16": "F16", "BF16": "BF16", "F8_E4M3": "F8_E4M3", "F4": "U8", "I2": "U8"}
 F4_BLOCK = 32
 F32_MAX = np.float32(np.finfo(np.float32).max)
 
@@ -210,32 +217,6 @@ def _grid_codes(y: np.ndarray, grid: Grid, table: np.ndarray, out: np.ndarray, s
 
 
 # ---------------------------------------------------------------------------------------------
-# E8M0 scales
-
-# 2**(b - 127) for every E8M0 byte; 255 is NaN. 2**-127 is a float32 subnormal, still exact.
-E8M0_VALUES = np.array([2.0 ** (b - 127) for b in range(255)] + [np.nan], dtype=np.float32)
-
-
-def _pow2_exponent(amax_bits: np.ndarray, top: float) -> np.ndarray:
-    """Smallest k with amax <= top * 2**k, for finite amax >= 0 given as float32 bits, clipped to
-    E8M0's [-127, 127].
-
-    Integer arithmetic on the bits, so exact (a float log2 can be off by one at powers of two):
-    with amax = (1 + f) * 2**E and top = (1 + g) * 2**G, k = E - G when f <= g, else one more.
-    Subnormal amax (E = -127 here) lands below -127 and is clipped.
-    """
-    tb = int(np.array([top], _F32).view(np.uint32)[0])
-    b = amax_bits.astype(np.int64)
-    k = (b >> 23) - (tb >> 23) + ((b & 0x7FFFFF) > (tb & 0x7FFFFF))
-    return np.clip(k, -127, 127)
-
-
-def _inv_pow2(k: np.ndarray) -> np.ndarray:
-    """float32 2**-k for k in [-127, 126], built from its bits: exact, and a normal float."""
-    return ((127 - k).astype(np.uint32) << 23).view(_F32)
-
-
-# ---------------------------------------------------------------------------------------------
 # F8 E4M3 (fn)
 
 E4M3_MAX = 448.0
@@ -393,6 +374,9 @@ def quantize(x: np.ndarray, dtype: str) -> QTensor:
     if dtype == "F4":
         packed, scale = quantize_f4(x)
         return QTensor(dtype, shape, packed, scale)
+    if dtype == "I2":
+        packed, scale = quantize_i2(x)
+        return QTensor(dtype, shape, packed, scale)
     raise ValueError(f"unknown payload dtype {dtype!r}, expected one of {DTYPES}")
 
 
@@ -409,4 +393,6 @@ def dequantize(q: QTensor) -> np.ndarray:
         return dequantize_e4m3(q.data, int(q.scale[0])).reshape(q.shape)
     if q.dtype == "F4":
         return dequantize_f4(q.data, q.scale, q.shape)
+    if q.dtype == "I2":
+        return dequantize_i2(q.data, q.scale, q.shape)
     raise ValueError(f"unknown payload dtype {q.dtype!r}, expected one of {DTYPES}")
