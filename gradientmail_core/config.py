@@ -10,7 +10,7 @@ from typing import Any
 
 from .errors import RunConfigMismatch
 
-DELTA_DTYPES = ("F32", "F16", "BF16", "F8_E4M3", "F4")
+DELTA_DTYPES = ("F32", "F16", "BF16", "F8_E4M3", "F4", "I2")
 
 
 @dataclass(frozen=True, kw_only=True)
