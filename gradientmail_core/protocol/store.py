@@ -3,18 +3,23 @@
 ``RunStore`` is the engine's single door to the store: the node, the lease, the run and the
 tape readers read, write, list and delete only through it, so validation (and, with a run
 secret, authentication) and the handling of create-once conflicts happen in one place.
+
+Payloads move as streams (``mailbox.write_stream`` / ``read_stream``): a ``PayloadStream`` goes
+out as it is produced, and a payload read is verified and decoded as its parts arrive
+(``codec.stream``), so moving one never needs a joined copy of it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import numpy as np
 
-from ..codec.payload import decode_payload, sha256_hex
+from ..codec.payload import sha256_hex
+from ..codec.stream import PayloadStream, decode_stream
 from ..errors import MailboxUnavailable, PayloadCorrupt, RecordInvalid
-from ..mailbox import CreateOutcome, Mailbox, create_once
+from ..mailbox import Chunk, CreateOutcome, Mailbox, create_once, read_stream, write_stream
 from . import keys
 from .records import PayloadRef, decode, encode
 
@@ -79,19 +84,30 @@ class RunStore:
         self.mailbox.delete(doomed)
 
     # ---- payloads ---------------------------------------------------------------------
-    def put_payload(self, key_for_sha: Callable[[str], str], data: bytes) -> PayloadRef:
-        """Write a content-addressed payload. Re-putting one that exists is harmless."""
-        sha = sha256_hex(data)
+    def put_payload(self, key_for_sha: Callable[[str], str], data: bytes | PayloadStream) -> PayloadRef:
+        """Write a content-addressed payload (its bytes, or a stream of them). Re-putting one that
+        exists is harmless."""
+        sha = data.sha256 if isinstance(data, PayloadStream) else sha256_hex(data)
         key = key_for_sha(sha)
         self.put_blob(key, data)
         return PayloadRef(key=key, sha256=sha, size=len(data))
 
-    def put_blob(self, key: str, data: bytes) -> None:
+    def put_blob(self, key: str, data: bytes | PayloadStream) -> None:
         """Write payload bytes under their content-addressed ``key`` (the caller hashed them to
-        name it). Finding the key already there with the same bytes is success."""
+        name it). Finding the key already there with the same bytes is success.
+
+        A stream is uploaded as it is produced; one that fails half-way (the store, or bytes that
+        come out differently the second time) leaves nothing under ``key``."""
         blob = keys.parse_blob_key(key)
         assert blob is not None, f"{key} is not a payload key"
         sha = blob.sha
+        if isinstance(data, PayloadStream):
+            assert data.sha256 == sha, f"{key} does not name the stream's sha256 {data.sha256}"
+            if not write_stream(self.mailbox, key, data.chunks()):
+                # Only a store that cannot replace an object says so: what is there is damaged.
+                raise MailboxUnavailable(f"{key}: the store holds other bytes than its sha256 name says; retry")
+            self.bytes_up += data.size
+            return
         outcome, existing = create_once(self.mailbox, key, data)
         if outcome is CreateOutcome.TAKEN:
             if existing is not None and sha256_hex(existing) != sha:
@@ -109,21 +125,36 @@ class RunStore:
         max_bytes: int | None = None,
         dtypes: Mapping[str, str] | None = None,
     ) -> dict[str, np.ndarray] | None:
-        """Fetch, verify and decode a payload. None if it is gone; ``PayloadCorrupt`` if bad
-        (``PayloadLayoutMismatch`` if intact but of other tensors, or other ``dtypes``)."""
+        """Fetch, verify and decode a payload as its parts arrive. None if it is gone;
+        ``PayloadCorrupt`` if bad: cut short, too long, not hashing to ``ref.sha256``
+        (``PayloadLayoutMismatch`` if intact but of other tensors, or other ``dtypes``). Nothing
+        decoded is returned before the whole payload has been verified."""
         if max_bytes is not None and ref.size > max_bytes:
             raise PayloadCorrupt(f"{ref.key}: declared size {ref.size} exceeds the cap of {max_bytes} bytes")
-        data = self.mailbox.get(ref.key)
-        if data is None:
-            return None
-        self.bytes_down += len(data)
-        if len(data) != ref.size or sha256_hex(data) != ref.sha256:
-            raise PayloadCorrupt(
-                f"{ref.key}: expected {ref.size} bytes with sha256 {ref.sha256[:12]}..., "
-                f"found {len(data)} bytes with sha256 {sha256_hex(data)[:12]}..."
-            )
         try:
             compression = keys.compression_of(ref.key)
         except ValueError as e:
             raise PayloadCorrupt(str(e)) from None
-        return decode_payload(data, expected, compression=compression, max_bytes=max_bytes, dtypes=dtypes)
+        chunks = read_stream(self.mailbox, ref.key)
+        if chunks is None:
+            return None
+        try:
+            return decode_stream(
+                self._counted(chunks),
+                expected,
+                size=ref.size,
+                sha256=ref.sha256,
+                compression=compression,
+                max_bytes=max_bytes,
+                dtypes=dtypes,
+                key=ref.key,
+            )
+        finally:
+            close = getattr(chunks, "close", None)  # cancels the reads still in flight
+            if close is not None:
+                close()
+
+    def _counted(self, chunks: Iterable[Chunk]) -> Iterator[Chunk]:
+        for chunk in chunks:
+            self.bytes_down += len(chunk)
+            yield chunk
