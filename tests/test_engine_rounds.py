@@ -109,7 +109,7 @@ def test_garbage_collection_keeps_manifest_init_tape_and_last_2p_rounds():
     assert_identical(ms)
 
 
-@pytest.mark.parametrize("dtype", ["BF16", "F8_E4M3", "F4"])
+@pytest.mark.parametrize("dtype", ["BF16", "F8_E4M3", "F4", "I2"])
 def test_delta_dtype_is_what_learners_upload(dtype):
     c = Cluster(gm.DiLoCo(sync_every=4, fragments=1, delta_dtype=dtype))
     seen = {}
@@ -133,13 +133,14 @@ def test_delta_dtype_is_what_learners_upload(dtype):
 
 def test_smaller_delta_dtypes_upload_fewer_bytes():
     sizes = {}
-    for dtype in ("F32", "BF16", "F8_E4M3", "F4"):
+    for dtype in ("F32", "BF16", "F8_E4M3", "F4", "I2"):
         c = Cluster(gm.DiLoCo(sync_every=4, fragments=1, delta_dtype=dtype), shapes={"w": (64, 64), "b": (64,)})
         a = c.join("a")
         c.run(8)
         sizes[dtype] = sum(e.bytes for e in a.of(ev.Published))
-    assert sizes["F32"] > sizes["BF16"] > sizes["F8_E4M3"] > sizes["F4"]
+    assert sizes["F32"] > sizes["BF16"] > sizes["F8_E4M3"] > sizes["F4"] > sizes["I2"]
     assert sizes["F4"] < sizes["F32"] / 6
+    assert sizes["I2"] < sizes["F32"] / 10
 
 
 def test_commit_dtype_learners_download_the_change_and_rebuild_identical_parameters():

@@ -26,7 +26,7 @@ from gradientmail_core.adapters.mlx import MLXAdapter  # noqa: E402
 from gradientmail_core.adapters.torch import TorchAdapter  # noqa: E402
 from gradientmail_core.codec.payload import decode_payload, encode_payload  # noqa: E402
 
-DELTA_DTYPES = ["F32", "F16", "BF16", "F8_E4M3", "F4"]
+DELTA_DTYPES = ["F32", "F16", "BF16", "F8_E4M3", "F4", "I2"]
 PARAM_DTYPES = {
     "F32": (torch.float32, mx.float32),
     "BF16": (torch.bfloat16, mx.bfloat16),

@@ -210,13 +210,14 @@ def run_cluster(
     [
         (gm.DiLoCo(sync_every=4, fragments=2, quorum_size=2), ""),
         (gm.DiLoCo(sync_every=6, fragments=2, mixing=0.5, delta_dtype="F4", commit_dtype="F8_E4M3"), ""),
+        (gm.DiLoCo(sync_every=4, fragments=2, delta_dtype="I2", commit_dtype="I2"), ""),
         pytest.param(
             gm.DiLoCo(sync_every=4, fragments=1, in_flight=1, quorum_size=2, delta_dtype="F8_E4M3"),
             "zstd",
             marks=pytest.mark.skipif(importlib.util.find_spec("zstandard") is None, reason="zstandard not installed"),
         ),
     ],
-    ids=["param-dtypes", "mixing-f4", "f8-zstd"],
+    ids=["param-dtypes", "mixing-f4", "i2", "f8-zstd"],
 )
 def test_a_run_on_the_device_path_stores_the_host_paths_bytes(cfg, compression, device) -> None:
     host_objects, host_params = run_cluster(cfg, pipeline=False, compression=compression, device=device)
