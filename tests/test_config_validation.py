@@ -70,6 +70,7 @@ def test_a_bad_value_is_a_value_error_naming_the_field(field: str, change: dict)
         {"mixing": 0.5, "outer_lr": 1, "outer_momentum": 0},
         {"merge": gm.WeightedMean(), "partition": gm.Strided()},
         {"global_batch_size": 64, "delta_dtype": "F4", "commit_dtype": "BF16"},
+        {"delta_dtype": "I2", "commit_dtype": "I2"},
         {"outlier_factor": 3, "clip_norm": 1},
         {"sync_every": 2, "fragments": 2, "in_flight": 2},
     ],

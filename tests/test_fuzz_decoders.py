@@ -205,7 +205,7 @@ def test_deeply_nested_and_huge_records_are_rejected_cheaply():
 # ---- payloads ------------------------------------------------------------------------------
 
 EXPECTED = {"w": (5, 7), "b": (7,), "s": ()}
-DTYPE_CHOICES = ("F32", "F16", "BF16", "F8_E4M3", "F4")
+DTYPE_CHOICES = ("F32", "F16", "BF16", "F8_E4M3", "F4", "I2")
 # A valid payload, run before the generated inputs: the reader must accept it.
 VALID_PAYLOAD = encode_payload(
     {n: np.linspace(-1, 1, int(np.prod(s))).reshape(s).astype(np.float32) for n, s in EXPECTED.items()},
