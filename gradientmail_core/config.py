@@ -150,6 +150,10 @@ class DiLoCo:
     outlier_factor: float | None = None  # reject deltas whose norm exceeds this x the others' median
     clip_norm: float | None = None  # scale each delta down to at most this whole-fragment L2 norm
     alignment: Alignment = field(default_factory=Overwrite)  # how a commit meets the local steps
+    # The closer writes the full parameters and outer state only every k-th version of a fragment
+    # (and on a final round); the rounds between carry the quantized change and what a recovering
+    # closer needs to replay them bit for bit (docs/protocol.md, "Checkpoints"). Needs commit_dtype.
+    checkpoint_every: int = 1
 
     def __post_init__(self) -> None:
         def bad(what: str) -> ValueError:
@@ -212,6 +216,14 @@ class DiLoCo:
                 raise bad(f"{name}={v!r}: expected None or a finite number > {low:g}")
             if v is not None:
                 object.__setattr__(self, name, float(v))
+        ce = self.checkpoint_every
+        if not isinstance(ce, int) or isinstance(ce, bool) or ce < 1:
+            raise bad(f"checkpoint_every={ce!r}: expected an integer >= 1")
+        if ce > 1 and self.commit_dtype is None:
+            raise bad(
+                f"checkpoint_every={ce} with commit_dtype=None: the rounds between checkpoints publish only "
+                "the quantized change, so set commit_dtype (e.g. 'F4') or keep checkpoint_every=1"
+            )
         object.__setattr__(self, "mixing", float(self.mixing))
         object.__setattr__(self, "outer_lr", float(self.outer_lr))
         object.__setattr__(self, "outer_momentum", float(self.outer_momentum))
@@ -222,6 +234,8 @@ class DiLoCo:
             v = getattr(self, f.name)
             if f.name == "alignment" and isinstance(v, Overwrite | Blend):
                 continue  # Overwrite is the default and Blend is ``mixing``: manifests from before agree
+            if f.name == "checkpoint_every" and v == 1:
+                continue  # the default: manifests from before the option keep their bytes and agree
             d[f.name] = v.to_dict() if hasattr(v, "to_dict") else v
         return d
 
