@@ -4,16 +4,20 @@ download that is decoded as it arrives but accepted only whole and hashing to it
 from __future__ import annotations
 
 import hashlib
+import random
 import tracemalloc
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import pytest
 
 from gradientmail_core.codec import compress, payload, quant, stream
-from gradientmail_core.errors import PayloadCorrupt, PayloadLayoutMismatch
+from gradientmail_core.errors import MailboxUnavailable, PayloadCorrupt, PayloadLayoutMismatch
+from gradientmail_core.mailbox import Chunk, memory
+from gradientmail_core.mailbox.faults import Fault, FaultyMailbox
 from gradientmail_core.mailbox.memory import MemoryMailbox
 from gradientmail_core.protocol import keys
+from gradientmail_core.protocol import store as store_module
 from gradientmail_core.protocol.records import PayloadRef
 from gradientmail_core.protocol.store import RunStore
 
@@ -250,3 +254,61 @@ def test_decoding_a_64mb_payload_holds_its_output_and_pieces() -> None:
     sha = hashlib.sha256(data).hexdigest()
     peak = peak_while(lambda: stream.decode_stream(iter(parts), shapes(t), size=len(data), sha256=sha))
     assert peak < len(data) + (8 << 20)  # the float32 output itself, plus a few pieces (one-shot: 2x)
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the store, with faults in the parts
+
+
+def faulty(*rules: Fault) -> tuple[MemoryMailbox, RunStore]:
+    inner = MemoryMailbox()
+    return inner, RunStore(FaultyMailbox(inner, list(rules), rng=random.Random(0)))
+
+
+def test_a_part_upload_failing_leaves_nothing_and_a_retry_writes_the_payload() -> None:
+    t = tensors()
+    inner, store = faulty(Fault(kind="error", ops=("put",), part=2, times=1))
+    s = stream.stream_payload(t, "F32", kind="delta")
+    with pytest.raises(MailboxUnavailable):
+        put(store, s)
+    assert inner.list("blobs/") == []
+    ref = put(store, s)  # the next poll tries again
+    assert inner.get(ref.key) == payload.encode_payload(t, "F32", kind="delta")
+
+
+@pytest.mark.parametrize("kind", ["error", "flip"])
+def test_a_download_reset_or_damaged_mid_way_is_not_accepted(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memory, "STREAM_PART", 1000)  # parts of 1000 bytes: chunk 1 is mid-way
+    t = tensors()
+    inner, store = faulty(Fault(kind=kind, ops=("get",), part=1, times=1))  # type: ignore[arg-type]
+    ref = RunStore(inner).put_payload(
+        lambda sha: keys.snapshot_blob_key(3, "a", sha, ""), payload.encode_payload(t, "F32", kind="delta")
+    )
+    with pytest.raises(MailboxUnavailable if kind == "error" else PayloadCorrupt):
+        store.get_payload(ref, shapes(t))
+    got = store.get_payload(ref, shapes(t))  # read again: whole and intact
+    assert got is not None and all(np.array_equal(got[n], t[n]) for n in t)
+
+
+def test_large_bytes_payloads_are_streamed_and_small_ones_put_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(store_module, "STREAM_BYTES", 4096)
+    monkeypatch.setattr(store_module, "PUT_PIECE", 1000)
+    calls: list[tuple[str, int]] = []
+
+    class Spy(MemoryMailbox):
+        def put_if_absent(self, key: str, data: bytes) -> bool:
+            calls.append(("put_if_absent", 1))
+            return super().put_if_absent(key, data)
+
+        def put_stream(self, key: str, chunks: Iterable[Chunk], *, create_once: bool = False) -> bool:
+            parts = list(chunks)
+            calls.append(("put_stream", len(parts)))
+            return super().put_stream(key, parts, create_once=create_once)
+
+    inner = Spy()
+    store = RunStore(inner)
+    big = payload.encode_payload(tensors(), "F32", kind="delta")
+    small = payload.encode_payload({"x": np.ones(3, np.float32)}, "F32", kind="delta")
+    refs = [store.put_payload(lambda sha: keys.snapshot_blob_key(3, "a", sha, ""), d) for d in (big, small)]
+    assert [inner.get(ref.key) for ref in refs] == [big, small]
+    assert calls == [("put_stream", -(-len(big) // 1000)), ("put_if_absent", 1)]

@@ -24,6 +24,10 @@ from . import keys
 from .records import PayloadRef, decode, encode
 
 R = TypeVar("R")
+# Bytes payloads from this size on are streamed (as views of PUT_PIECE; backends regroup them into
+# parts): below it one PUT costs no more than one part would.
+STREAM_BYTES = 64 << 20
+PUT_PIECE = 8 << 20
 
 
 class RunStore:
@@ -93,24 +97,32 @@ class RunStore:
         return PayloadRef(key=key, sha256=sha, size=len(data))
 
     def put_blob(self, key: str, data: bytes | PayloadStream) -> None:
-        """Write payload bytes under their content-addressed ``key`` (the caller hashed them to
-        name it). Finding the key already there with the same bytes is success.
+        """Write payload bytes (or a stream of them) under their content-addressed ``key`` (the
+        caller hashed them to name it). Re-putting one is harmless: the key names the bytes.
 
-        A stream is uploaded as it is produced; one that fails half-way (the store, or bytes that
-        come out differently the second time) leaves nothing under ``key``."""
+        A stream, and bytes from ``STREAM_BYTES`` on, go out through ``write_stream`` (on S3 a
+        multipart upload, parts in parallel): a stream as it is produced, bytes as views of
+        ``PUT_PIECE``, never copied. A write that fails half-way (the store, or a stream whose
+        bytes come out differently the second time) leaves nothing under ``key``. Smaller bytes
+        are one create-once PUT, as every other object."""
         blob = keys.parse_blob_key(key)
         assert blob is not None, f"{key} is not a payload key"
-        sha = blob.sha
-        if isinstance(data, PayloadStream):
-            assert data.sha256 == sha, f"{key} does not name the stream's sha256 {data.sha256}"
-            if not write_stream(self.mailbox, key, data.chunks()):
-                # Only a store that cannot replace an object says so: what is there is damaged.
-                raise MailboxUnavailable(f"{key}: the store holds other bytes than its sha256 name says; retry")
-            self.bytes_up += data.size
+        if isinstance(data, PayloadStream) or len(data) >= STREAM_BYTES:
+            if isinstance(data, PayloadStream):
+                assert data.sha256 == blob.sha, f"{key} does not name the stream's sha256 {data.sha256}"
+                chunks: Iterable[Chunk] = data.chunks()
+            else:
+                view = memoryview(data)
+                chunks = (view[i : i + PUT_PIECE] for i in range(0, len(view), PUT_PIECE))
+            if not write_stream(self.mailbox, key, chunks):
+                # Only a store that cannot replace an object (no streams) keeps other bytes under
+                # the name: damaged in transit or at rest. Transient for the caller.
+                raise MailboxUnavailable(f"{key}: the store holds bytes that are not ours under this name; retry")
+            self.bytes_up += len(data)
             return
         outcome, existing = create_once(self.mailbox, key, data)
         if outcome is CreateOutcome.TAKEN:
-            if existing is not None and sha256_hex(existing) != sha:
+            if existing is not None and sha256_hex(existing) != blob.sha:
                 # The read-back does not hash to the name: damaged in transit (or at rest). Transient.
                 raise MailboxUnavailable(f"{key}: reading it back gave bytes that do not match its sha256; retry")
             # Same name means same sha256; different bytes under it means the store is lying.
