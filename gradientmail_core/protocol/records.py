@@ -174,10 +174,25 @@ class RoundRecord:
     x_quorum: float | None = field(default=None, metadata=_meta(min=0))
     x_sync: float | None = field(default=None, metadata=_meta(min=0))
     members: str | None = field(default=None, metadata=_meta(pattern=_MEMBERS_REF))  # the membership judged under
+    # A commit between checkpoints (``checkpoint_every > 1``; docs/protocol.md, "Checkpoints") has
+    # no ``theta`` and no ``outer``; instead: the version of the fragment's checkpoint it builds on,
+    # the sha256 of the outer payload it would have written uncompressed, and the payload of each
+    # participant (same order), which a recovering closer merges again. Left out when unset, so a
+    # checkpoint's record has the bytes it had before.
+    checkpoint: int | None = field(default=None, metadata={**_meta(min=0), "omit_default": True})
+    outer_digest: str | None = field(default=None, metadata={**_meta(pattern=_SHA), "omit_default": True})
+    contributions: list[PayloadRef] | None = field(
+        default=None, metadata={**_meta(min_len=1, max_len=MAX_LIST), "omit_default": True}
+    )
     format: int = FORMAT
     mac: str | None = field(default=None, metadata=_meta(pattern=_MAC))
     signer: str | None = field(default=None, metadata=_meta(pattern=_PUBKEY))
     sig: str | None = field(default=None, metadata=_meta(pattern=_SIG))
+
+    @property
+    def is_checkpoint(self) -> bool:
+        """Does this record name the full parameters and outer state (else: replayed from ``checkpoint``)?"""
+        return self.checkpoint is None
 
 
 @dataclass(frozen=True, kw_only=True)

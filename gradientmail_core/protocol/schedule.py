@@ -70,3 +70,19 @@ def first_round_at_or_after(step: int, H: int, P: int) -> int:
     while nominal_step(r, H, P) < step:
         r += 1
     return r
+
+
+def round_of(f: int, v: int, P: int) -> int:
+    """The round that committed version ``v >= 1`` of fragment ``f`` (the inverse of ``slot``)."""
+    assert 0 <= f < P and v >= 1, (f, v, P)
+    return (v - 1) * P + f
+
+
+def is_checkpoint(version: int, *, final: bool, every: int) -> bool:
+    """Does the commit of ``version`` write the full parameters and outer state (a checkpoint)?
+
+    Every ``every``-th version of a fragment, and a final round (the end of a run must not hang on
+    a chain of changes). Version 0 (the initial parameters, zero momentum) is the first checkpoint.
+    With ``every == 1`` every commit is one.
+    """
+    return version % every == 0 or final

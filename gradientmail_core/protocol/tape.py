@@ -12,6 +12,7 @@ import numpy as np
 from ..adapters.base import Adapter
 from ..errors import ProtocolError, SchemaMismatch
 from . import keys
+from .rebuild import chain_theta
 from .records import Claim, RoundRecord
 from .run import RunInfo, payload_cap, read_manifest, schema_differences
 from .schedule import slot
@@ -22,8 +23,22 @@ def schedule_problem(rec: RoundRecord | None, r: int, P: int) -> str | None:
     """Why ``rec`` (read from round ``r``'s key) is not a commit of round ``r``; None if it is."""
     if rec is None:
         return f"round {r} record is unreadable"
-    if rec.round != r or (rec.fragment, rec.version) != slot(r, P) or rec.theta is None:
+    if rec.round != r or (rec.fragment, rec.version) != slot(r, P):
         return f"round {r} record is inconsistent with the schedule"
+    if rec.is_checkpoint:
+        if rec.theta is None or rec.outer is None:
+            return f"round {r} record names no parameters and no checkpoint"
+    elif (
+        rec.checkpoint is None
+        or not rec.checkpoint < rec.version
+        or rec.theta is not None
+        or rec.outer is not None
+        or rec.change is None
+        or rec.outer_digest is None
+        or rec.contributions is None
+        or len(rec.contributions) != len(rec.participants)
+    ):
+        return f"round {r} record between checkpoints is incomplete"
     return None
 
 
@@ -54,7 +69,12 @@ def newest_records(store: RunStore, run: RunInfo, listed: list[str]) -> dict[int
 
 
 def fetch_theta(store: RunStore, run: RunInfo, f: int, record: RoundRecord | None) -> dict[str, np.ndarray] | None:
-    """Published parameters of fragment ``f`` at ``record`` (or the initial ones); None if gone."""
+    """Published parameters of fragment ``f`` at ``record`` (or the initial ones); None if gone.
+
+    A record between checkpoints names no parameters: they are rebuilt from its checkpoint and
+    the changes after it (``rebuild.chain_theta``, checked against its ``theta_digest``)."""
+    if record is not None and not record.is_checkpoint:
+        return chain_theta(store, run, record)
     ref = run.manifest.init[f] if record is None else record.theta
     assert ref is not None
     return store.get_payload(ref, run.shapes[f], max_bytes=payload_cap(run, f))
@@ -65,9 +85,11 @@ def read_newest(
 ) -> tuple[dict[int, RoundRecord], dict[int, dict[str, np.ndarray]]]:
     """The newest record and parameters of every fragment: ``(records, thetas)``.
 
-    A fragment without a record has its initial parameters. A payload gone while we read means
-    the run committed 2P more rounds meanwhile (GC keeps 2P): newer records exist, so the tape is
-    listed again, up to ``attempts`` times; then ``ProtocolError``.
+    A fragment without a record has its initial parameters; one whose newest record is between
+    checkpoints has them rebuilt from its checkpoint. A payload gone while we read means the run
+    committed 2P more rounds (or a newer checkpoint) meanwhile, and GC collected what we were
+    reading: newer records exist, so the tape is listed again, up to ``attempts`` times; then
+    ``ProtocolError``.
     """
     for _ in range(attempts):
         recs = newest_records(store, run, round_keys(store))

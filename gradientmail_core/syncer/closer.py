@@ -4,7 +4,7 @@ through the ``RunStore`` handed in; the node orchestrates when each step happens
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -16,13 +16,15 @@ from ..aggregators.fused import memo_norms, sq_norms
 from ..aggregators.merge import contribution_weight, mean_pairwise_cosine, merge_with_cosine
 from ..aggregators.outer import final_step_tensor, outer_step_tensor
 from ..codec.payload import decode_payload, encode_payload, sha256_hex
-from ..codec.quant import dequantize, quantize
 from ..errors import MissingExtra, PayloadCorrupt, PayloadLayoutMismatch, RecordInvalid
 from ..protocol import keys
 from ..protocol.members import SignatureInvalid
+from ..protocol.rebuild import cast
+from ..protocol.rebuild import rebuild_theta as rebuild_theta  # (these two lived here; still imported from here)
+from ..protocol.rebuild import theta_digest as theta_digest
 from ..protocol.records import Participant, PayloadRef, Rejection, RoundRecord, Snapshot
 from ..protocol.run import RunInfo, payload_cap
-from ..protocol.schedule import fragment_of, nominal_step, version_before
+from ..protocol.schedule import fragment_of, is_checkpoint, nominal_step, version_before
 from ..protocol.store import RunStore
 from .timing import ema, grace_seconds
 
@@ -30,31 +32,17 @@ T = TypeVar("T")
 IGNORED = "ignored"  # a snapshot no member signed: judged once, in no record
 
 
-def cast(values: Mapping[str, np.ndarray], dtypes: Mapping[str, str]) -> dict[str, np.ndarray]:
-    """Round float32 values to what the given storage dtype can hold (RNE), back in float32.
-
-    F32 values that are already float32 arrays come back as they are, not copied (nothing
-    modifies parameter arrays in place: a commit's theta may be its master).
-    """
-    return {
-        n: v if dtypes[n] == "F32" and _is_f32_array(v) else dequantize(quantize(v, dtypes[n]))
-        for n, v in values.items()
-    }
-
-
-def _is_f32_array(v: object) -> bool:
-    return isinstance(v, np.ndarray) and v.dtype == np.float32 and v.flags.c_contiguous
-
-
 @dataclass
 class FragmentState:
-    """What a closer needs of one fragment: the version, the published parameters, and the
-    fp32 outer state (master parameters and Nesterov momentum)."""
+    """What a closer needs of one fragment: the version, the published parameters, the fp32
+    outer state (master parameters and Nesterov momentum), and the version of the fragment's
+    newest checkpoint (``checkpoint_every``; 0: the initial parameters)."""
 
     version: int
     theta: dict[str, np.ndarray]
     master: dict[str, np.ndarray]
     momentum: dict[str, np.ndarray]
+    checkpoint: int = 0
 
     @classmethod
     def initial(cls, theta: dict[str, np.ndarray]) -> FragmentState:
@@ -236,6 +224,7 @@ def compute_commit(
     sync_seconds: float | None,
     now: float,
     write: Callable[[str, bytes], object] | None = None,
+    outliers: bool = True,
 ) -> Commit:
     """Merge the accepted deltas, take the outer step, and build the payloads and record.
 
@@ -245,13 +234,18 @@ def compute_commit(
     ``write(key, data)``, if given, is called for each payload (theta, outer, then the change: a
     fixed order, on the calling thread) as soon as its sha256 is known, while the payloads after
     it are still being hashed on worker threads; the record is built once all are written.
+
+    A version that is no checkpoint (``checkpoint_every``, ``schedule.is_checkpoint``) writes the
+    change only; its record carries the sha256 of the theta and outer payloads it did not write
+    and the contributions' payloads, so a recovering closer replays it (``replay.py``, which calls
+    this with the recorded participants and ``outliers=False``: the record lists them after that).
     """
     run, cfg, f = c.run, c.run.cfg, c.fragment
     # The contributions' norms were computed as they were judged; the merge, the cosine and the
     # outlier check share them.
     known = [(j.delta[n], v) for j in c.accepted() if j.delta is not None and j.norms for n, v in j.norms.items()]
     with memo_norms(known):
-        if cfg.outlier_factor is not None:
+        if outliers and cfg.outlier_factor is not None:
             c.reject_outliers(cfg.outlier_factor)
         accepted = sorted(c.accepted(), key=lambda j: j.learner)
         assert accepted, "a round closes with at least one accepted snapshot"
@@ -292,6 +286,7 @@ def compute_commit(
     master = {n: new_master[n] for n in st.master}
     momentum = st.momentum if final else {n: new_momentum[n] for n in st.master}
     dtypes = run.fragment_dtypes(f)
+    checkpoint = is_checkpoint(st.version + 1, final=final, every=cfg.checkpoint_every)
     # Each payload is encoded and hashed as a job on a worker thread (the byte joins, sha256 and
     # zstd overlap each other and the writes, which release the GIL); written in a fixed order.
     with _Jobs(threaded=threaded) as jobs:
@@ -309,18 +304,22 @@ def compute_commit(
             theta = cast(master, dtypes)
         plain_job = jobs.payload(lambda: encode_payload(theta, dtypes, kind="theta", compression=""))
         theta_job = (
-            plain_job
+            None
+            if not checkpoint
+            else plain_job
             if compression == ""
             else jobs.payload(lambda: encode_payload(theta, dtypes, kind="theta", compression=compression))
         )
         outer = {f"momentum/{n}": v for n, v in momentum.items()}
         if not run.master_is_theta(f):  # else theta is the master, byte for byte: not written twice
             outer.update({f"master/{n}": v for n, v in master.items()})
-        outer_job = jobs.payload(lambda: encode_payload(outer, "F32", kind="outer", compression=compression))
+        # Between checkpoints the outer payload is only hashed (uncompressed), for ``outer_digest``.
+        outer_zip = compression if checkpoint else ""
+        outer_job = jobs.payload(lambda: encode_payload(outer, "F32", kind="outer", compression=outer_zip))
         cosine_job = jobs.submit(lambda: _cosine(known, deltas)) if threaded else None
         payloads: dict[str, bytes] = {}
         refs = {}
-        for kind, job in (("theta", theta_job), ("outer", outer_job), ("change", change_job)):
+        for kind, job in (("theta", theta_job), ("outer", outer_job if checkpoint else None), ("change", change_job)):
             if job is None:
                 continue
             data, sha = job()
@@ -330,6 +329,7 @@ def compute_commit(
             if write is not None:
                 write(k, data)
         theta_digest = plain_job()[1]
+        outer_digest = None if checkpoint else outer_job()[1]
         if cosine_job is not None:
             cosine = cosine_job()
     e = c.estimates
@@ -363,9 +363,9 @@ def compute_commit(
             for j in sorted(c.judged.values(), key=lambda j: j.learner)
             if j.reason is not None and j.reason != IGNORED
         ],
-        theta=refs["theta"],
+        theta=refs.get("theta"),
         theta_digest=theta_digest,
-        outer=refs["outer"],
+        outer=refs.get("outer"),
         change=refs.get("change"),
         cosine=cosine,
         final=final,
@@ -377,8 +377,13 @@ def compute_commit(
         x_step=x_step,
         x_quorum=x_quorum,
         x_sync=x_sync,
+        checkpoint=None if checkpoint else st.checkpoint,
+        outer_digest=outer_digest,
+        contributions=None if checkpoint else [j.snapshot.payload for j in accepted if j.snapshot is not None],
     )
-    return Commit(record, FragmentState(st.version + 1, theta, master, momentum), payloads)
+    version = st.version + 1
+    state = FragmentState(version, theta, master, momentum, version if checkpoint else st.checkpoint)
+    return Commit(record, state, payloads)
 
 
 # A fragment at least this large encodes and hashes its commit payloads on worker threads; a
@@ -426,14 +431,3 @@ def _in_snapshot_blobs(snap: Snapshot, r: int, learner: str) -> bool:
     make a closer read another learner's or a round's payload)."""
     parsed = keys.parse_blob_key(snap.payload.key)
     return parsed is not None and parsed.kind == "snapshot" and parsed.round == r and parsed.learner == learner
-
-
-def rebuild_theta(
-    run: RunInfo, f: int, prev: Mapping[str, np.ndarray], change: Mapping[str, np.ndarray]
-) -> dict[str, np.ndarray]:
-    """A learner holding the previous version rebuilds the new parameters from the change."""
-    return cast({n: prev[n] + change[n] for n in prev}, run.fragment_dtypes(f))
-
-
-def theta_digest(run: RunInfo, f: int, theta: Mapping[str, np.ndarray]) -> str:
-    return sha256_hex(encode_payload(theta, run.fragment_dtypes(f), kind="theta", compression=""))

@@ -4,15 +4,14 @@ they arrive, decide when the round may close, write the commit (payloads, then t
 from __future__ import annotations
 
 from .. import events as ev
-from ..errors import MailboxUnavailable, PayloadCorrupt, RecordInvalid
+from ..errors import PayloadCorrupt, RecordInvalid
 from ..mailbox import CreateOutcome
 from ..protocol import keys
 from ..protocol.records import RoundRecord
-from ..protocol.run import payload_cap
 from ..protocol.schedule import fragment_of, gap
-from ..protocol.tape import fetch_theta
 from .closer import IGNORED, Collector, Estimates, FragmentState, compute_commit
 from .following import Following
+from .replay import recover
 
 
 class Closing(Following):
@@ -30,28 +29,11 @@ class Closing(Following):
         self.follow = None
 
     def _fragment_state(self, f: int) -> FragmentState:
-        """Recover the closer's state of fragment ``f`` from its newest record (or the init)."""
-        rec = self.newest.get(f)
-        version = rec.version if rec else 0
-        cached = self.closer_states.get(f)
-        if cached is not None and cached.version == version:
-            return cached
-        theta = fetch_theta(self.store, self.run, f, rec)
-        # Missing payloads mean this node's view is stale (paused after its listing, the run
-        # committed 2P rounds meanwhile and collected them): transient, catch up next poll.
-        if theta is None:
-            raise MailboxUnavailable(f"fragment {f}: the parameters of version {version} are gone; newer commits exist")
-        if rec is None:
-            state = FragmentState.initial(theta)
-        else:
-            assert rec.outer is not None
-            shapes = self.run.outer_shapes(f)
-            outer = self.store.get_payload(rec.outer, shapes, max_bytes=3 * payload_cap(self.run, f))
-            if outer is None:
-                raise MailboxUnavailable(
-                    f"fragment {f}: the outer state of round {rec.round} is gone; newer commits exist"
-                )
-            state = FragmentState(version, theta, *self.run.split_outer(f, outer, theta))
+        """Recover the closer's state of fragment ``f`` at its newest record (or the init): from
+        its checkpoint and, between checkpoints, by replaying the rounds after it (``replay.py``).
+        Missing payloads mean this node's view is stale (paused after its listing, the run
+        committed meanwhile and collected them): ``MailboxUnavailable``, catch up next poll."""
+        state = recover(self.store, self.run, f, self.newest.get(f), self.closer_states.get(f))
         self.closer_states[f] = state
         return state
 

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 from ..protocol import keys
+from ..protocol.schedule import fragment_of, round_of
 from .state import NodeState
 
 
 class GarbageCollection(NodeState):
     def _collect_garbage(self, r: int) -> None:
-        """After committing r: snapshots and their payloads of rounds <= r, claims of rounds
-        <= r, round payloads of rounds <= r - 2P, and leases abandoned long ago."""
-        store = self.store
+        """After committing r: snapshot records of rounds <= r, claims of rounds <= r, leases
+        abandoned long ago, and the payloads no reader needs: snapshot payloads of rounds <= r and
+        round payloads of rounds <= r - 2P, except, between checkpoints, a fragment's newest
+        checkpoint and what a recovery replays after it (``_checkpoint_rounds``)."""
+        store, P = self.store, self.run.P
+        ck = self._checkpoint_rounds()
         doomed = [keys.snapshot_key(rr, lr) for rr, ls in self.snapshot_keys.items() if rr <= r for lr in ls]
         for k in store.keys(keys.SNAPSHOT_BLOBS):
             b = keys.parse_blob_key(k)
-            if b is None or (b.round is not None and b.round <= r):
+            if b is None or (b.round is not None and b.round <= r and b.round <= ck[fragment_of(b.round, P)]):
                 doomed.append(k)
         for k in store.keys(keys.CLAIMS):
             parsed = keys.parse_claim_key(k)
@@ -24,10 +28,30 @@ class GarbageCollection(NodeState):
         if cutoff >= 0:
             for k in store.keys(keys.ROUND_BLOBS):
                 b = keys.parse_blob_key(k)
-                if b is not None and b.round is not None and b.round <= cutoff:
+                if (
+                    b is not None
+                    and b.round is not None
+                    and b.round <= cutoff
+                    and b.round < ck[fragment_of(b.round, P)]
+                ):
                     doomed.append(k)
         doomed += self.liveness.abandoned()
         if doomed:
             store.delete(doomed)
         for rr in [rr for rr in self.snapshot_keys if rr <= r]:
             del self.snapshot_keys[rr]
+
+    def _checkpoint_rounds(self) -> list[int]:
+        """Per fragment, the round of its newest checkpoint (-1: the initial parameters). A
+        recovery needs that round's payloads and, after it, every change and every contribution
+        (a closer replays them), until a newer checkpoint commits. With ``checkpoint_every=1``
+        every record is a checkpoint: this is the fragment's newest round, and GC keeps exactly
+        what it kept before checkpoints existed (2P rounds of round payloads, no contributions)."""
+        out = []
+        for f in range(self.run.P):
+            rec = self.newest.get(f)
+            if rec is None or rec.checkpoint == 0:
+                out.append(-1)
+            else:
+                out.append(rec.round if rec.checkpoint is None else round_of(f, rec.checkpoint, self.run.P))
+        return out

@@ -1,0 +1,115 @@
+"""Recovering a fragment's closer state (``FragmentState``) from the store, checkpoints included.
+
+A checkpoint record names the parameters and the fp32 outer state; with ``checkpoint_every > 1``
+the records between checkpoints name only the quantized change. Their outer step is a
+deterministic function of the state before and the contributions the record lists (payload,
+weight, steps, tokens, final), so a node that becomes closer starts from the checkpoint (or the
+initial parameters, or a state it still holds from a commit of its own after the checkpoint) and
+commits every later round again with ``compute_commit`` itself: the same merge, in the same
+order, with the recorded weights and no outlier judgement (the record lists the participants
+after it). Each replayed round must give the record's change payload, ``theta_digest`` and
+``outer_digest`` bit for bit, or ``ProtocolError``: never a silently different state.
+"""
+
+from __future__ import annotations
+
+from ..aggregators.fused import sq_norms
+from ..errors import MailboxUnavailable, ProtocolError
+from ..protocol import keys
+from ..protocol.rebuild import chain_records, checkpoint_record
+from ..protocol.records import RoundRecord, Snapshot
+from ..protocol.run import RunInfo, payload_cap
+from ..protocol.schedule import version_before
+from ..protocol.store import RunStore
+from ..protocol.tape import fetch_theta
+from .closer import Collector, Estimates, FragmentState, Judged, compute_commit
+
+
+def recover(
+    store: RunStore, run: RunInfo, f: int, rec: RoundRecord | None, held: FragmentState | None
+) -> FragmentState:
+    """Fragment ``f``'s state at ``rec`` (its newest record; None: the initial parameters).
+
+    ``held``: a state this node computed itself (a commit of its own), used when it is ``rec``'s
+    version, or, between checkpoints, when replaying from it is shorter than from the checkpoint.
+    Missing payloads raise ``MailboxUnavailable`` (newer commits exist: GC collected what this
+    node's stale view needs; it catches up on the next poll)."""
+    version = rec.version if rec else 0
+    if held is not None and held.version == version:
+        return held
+    if rec is None or rec.is_checkpoint:
+        return _checkpoint_state(store, run, f, rec)
+    assert rec.checkpoint is not None
+    if held is not None and rec.checkpoint <= held.version < version and held.checkpoint == rec.checkpoint:
+        state = held
+    else:
+        state = _checkpoint_state(store, run, f, checkpoint_record(store, run, f, rec.checkpoint))
+    for link in chain_records(store, run, rec, state.version):
+        state = replay_round(store, run, state, link)
+    return state
+
+
+def _checkpoint_state(store: RunStore, run: RunInfo, f: int, rec: RoundRecord | None) -> FragmentState:
+    version = rec.version if rec else 0
+    theta = fetch_theta(store, run, f, rec)
+    if theta is None:
+        raise MailboxUnavailable(f"fragment {f}: the parameters of version {version} are gone; newer commits exist")
+    if rec is None:
+        return FragmentState.initial(theta)
+    assert rec.outer is not None
+    outer = store.get_payload(rec.outer, run.outer_shapes(f), max_bytes=3 * payload_cap(run, f))
+    if outer is None:
+        raise MailboxUnavailable(f"fragment {f}: the outer state of round {rec.round} is gone; newer commits exist")
+    return FragmentState(version, theta, *run.split_outer(f, outer, theta), checkpoint=version)
+
+
+def replay_round(store: RunStore, run: RunInfo, state: FragmentState, rec: RoundRecord) -> FragmentState:
+    """Commit ``rec``'s round again from ``state`` (the version before) and its recorded
+    contributions; ``ProtocolError`` unless the result is the record's, bit for bit."""
+    f, r = rec.fragment, rec.round
+    assert rec.contributions is not None and rec.change is not None and state.version == rec.version - 1
+    c = Collector(r, run, state, opened_at=0.0, estimates=Estimates(), quorum_at=0.0)
+    expected, dtypes, cap = run.shapes[f], run.delta_dtypes(f), payload_cap(run, f)
+    for p, ref in zip(rec.participants, rec.contributions, strict=True):
+        b = keys.parse_blob_key(ref.key)
+        if b is None or (b.kind, b.round, b.learner, b.sha) != ("snapshot", r, p.learner, p.payload_sha256):
+            raise ProtocolError(
+                f"{keys.round_key(r)}: contribution {ref.key} is not {p.learner}'s payload of round {r}"
+            )
+        delta = store.get_payload(ref, expected, max_bytes=cap, dtypes=dtypes)
+        if delta is None:
+            raise MailboxUnavailable(
+                f"fragment {f}: contribution {ref.key} to round {r}, needed to rebuild version {rec.version} from "
+                f"checkpoint version {rec.checkpoint}, is gone; newer commits exist (or the store lost it: then "
+                "restore it, the fragment cannot be rebuilt without it)"
+            )
+        snap = Snapshot(
+            learner=p.learner,
+            round=r,
+            local_step=0,
+            steps=p.steps,
+            tokens=p.tokens,
+            base_version=version_before(r, run.P),
+            step_seconds=0.0,
+            schema_digest=run.digest,
+            payload=ref,
+            final=p.final,
+        )
+        c.judged[p.learner] = Judged(p.learner, None, snap, delta, p.weight, sq_norms(delta))
+    compression = keys.compression_of(rec.change.key)
+    commit = compute_commit(
+        c, closer=rec.closer, live=rec.live, compression=compression, sync_seconds=None, now=0.0, outliers=False
+    )
+    mine = commit.record
+    if (
+        mine.change is None
+        or mine.change.sha256 != rec.change.sha256
+        or mine.theta_digest != rec.theta_digest
+        or mine.outer_digest != rec.outer_digest
+        or (mine.checkpoint, mine.final) != (rec.checkpoint, rec.final)
+    ):
+        raise ProtocolError(
+            f"{keys.round_key(r)}: replaying fragment {f} version {rec.version} from its contributions does not give "
+            "the committed change, parameters and outer state; refusing to close with a different state"
+        )
+    return commit.state
