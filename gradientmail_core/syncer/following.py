@@ -10,7 +10,7 @@ from ..errors import PayloadCorrupt
 from ..protocol import keys
 from ..protocol.records import RoundRecord
 from ..protocol.run import payload_cap
-from ..protocol.tape import schedule_problem
+from ..protocol.tape import fetch_theta, schedule_problem
 from .bridge import CommitNotice
 from .closer import rebuild_theta, theta_digest
 from .state import NodeState
@@ -70,8 +70,7 @@ class Following(NodeState):
                 theta = rebuild_theta(self.run, f, prev[1], change)
                 if theta_digest(self.run, f, theta) == rec.theta_digest:
                     return theta
-        assert rec.theta is not None
-        return self.store.get_payload(rec.theta, self.run.shapes[f], max_bytes=cap)
+        return fetch_theta(self.store, self.run, f, rec)  # (between checkpoints: rebuilt from the checkpoint)
 
     def _on_record(self, rec: RoundRecord, theta: dict[str, np.ndarray] | None) -> None:
         f = rec.fragment
