@@ -150,6 +150,8 @@ class DiLoCo:
     outlier_factor: float | None = None  # reject deltas whose norm exceeds this x the others' median
     clip_norm: float | None = None  # scale each delta down to at most this whole-fragment L2 norm
     alignment: Alignment = field(default_factory=Overwrite)  # how a commit meets the local steps
+    # each learner adds its last delta's quantization error to its next delta of the fragment
+    error_feedback: bool = False
     # The closer writes the full parameters and outer state only every k-th version of a fragment
     # (and on a final round); the rounds between carry the quantized change and what a recovering
     # closer needs to replay them bit for bit (docs/protocol.md, "Checkpoints"). Needs commit_dtype.
@@ -224,6 +226,8 @@ class DiLoCo:
                 f"checkpoint_every={ce} with commit_dtype=None: the rounds between checkpoints publish only "
                 "the quantized change, so set commit_dtype (e.g. 'F4') or keep checkpoint_every=1"
             )
+        if not isinstance(self.error_feedback, bool):
+            raise bad(f"error_feedback={self.error_feedback!r}: expected True or False")
         object.__setattr__(self, "mixing", float(self.mixing))
         object.__setattr__(self, "outer_lr", float(self.outer_lr))
         object.__setattr__(self, "outer_momentum", float(self.outer_momentum))
@@ -234,6 +238,8 @@ class DiLoCo:
             v = getattr(self, f.name)
             if f.name == "alignment" and isinstance(v, Overwrite | Blend):
                 continue  # Overwrite is the default and Blend is ``mixing``: manifests from before agree
+            if f.name == "error_feedback" and not v:
+                continue  # off, the default: manifests from before agree
             if f.name == "checkpoint_every" and v == 1:
                 continue  # the default: manifests from before the option keep their bytes and agree
             d[f.name] = v.to_dict() if hasattr(v, "to_dict") else v

@@ -34,6 +34,14 @@ class Captured(Protocol):
         as host ``QTensor``s holding the bytes ``quant.quantize`` gives for the same delta."""
         ...
 
+    def encode_with_residual(
+        self, dtypes: Mapping[str, str], residual: Mapping[str, Any] | None
+    ) -> tuple[dict[str, QTensor], Mapping[str, Any]]:
+        """Error feedback (``feedback.py``): ``anchor - local + residual`` quantized as ``encode``
+        does, and the new residual, kept on the device (the bytes and values of
+        ``feedback.quantize_with_residual``)."""
+        ...
+
 
 class DevicePipeline(Protocol):
     """Optional adapter capability, offered as ``adapter.pipeline`` (None or absent: the host path).

@@ -31,6 +31,7 @@ except ImportError as e:  # pragma: no cover - exercised only without torch
     raise MissingExtra("torch") from e
 
 from . import torch_quant as tq  # noqa: E402 (needs torch, checked above)
+from .torch_dequant import dequantize  # noqa: E402
 
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
@@ -249,13 +250,30 @@ class _Captured:
 
     @torch.no_grad()
     def encode(self, dtypes: Mapping[str, str]) -> dict[str, QTensor]:
+        return self.encode_with_residual(dtypes, None, feedback=False)[0]
+
+    @torch.no_grad()
+    def encode_with_residual(
+        self, dtypes: Mapping[str, str], residual: Mapping[str, torch.Tensor] | None, *, feedback: bool = True
+    ) -> tuple[dict[str, QTensor], dict[str, torch.Tensor]]:
+        new: dict[str, torch.Tensor] = {}
         with self.device.side():
             self.device.after(self.event)
             self.device.used_here(self.local.values())
             quantized = {}
             for n, local in self.local.items():
                 # The node's host formula: np.subtract(anchor, local, dtype=float32).
-                quantized[n] = tq.quantize(self.anchors[n].float() - local.float(), dtypes[n])
+                x = self.anchors[n].float() - local.float()
+                if not feedback or dtypes[n] == "F32":
+                    quantized[n] = tq.quantize(x, dtypes[n])
+                    continue
+                # feedback.quantize_with_residual, op for op (residuals never leave this stream).
+                if residual is not None and n in residual:
+                    x += residual[n]
+                quantized[n] = q = tq.quantize(x, dtypes[n])
+                e = torch.sub(x, dequantize(q), out=x)  # q holds its own codes, not x (x is not F32)
+                new[n] = e.masked_fill_(~torch.isfinite(e), 0)
             flat = [t for q in quantized.values() for t in (q.data, q.scale) if t is not None]
             host = iter(self.device.download(flat))
-        return {n: tq.to_qtensor(q, next(host), None if q.scale is None else next(host)) for n, q in quantized.items()}
+        out = {n: tq.to_qtensor(q, next(host), None if q.scale is None else next(host)) for n, q in quantized.items()}
+        return out, new
