@@ -4,7 +4,10 @@ Trains a small character-level transformer in torch on Python's standard library
 a short while, takes its weights, and prints, per storage dtype, the encode (quantize +
 serialize) and decode throughput in GB/s of fp32 input, side by side with a plain memory copy
 of the same bytes measured in the same run; then the zstd size reduction and speed for fp32
-and bf16 weights. Not a test: run ``python bench/codec.py``.
+and bf16 weights; then zstd on one large tensor (the weights tiled to ``--mt-mb``) single-threaded
+against zstd's multi-threaded mode (``--threads``); then the streaming encoder
+(``codec/stream.py``: hash pass + upload pass) against the one-shot one. Not a test: run
+``python bench/codec.py`` (``--synthetic`` skips the training: random weights, sizes only).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from gradientmail_core.codec import compress, payload, quant
+from gradientmail_core.codec import compress, payload, quant, stream
 
 
 def corpus(limit: int) -> bytes:
@@ -110,12 +113,28 @@ def main() -> None:
         help="cpu: process CPU time, steadier on a shared machine (use with --workers 1)",
     )
     ap.add_argument("--workers", type=int, default=payload.WORKERS, help="threads encoding/decoding tensors")
+    ap.add_argument("--threads", default="0,1,2,4,8", help="zstd thread counts for the large tensor (0: single mode)")
+    ap.add_argument("--mt-mb", type=int, default=256, help="size of the large tensor (MB of fp32)")
+    ap.add_argument("--synthetic", action="store_true", help="random weights instead of a trained model")
+    ap.add_argument("--only", choices=("all", "threads", "stream"), default="all", help="run one section")
     args = ap.parse_args()
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     payload.WORKERS = args.workers
 
-    weights = train_weights(args.d_model, args.layers, args.steps, args.seconds, args.seed)
+    if args.synthetic:
+        rng = np.random.default_rng(args.seed)
+        d = args.d_model
+        weights = {f"blocks.{i}.{n}": (rng.standard_normal(shape) * 0.02).astype(np.float32)
+                   for i in range(args.layers) for n, shape in (("attn", (3 * d, d)), ("mlp", (4 * d, d)))}  # fmt: skip
+    else:
+        weights = train_weights(args.d_model, args.layers, args.steps, args.seconds, args.seed)
+    if args.only == "threads":
+        zstd_threads(weights, args)
+        return
+    if args.only == "stream":
+        streaming(weights, args)
+        return
     shapes = {k: v.shape for k, v in weights.items()}
     nbytes = sum(v.nbytes for v in weights.values())
     gb = nbytes / 1e9
@@ -189,6 +208,52 @@ def main() -> None:
             f"{dtype:<6} {'payload encode/decode':<22} {plain / 1e6:>8.1f} {len(zst_data) / 1e6:>8.1f} "
             f"{1 - len(zst_data) / plain:>8.1%} {raw / 1e9 / t_c:>14.2f} {raw / 1e9 / t_d:>16.2f}"
         )
+
+    zstd_threads(weights, args)
+    streaming(weights, args)
+
+
+def zstd_threads(weights: dict[str, np.ndarray], args: argparse.Namespace) -> None:
+    """One large tensor: zstd's single-threaded mode against its multi-threaded one."""
+    flat = np.concatenate([v.reshape(-1) for v in weights.values()])
+    big = np.resize(flat, args.mt_mb * (1 << 20) // 4)  # tiled: trained bytes, any size
+    print(f"\nzstd on one {big.nbytes / 1e6:.0f} MB tensor ({os.cpu_count()} CPUs; GB/s of uncompressed bytes):")
+    print(
+        f"{'dtype':<6} {'threads':>8} {'zstd MB':>8} {'compress GB/s':>14} {'decompress GB/s':>16} {'same bytes':>11}"
+    )
+    for dtype in ("F32", "BF16"):
+        data = quant.quantize(big, dtype).data
+        item = data.dtype.itemsize
+        frames = {}
+        for n in (int(x) for x in args.threads.split(",")):
+            frame = compress.compress(data, item, threads=n)
+            t_c = best_of(lambda: compress.compress(data, item, threads=n), args.repeat)  # noqa: B023
+            t_d = best_of(lambda: compress.decompress_array(frame, item, data.nbytes), args.repeat)  # noqa: B023
+            mode = "mt" if n else "st"
+            same = frames.setdefault(mode, frame) == frame
+            print(
+                f"{dtype:<6} {n:>8} {len(frame) / 1e6:>8.1f} {data.nbytes / 1e9 / t_c:>14.2f} "
+                f"{data.nbytes / 1e9 / t_d:>16.2f} {'yes' if same else 'NO':>11}"
+            )
+
+
+def streaming(weights: dict[str, np.ndarray], args: argparse.Namespace) -> None:
+    """The streaming encoder (hash pass, then the bytes again) against the one-shot encoder."""
+    gb = sum(v.nbytes for v in weights.values()) / 1e9
+    print("\nstreaming encode (GB/s of fp32 input; stream = hash pass + upload pass, both counted):")
+    print(f"{'dtype':<9} {'codec':<5} {'one-shot':>9} {'stream':>7} {'same bytes':>11}")
+    for dtype, codec in (("F32", ""), ("BF16", ""), ("F8_E4M3", ""), ("BF16", "zstd")):
+
+        def streamed() -> None:
+            with stream.stream_payload(weights, dtype, kind="bench", compression=codec) as s:  # noqa: B023
+                for _ in s.chunks():
+                    pass
+
+        one = payload.encode_payload(weights, dtype, kind="bench", compression=codec)
+        same = stream.stream_payload(weights, dtype, kind="bench", compression=codec).read() == one
+        t_one = best_of(lambda: payload.encode_payload(weights, dtype, kind="bench", compression=codec), args.repeat)  # noqa: B023
+        t_stream = best_of(streamed, args.repeat)
+        print(f"{dtype:<9} {codec or '-':<5} {gb / t_one:>9.2f} {gb / t_stream:>7.2f} {'yes' if same else 'NO':>11}")
 
 
 if __name__ == "__main__":
