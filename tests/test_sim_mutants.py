@@ -26,6 +26,14 @@ CAUGHT_BY = {
     ),
     "count_twice": ("differ from the merge",),
     "stale_view_is_fatal": ("raised ProtocolError",),
+    # Checkpoints: what GC deletes and what a new closer rebuilds between them.
+    "gc_forgets_checkpoints": ("a recovery of fragment",),
+    "replay_skips_contribution": (
+        "differs from the recomputed",
+        "theta_digest",
+        "aligned fragment",
+        "different from the newest commit",
+    ),
     # The arithmetic itself: the engine's functions are patched wherever they are called, so only
     # the independent float64 reference can catch these.
     "weights_not_normalised": ("differ from the float64 recomputation",),
@@ -54,7 +62,7 @@ def _patch_points() -> tuple:
     from gradientmail_core.aggregators import fused, merge, outer
     from gradientmail_core.protocol import store
     from gradientmail_core.protocol.lease import LeaseWriter
-    from gradientmail_core.syncer import closer, node
+    from gradientmail_core.syncer import closer, node, replay
 
     return (
         mailbox.create_once,
@@ -67,6 +75,9 @@ def _patch_points() -> tuple:
         node.Node._try_claim,
         node.Node._list_leases,
         node.Node._fragment_state,
+        node.Node._checkpoint_rounds,
+        replay._contributions,
+        replay._same,
         LeaseWriter.renew,
         store.RunStore.get_payload,
         merge._normalized,

@@ -12,8 +12,12 @@ recompute each commit independently:
 - the committed parameters and outer state equal the merge and Nesterov step of the listed
   contributions: bit-exactly with the engine's pure functions, and within float32 rounding
   with an independent float64 implementation (``reference.py``);
-- no payload of the newest record of a fragment, no initial payload, no record of the tape and
-  no contribution to a round that has not committed is ever deleted.
+- between checkpoints (``checkpoint_every``) the record names no theta and no outer state: its
+  outer state must hash to ``outer_digest`` and the parameters rebuilt from the change to
+  ``theta_digest``; the auditor carries its own recomputed state from round to round;
+- no payload of the newest record of a fragment, no initial payload, no record of the tape, no
+  contribution to a round that has not committed, and nothing a recovery between checkpoints
+  needs (the newest checkpoint, every change and contribution after it) is ever deleted.
 """
 
 from __future__ import annotations
@@ -27,16 +31,17 @@ import numpy as np
 
 from ..aggregators.merge import contribution_weight, merge
 from ..aggregators.outer import final_step, outer_step
-from ..codec.payload import decode_payload, sha256_hex
+from ..codec.payload import encode_payload, sha256_hex
 from ..config import RDA
 from ..errors import GradientMailError
 from ..mailbox import ForwardingMailbox, Mailbox
 from ..protocol import keys
-from ..protocol.records import Claim, Manifest, PayloadRef, RoundRecord, Snapshot, decode
+from ..protocol.records import Claim, Manifest, RoundRecord, Snapshot, decode
 from ..protocol.run import RunInfo
 from ..protocol.schedule import fragment_of, slot, version_before
-from ..syncer.closer import cast
+from ..syncer.closer import cast, rebuild_theta, theta_digest
 from . import reference as ref
+from .captured import Captured
 
 
 @dataclass(frozen=True)
@@ -49,19 +54,16 @@ class Violation:
         return f"op #{self.seq} by {self.node or '?'}: {self.what}"
 
 
-class Auditor:
+class Auditor(Captured):
     def __init__(self, store: Mailbox) -> None:
+        super().__init__()
         self.store = store  # the shared store itself, to check what exists
         self.seq = 0
         self.violations: list[Violation] = []
         self.stats: Counter[str] = Counter()
-        self.run: RunInfo | None = None
-        self.blobs: dict[str, bytes] = {}  # every payload ever created, by key
-        self._decoded: dict[tuple[str, str], dict[str, np.ndarray]] = {}
         # round -> learner -> (seq of its creation, its bytes); decoded only when a round is checked
         self.snapshots: dict[int, dict[str, tuple[int, bytes]]] = {}
         self.claims: dict[int, list[tuple[str, bytes]]] = {}  # round -> (writer, bytes) of every claim
-        self.tape: dict[int, RoundRecord] = {}
         self.last_listing: dict[str, int] = {}  # node -> seq of its last full listing
         self.lease_listing: dict[str, int] = {}  # node -> seq of its last listing of leases/
         self.round_blob_writes: dict[str, dict[int, int]] = {}  # node -> round -> seq of its last round payload
@@ -76,17 +78,6 @@ class Auditor:
     @property
     def head(self) -> int:
         return max(self.tape, default=-1)
-
-    def newest(self) -> dict[int, RoundRecord]:
-        out: dict[int, RoundRecord] = {}
-        for r in sorted(self.tape)[-self.P :] if self.run else []:
-            out[self.tape[r].fragment] = self.tape[r]
-        return out
-
-    @property
-    def P(self) -> int:
-        assert self.run is not None
-        return self.run.P
 
     # ---- what reaches the store ---------------------------------------------------------
 
@@ -147,11 +138,14 @@ class Auditor:
                     live[pref.key] = rec.round
         init = {r.key for r in self.run.manifest.init}
         head = self.head
+        chains = self._chains()
         for k in doomed:
             if k == keys.MANIFEST or keys.parse_round_key(k) is not None:
                 self.fail(node, f"deleted {k}, which is never deleted")
             elif k in live:
                 self.fail(node, f"deleted {k}, a payload of round {live[k]}, the newest of its fragment")
+            elif k in chains:
+                self.fail(node, f"deleted {k}, which a recovery of fragment {chains[k]} between checkpoints needs")
             elif k in init:
                 self.fail(node, f"deleted {k}, an initial payload named by the manifest")
             else:
@@ -203,6 +197,8 @@ class Auditor:
             out.append(f"version {rec.version} does not follow version {prev.version} of round {r - P}")
         if rec.closer != node:
             out.append(f"record names closer {rec.closer}, written by {node}")
+        if prev is not None and prev.checkpoint is not None and prev.closer != rec.closer:
+            self.stats["closed_between_checkpoints_by_another"] += 1  # its state replayed from a checkpoint
         claimants = set()
         for writer, data in self.claims.get(r, []):
             try:
@@ -215,9 +211,10 @@ class Auditor:
             claimants.add(c.learner)
         if node not in claimants:
             out.append(f"closed by {node}, which never claimed it (claimants {sorted(claimants)})")
-        if rec.theta is None or rec.outer is None:
-            return out + ["record has no theta or outer reference"]
-        for pref in (rec.theta, rec.outer, rec.change):
+        out += self._check_checkpoint(r, rec)
+        if out:
+            return out
+        for pref in (rec.theta, rec.outer, rec.change, *(rec.contributions or [])):
             if pref is not None and (pref.key not in self.blobs or not self.store.list(pref.key)):
                 out.append(f"names payload {pref.key}, which was not written before the record")
         if out:
@@ -235,6 +232,7 @@ class Auditor:
         weights: list[float] = []
         finals: list[bool] = []
         snaps = self.snapshots.get(r, {})
+        contributed = dict(zip((p.learner for p in rec.participants), rec.contributions or [], strict=False))
         for p in sorted(rec.participants, key=lambda p: p.learner):
             snap = self._snapshot(r, p.learner, out)
             if snap is None:
@@ -258,6 +256,8 @@ class Auditor:
                     f"participant {p.learner}: record names payload {p.payload_sha256[:12]}, "
                     f"snapshot names {snap.payload.sha256[:12]}"
                 )
+            if p.learner in contributed and contributed[p.learner] != snap.payload:
+                out.append(f"participant {p.learner}: the record names contribution {contributed[p.learner].key}")
             delta = self._payload(snap.payload, run.shapes[fragment_of(r, P)])
             if delta is None:
                 out.append(f"participant {p.learner}: its payload {snap.payload.key} was never written intact")
@@ -293,12 +293,7 @@ class Auditor:
         state = self._state_before(r)
         if state is None:
             return [f"the state before round {r} (round {r - P} or the initial parameters) was not captured"]
-        master, momentum = state
-        new_theta = self._payload(rec.theta, run.shapes[f])
-        outer = self._payload(rec.outer, run.outer_shapes(f))
-        if new_theta is None or outer is None:
-            return ["its theta or outer payload does not decode"]
-        new_master, new_momentum = run.split_outer(f, outer, new_theta)
+        master, momentum, theta = state
         final = all(finals)
         if final != rec.final:
             out.append(f"record final={rec.final}, participants final={finals}")
@@ -308,6 +303,23 @@ class Auditor:
             e_master, e_momentum = final_step(master, merged), dict(momentum)
         else:
             e_master, e_momentum = outer_step(master, momentum, merged, lr=cfg.outer_lr, beta=cfg.outer_momentum)
+        if rec.theta is not None and rec.outer is not None:
+            new_theta = self._payload(rec.theta, run.shapes[f])
+            outer = self._payload(rec.outer, run.outer_shapes(f))
+            if new_theta is None or outer is None:
+                return out + ["its theta or outer payload does not decode"]
+            new_master, new_momentum = run.split_outer(f, outer, new_theta)
+        else:  # between checkpoints: the state is the recomputed one if it hashes to outer_digest
+            e_outer = {f"momentum/{n}": v for n, v in e_momentum.items()}
+            e_outer.update({f"master/{n}": v for n, v in e_master.items()})
+            if sha256_hex(encode_payload(e_outer, "F32", kind="outer", compression="")) != rec.outer_digest:
+                out.append("its outer state differs from the recomputed one (engine functions, exact; outer_digest)")
+            change = self._payload(rec.change, run.shapes[f]) if rec.change is not None else None
+            if change is None:
+                return out + ["its change payload does not decode"]
+            new_theta, new_master, new_momentum = rebuild_theta(run, f, theta, change), e_master, e_momentum
+        if theta_digest(run, f, new_theta) != rec.theta_digest:
+            out.append("its parameters do not hash to its theta_digest")
         if cfg.commit_dtype is None:
             e_theta = cast(e_master, dtypes)
             if not all(np.array_equal(e_theta[n], new_theta[n]) for n in e_theta):
@@ -315,6 +327,8 @@ class Auditor:
         for what, mine, theirs in (("master", e_master, new_master), ("momentum", e_momentum, new_momentum)):
             if not all(np.array_equal(mine[n], theirs[n]) for n in mine):
                 out.append(f"its outer {what} differs from the recomputed one (engine functions, exact)")
+        self.states[r] = (new_master, new_momentum, new_theta)
+        self.states.pop(r - 4 * P * max(cfg.checkpoint_every, 1), None)
         # (2) independent float64 cross-check
         d64 = ref.merge64(
             deltas,
@@ -345,39 +359,6 @@ class Auditor:
         except GradientMailError as e:
             out.append(f"the snapshot of {learner} does not decode: {e}")
             return None
-
-    def _payload(self, pref: PayloadRef, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray] | None:
-        hit = self._decoded.get((pref.key, pref.sha256))
-        if hit is not None:
-            return hit
-        data = self.blobs.get(pref.key)
-        if data is None or sha256_hex(data) != pref.sha256 or len(data) != pref.size:
-            return None
-        try:
-            out = decode_payload(data, shapes, compression=keys.compression_of(pref.key))
-        except GradientMailError:
-            return None
-        self._decoded[(pref.key, pref.sha256)] = out
-        return out
-
-    def _state_before(self, r: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None:
-        run = self.run
-        assert run is not None
-        f = fragment_of(r, run.P)
-        shapes = run.shapes[f]
-        if r < run.P:
-            theta = self._payload(run.manifest.init[f], shapes)
-            if theta is None:
-                return None
-            return {n: v.astype(np.float32) for n, v in theta.items()}, {n: np.zeros_like(v) for n, v in theta.items()}
-        prev = self.tape.get(r - run.P)
-        if prev is None or prev.outer is None:
-            return None
-        outer = self._payload(prev.outer, run.outer_shapes(f))
-        theta = self._payload(prev.theta, shapes) if run.master_is_theta(f) and prev.theta else {}
-        if outer is None or theta is None:
-            return None
-        return run.split_outer(f, outer, theta)
 
     # ---- at the end ---------------------------------------------------------------------
 

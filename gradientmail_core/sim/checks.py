@@ -27,10 +27,10 @@ class Checks(SimState):
         round record it names."""
         rec = self.auditor.tape.get(e.round)
         run = self.auditor.run
-        if rec is None or run is None or rec.theta is None or sn.learner is None:
+        if rec is None or run is None or sn.learner is None:
             self.violations.append(f"at {self.T:.2f} s {sn.name} aligned with round {e.round}, which never committed")
             raise _Abort("aligned with an uncommitted round")
-        theta = self.auditor._payload(rec.theta, run.shapes[e.fragment])
+        theta = self.auditor.theta_of(rec)
         mine = sn.learner.anchors.get(e.fragment, {})
         if (
             theta is None
@@ -103,9 +103,11 @@ class Checks(SimState):
         out: dict[str, np.ndarray] = {}
         for f in range(run.P):
             rec = newest.get(f)
-            pref = run.manifest.init[f] if rec is None else rec.theta
-            assert pref is not None
-            theta = self.auditor._payload(pref, run.shapes[f])
+            theta = (
+                self.auditor._payload(run.manifest.init[f], run.shapes[f])
+                if rec is None
+                else self.auditor.theta_of(rec)
+            )
             assert theta is not None, f"the newest parameters of fragment {f} were never captured"
             out.update(theta)
         return out

@@ -21,7 +21,7 @@ from ..mailbox import CreateOutcome
 from ..protocol import keys, store
 from ..protocol.lease import LeaseWriter
 from ..protocol.records import Lease
-from ..syncer import closer, node
+from ..syncer import closer, node, replay
 
 
 @contextlib.contextmanager
@@ -159,6 +159,28 @@ def stale_view_is_fatal() -> contextlib.AbstractContextManager[None]:
     return _patched((node.Node, "_fragment_state", fragment_state))
 
 
+def gc_forgets_checkpoints() -> contextlib.AbstractContextManager[None]:
+    """Garbage collection treats every record as a checkpoint: between checkpoints it deletes the
+    contributions (and, 2P rounds on, the changes and the checkpoint) a recovery replays."""
+
+    def checkpoint_rounds(self: node.Node) -> list[int]:
+        return [rec.round if (rec := self.newest.get(f)) else -1 for f in range(self.run.P)]
+
+    return _patched((node.Node, "_checkpoint_rounds", checkpoint_rounds))
+
+
+def replay_skips_contribution() -> contextlib.AbstractContextManager[None]:
+    """A node that becomes closer between checkpoints replays each round without its last
+    contribution, and trusts the result (no comparison with the record's digests)."""
+    orig = replay._contributions
+
+    def contributions(store: Any, run: Any, rec: Any) -> Any:
+        got = orig(store, run, rec)
+        return got[:-1] if len(got) > 1 else got
+
+    return _patched((replay, "_contributions", contributions), (replay, "_same", lambda mine, rec: True))
+
+
 # ---- the arithmetic itself -------------------------------------------------------------------
 # These patch the merge and outer-step functions everywhere the engine reaches them (the closer
 # and the auditor's exact recomputation both call them), so only the simulation's independent
@@ -232,6 +254,8 @@ MUTANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "skip_sha_check": skip_sha_check,
     "count_twice": count_twice,
     "stale_view_is_fatal": stale_view_is_fatal,
+    "gc_forgets_checkpoints": gc_forgets_checkpoints,
+    "replay_skips_contribution": replay_skips_contribution,
     "weights_not_normalised": weights_not_normalised,
     "rda_length_unweighted": rda_length_unweighted,
     "nesterov_without_momentum": nesterov_without_momentum,

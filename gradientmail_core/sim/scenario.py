@@ -126,6 +126,10 @@ def draw_scenario(r: random.Random, nodes: int | None) -> _Draw:
         # DiLoCo's Nesterov (0.7, 0.9), a gentler one, and local SGD (1, 0)
         outer_lr=(lr_beta := r.choice([(0.7, 0.9), (0.4, 0.8), (1.0, 0.0)]))[0],
         outer_momentum=lr_beta[1],
+        # Quantized commits in half the seeds, most of those with checkpoints only every k-th
+        # version (the rounds between are replayed by a node that takes over).
+        commit_dtype=(commit := r.choice([None, None, "F8_E4M3", "F4"])),
+        checkpoint_every=r.choice([1, 2, 3, 5]) if commit else 1,
     )
     opts = NodeOptions(poll_interval=0.5, lease_timeout=3.0, round_timeout=2.0)
     return _Draw(
