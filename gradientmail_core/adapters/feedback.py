@@ -59,8 +59,7 @@ def quantize_with_residual(
         quantized[n] = q = quant.quantize(x, dtypes[n])
         e = np.subtract(x, quant.dequantize(q), dtype=_F32)
         with np.errstate(invalid="ignore"):
-            e[~np.isfinite(e)] = 0
-        new[n] = e
+            new[n] = np.where(np.isfinite(e), e, _F32(0))
     return quantized, new
 
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..codec.payload import encode_payload, encode_quantized
 from .base import Adapter, Captured, DevicePipeline, pipeline_of
+from .feedback import Fed, Residuals, quantize_with_residual
 
 
 class Contribution(Protocol):
@@ -43,19 +44,45 @@ class Incoming(Protocol):
 
 
 class _HostContribution:
-    def __init__(self, anchor: Mapping[str, np.ndarray], local: Mapping[str, np.ndarray]) -> None:
-        self.anchor, self.local = anchor, local
+    def __init__(self, anchor: Mapping[str, np.ndarray], local: Mapping[str, np.ndarray], *, keep: bool) -> None:
+        self.anchor, self.local, self.keep = anchor, local, keep
+        self.delta: dict[str, np.ndarray] | None = None
+        self.fed: Fed | None = None  # error feedback (``feedback.py``), set by ``FragmentIO``
 
     def encode(self, dtypes: Mapping[str, str], *, compression: str) -> bytes:
-        delta = {n: np.subtract(self.anchor[n], self.local[n], dtype=np.float32) for n in self.local}
+        delta = self._delta()
+        if self.fed is not None:
+            quantized = self.fed.quantize(lambda residual: quantize_with_residual(delta, residual, dtypes))
+            return encode_quantized(quantized, kind="delta", compression=compression)
         return encode_payload(delta, dtypes, kind="delta", compression=compression)
+
+    def _delta(self) -> dict[str, np.ndarray]:
+        if self.delta is not None:  # encoded before (a failed upload is retried): the delta is kept
+            return self.delta
+        if self.keep:  # Carry reads the local copy again: the delta goes elsewhere
+            return {n: np.subtract(self.anchor[n], self.local[n], dtype=np.float32) for n in self.local}
+        # Nothing reads the local copy again: the delta is written over it (a fragment of host
+        # memory less at every publish; the same float32 values).
+        self.delta = {n: np.subtract(self.anchor[n], v, out=_own(v), dtype=np.float32) for n, v in self.local.items()}
+        self.local = {}
+        return self.delta
+
+
+def _own(v: np.ndarray) -> np.ndarray | None:
+    """``v`` if a result may be written into it (a float32, C-contiguous, writable array), else None."""
+    ok = isinstance(v, np.ndarray) and v.dtype == np.float32 and v.flags.c_contiguous and v.flags.writeable
+    return v if ok else None
 
 
 class _DeviceContribution:
     def __init__(self, captured: Captured) -> None:
         self.captured = captured
+        self.fed: Fed | None = None
 
     def encode(self, dtypes: Mapping[str, str], *, compression: str) -> bytes:
+        if self.fed is not None:
+            quantized = self.fed.quantize(lambda residual: self.captured.encode_with_residual(dtypes, residual))
+            return encode_quantized(quantized, kind="delta", compression=compression)
         return encode_quantized(self.captured.encode(dtypes), kind="delta", compression=compression)
 
 
@@ -91,15 +118,36 @@ class _DeviceIncoming:
 class FragmentIO:
     """Makes the two handles for one model, through its device pipeline when it has one."""
 
-    def __init__(self, adapter: Adapter) -> None:
+    def __init__(self, adapter: Adapter, *, feedback: bool = False) -> None:
         self.adapter = adapter
         self.pipeline = pipeline_of(adapter)
+        # Error feedback: each fragment's quantization residual, where the parameters live.
+        self.residuals = Residuals() if feedback else None
 
-    def capture(self, names: Sequence[str], anchor: Mapping[str, np.ndarray]) -> Contribution:
-        """Training thread: the fragment's delta since ``anchor`` (the device pipeline keeps its own)."""
+    def capture(
+        self,
+        names: Sequence[str],
+        anchor: Mapping[str, np.ndarray],
+        *,
+        keep: bool = True,
+        slot: tuple[int, int] | None = None,
+    ) -> Contribution:
+        """Training thread: the fragment's delta since ``anchor`` (the device pipeline keeps its own).
+        ``keep``: the fragment as captured is read again (``Incoming.carry``), so the host delta
+        may not be computed over it. ``slot``: (fragment, round), for error feedback."""
+        c: _DeviceContribution | _HostContribution
         if self.pipeline is not None:
-            return _DeviceContribution(self.pipeline.capture(names))
-        return _HostContribution(anchor, self.adapter.read(names))
+            c = _DeviceContribution(self.pipeline.capture(names))
+        else:
+            c = _HostContribution(anchor, self.adapter.read(names), keep=keep)
+        if self.residuals is not None and slot is not None:
+            c.fed = Fed(self.residuals, *slot)
+        return c
+
+    def settle(self, fragment: int, round: int, *, merged: bool) -> None:
+        """Training thread: a commit of ``round`` arrived; ``merged``: it holds this learner's delta."""
+        if self.residuals is not None:
+            self.residuals.settle(fragment, round, merged=merged)
 
     def stage(self, theta: Mapping[str, np.ndarray]) -> Incoming:
         """Background thread (or the training thread, if the node did not): a commit's theta,

@@ -44,7 +44,8 @@ class Learner:
         emit: Callable[[ev.Event], None],
     ) -> None:
         self.adapter, self.run, self.bridge, self.clock, self.me, self.emit = adapter, run, bridge, clock, learner, emit
-        self.io = FragmentIO(adapter)
+        # Error feedback only where deltas are quantized (``adapters/feedback.py``).
+        self.io = FragmentIO(adapter, feedback=run.cfg.error_feedback and run.cfg.delta_dtype is not None)
         bridge.stage = self.io.stage
         self.cfg = run.cfg
         self.local_step = 0
@@ -100,6 +101,7 @@ class Learner:
             keep = self.cfg.mixing
         if f in self._sent and self._sent[f][0] <= c.round:
             del self._sent[f]
+        self.io.settle(f, c.round, merged=self.me in c.participants)
         self.anchors[f] = c.theta
         self.versions[f] = c.version
         # Replacing the fragment drops the training it held since the contribution (all of it,
@@ -196,7 +198,7 @@ class Learner:
         f = fragment_of(r, self.run.P)
         steps = self.steps_since[f]
         if steps > 0:
-            delta = self.io.capture(self.run.fragments[f], self.anchors[f])
+            delta = self.io.capture(self.run.fragments[f], self.anchors[f], keep=self._keeps_snapshots, slot=(f, r))
             if self._keeps_snapshots:
                 self._sent[f] = (r, delta)
             self.bridge.publish(
