@@ -13,7 +13,10 @@ Arms:
 - ``diloco-H20`` / ``diloco-H50``: standard DiLoCo (``fragments=1, in_flight=1,
   overlap_steps=0, WeightedMean, quorum 4``), every learner waits at each sync,
 - ``streaming-F32`` / ``streaming-F4``: Streaming DiLoCo (5 fragments, H=50, overlap 5 steps,
-  mixing 0.5), deltas in F32 or F4,
+  mixing 0.5), deltas in F32 or F4; ``streaming-F4-EF``, ``streaming-I2``, ``streaming-I2-EF``:
+  F4 and I2 deltas with and without error feedback; ``streaming-I2-goal``: I2 deltas and commits,
+  error feedback and ``checkpoint_every=10`` (``bench/traffic.py --goal``). Each is compared with
+  ``streaming-F32`` at the same learning rates;
 - ``decoupled-hetero``: Decoupled DiLoCo (4 fragments, H=20, quorum 3, RDA, no waiting) with
   learner 3 taking three times as long per step as the others; its fast learners go on to
   1.5 x ``steps`` (at the schedule's floor after ``steps``) to find when it reaches the target,
@@ -30,6 +33,7 @@ per unit. The run is reproducible bit for bit and needs one core.
 
     python bench/convergence.py                 # 2,500 steps: 11 minutes on an idle core, 20 loaded
     python bench/convergence.py --steps 600     # quicker, further from converged (larger gaps)
+    python bench/convergence.py --no-data-parallel --arms streaming-F32 streaming-F4-EF   # quantized deltas
 """
 
 from __future__ import annotations
@@ -300,8 +304,13 @@ def main() -> None:
         ("diloco-H50", gm.DiLoCo(sync_every=50, **standard), [1] * LEARNERS),
         ("streaming-F32", gm.DiLoCo(**streaming), [1] * LEARNERS),
         ("streaming-F4", gm.DiLoCo(**streaming, delta_dtype="F4"), [1] * LEARNERS),
+        ("streaming-F4-EF", gm.DiLoCo(**streaming, delta_dtype="F4", error_feedback=True), [1] * LEARNERS),
+        ("streaming-I2", gm.DiLoCo(**streaming, delta_dtype="I2"), [1] * LEARNERS),
+        ("streaming-I2-EF", gm.DiLoCo(**streaming, delta_dtype="I2", error_feedback=True), [1] * LEARNERS),
         ("decoupled-hetero", gm.DiLoCo(sync_every=20, fragments=4, quorum_size=3, **outer), straggler),
     ]
+    goal = dict(delta_dtype="I2", commit_dtype="I2", error_feedback=True, checkpoint_every=10)  # traffic.py --goal
+    arms.append(("streaming-I2-goal", gm.DiLoCo(**streaming, **goal), [1] * LEARNERS))
     hetero_cfg = dict(sync_every=20, fragments=4, quorum_size=3, **outer)
     arms += [
         ("align-blend", gm.DiLoCo(**hetero_cfg, alignment=gm.Blend(mixing=0.5)), straggler),
@@ -318,6 +327,7 @@ def main() -> None:
 
     alignment_table(curves, args.steps)
     if "data-parallel" not in curves:
+        quantized_table(curves)
         return
     base = curves["data-parallel"].final()
     print(f"\nheld-out loss (nats/char) at the end of training, load average {os.getloadavg()[0]:.1f}")
@@ -334,9 +344,7 @@ def main() -> None:
             f"{name:>17} | {final:>10.4f} | {final / base:>15.4f} | {i.get('rounds', '-'):>6} | "
             f"{i.get('rejected', '-')}"
         )
-    if "streaming-F4" in curves and "streaming-F32" in curves:
-        f4 = curves["streaming-F4"].final() / curves["streaming-F32"].final()
-        print(f"\nF4 against F32 deltas (streaming): loss ratio {f4:.4f} (target < 1.01)")
+    quantized_table(curves)
     if "diloco-H20" in curves:
         ratio = curves["diloco-H20"].final() / base
         print(f"DiLoCo H=20 against data parallel: loss ratio {ratio:.4f} (target <= 1.02)")
@@ -361,6 +369,26 @@ def main() -> None:
         print(f"time to loss {target:.4f}: synchronous {ts}, decoupled {th} (not reached)")
     plot(curves, args.plot, args.steps)
     print(f"plot: {args.plot}; total {time.perf_counter() - t_start:.0f} s")
+
+
+QUANTIZED = {
+    "streaming-F4": "< 1.01",
+    "streaming-F4-EF": "<= 1.003",
+    "streaming-I2": "(what error feedback buys)",
+    "streaming-I2-EF": "<= 1.01",
+    "streaming-I2-goal": "(I2 commits, checkpoint_every=10)",
+}
+
+
+def quantized_table(curves: dict[str, Curve]) -> None:
+    """Quantized deltas (with and without error feedback) against F32 deltas, same lr."""
+    if "streaming-F32" not in curves:
+        return
+    base = curves["streaming-F32"].final()
+    for name, target in QUANTIZED.items():
+        if name in curves:
+            ratio = curves[name].final() / base
+            print(f"{name[10:]:>8} against F32 deltas (streaming): loss ratio {ratio:.4f} (target {target})")
 
 
 def alignment_table(curves: dict[str, Curve], steps: int) -> None:
