@@ -8,6 +8,10 @@ botocore's own retries are switched off: every retry goes through ``RetryPolicy`
 injected clock, so tests and simulations control the waits, and so that a retried put that
 answers 412 is seen by us and resolved by reading the object back (botocore would hand us
 a bare 412 for what may be our own earlier write).
+
+Payloads stream (``put_stream``, ``get_stream``): multipart uploads with parts in parallel and
+parallel ranged reads, in ``multipart.py``. Store profiles (R2, Hugging Face, MinIO, GCS) and
+the guarantees the probe checks are in ``profiles.py``.
 """
 
 from __future__ import annotations
@@ -18,12 +22,15 @@ import json
 import logging
 import secrets
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from ..clock import Clock, SystemClock
 from ..errors import MailboxUnavailable, MissingExtra, StoreUnsupported
 from ..protocol.keys import check_list_args, check_object_key, check_object_keys, validate_prefix
+from . import multipart
+from .contract import Chunk
+from .profiles import StoreProfile, gcs_precondition_hook, probe_guarantees, profile_named
 from .retry import RetryPolicy, call_with_retries
 
 log = logging.getLogger(__name__)
@@ -77,10 +84,17 @@ class S3Mailbox:
       addressing is then the default, which they all accept).
     - ``request_checksums``: ``"when_supported"`` (boto3's default) or ``"when_required"``
       (for stores that reject the newer checksum headers, e.g. Hugging Face Storage Buckets).
-    - ``max_concurrency``: size of the HTTP connection pool, i.e. how many threads can
-      talk to the store at once.
-    - ``probe``: before the first create-once write, check that the store honours
-      ``If-None-Match`` and refuse it with ``StoreUnsupported`` if not.
+    - ``max_concurrency``: parts one stream moves at once (multipart uploads, ranged reads);
+      the HTTP connection pool holds twice that, so a node can upload and download together.
+    - ``part_size``: bytes per part of a stream (default ``multipart.DEFAULT_PART_SIZE``, 8 MiB;
+      at least 5 MiB, which S3 requires of every part but the last). Memory per stream is about
+      ``part_size * (max_concurrency + 1)``.
+    - ``multipart_threshold``: a stream up to this many bytes is one ``PutObject`` (default
+      ``part_size``; the ``hf`` profile: 2 GB, as Hugging Face recommends).
+    - ``profile``: ``"aws"``, ``"r2"``, ``"hf"``, ``"minio"``, ``"gcs"`` or None (``profiles.py``).
+    - ``probe``: before the first create-once write, check the guarantees the profile relies on
+      (without a profile: that the store honours ``If-None-Match``) and refuse the store with
+      ``StoreUnsupported`` naming the one missing.
     """
 
     def __init__(
@@ -90,21 +104,41 @@ class S3Mailbox:
         *,
         endpoint_url: str | None = None,
         region: str | None = None,
-        request_checksums: str = "when_supported",
+        request_checksums: str | None = None,
         max_concurrency: int = 8,
-        retry: RetryPolicy = RetryPolicy(),
+        retry: RetryPolicy | None = None,
         clock: Clock | None = None,
         probe: bool = True,
         addressing_style: str | None = None,
+        part_size: int | None = None,
+        multipart_threshold: int | None = None,
+        profile: str | None = None,
     ) -> None:
         if not isinstance(bucket, str) or not bucket or "/" in bucket:
             raise ValueError(f"S3 bucket name {bucket!r} is invalid: give the bare bucket name, without '/'")
         prefix = prefix.strip("/")
         validate_prefix(prefix)
+        self.profile: StoreProfile = profile_named(profile)
+        request_checksums = request_checksums or self.profile.checksums
         if request_checksums not in CHECKSUM_MODES:
             raise ValueError(f"request_checksums={request_checksums!r}; expected one of {CHECKSUM_MODES}")
         if not isinstance(max_concurrency, int) or max_concurrency < 1:
             raise ValueError(f"max_concurrency must be an int >= 1, got {max_concurrency!r}")
+        part_size = multipart.DEFAULT_PART_SIZE if part_size is None else part_size
+        if not isinstance(part_size, int) or not multipart.MIN_PART <= part_size <= multipart.MAX_PART:
+            raise ValueError(
+                f"part_size={part_size!r}: expected an int from {multipart.MIN_PART} (5 MiB, the smallest part "
+                f"S3 accepts) to {multipart.MAX_PART} (5 GiB)"
+            )
+        threshold = multipart_threshold if multipart_threshold is not None else self.profile.multipart_threshold
+        threshold = part_size if threshold is None else threshold
+        if not isinstance(threshold, int) or threshold < part_size:
+            raise ValueError(f"multipart_threshold={multipart_threshold!r}: expected an int >= part_size ({part_size})")
+        region = region or self.profile.region
+        endpoint_url = endpoint_url or self.profile.endpoint_url
+        if retry is None:
+            floor = self.profile.min_retry_delay
+            retry = RetryPolicy(attempts=8, base_delay=floor, max_delay=4 * floor) if floor else RetryPolicy()
         try:
             import boto3
             import botocore.exceptions
@@ -117,9 +151,13 @@ class S3Mailbox:
         self._root = f"{prefix}/" if prefix else ""
         self.retry = retry
         self.clock: Clock = clock if clock is not None else SystemClock()
+        self.checksums = request_checksums
+        self.max_concurrency = max_concurrency
+        self.part_size = part_size
+        self.multipart_threshold = threshold
         options: dict[str, Any] = {
             "region_name": region,
-            "max_pool_connections": max_concurrency,
+            "max_pool_connections": 2 * max_concurrency + 2,
             "retries": {"total_max_attempts": 1, "mode": "standard"},  # we retry ourselves; see module doc
             "request_checksum_calculation": request_checksums,
             "response_checksum_validation": request_checksums,
@@ -130,6 +168,8 @@ class S3Mailbox:
         self.client: Any = boto3.session.Session().client(
             "s3", endpoint_url=endpoint_url, region_name=region, config=config
         )
+        if self.profile.gcs_preconditions:
+            self.client.meta.events.register("before-sign.s3", gcs_precondition_hook)
         self._client_error: type[Exception] = botocore.exceptions.ClientError
         self._transient_errors: tuple[type[Exception], ...] = (
             botocore.exceptions.HTTPClientError,  # connection reset, read timeout, broken stream
@@ -164,6 +204,21 @@ class S3Mailbox:
         if n == 0:
             return None if self.get_prefix(key, 1) is None else b""
         return self._retried("GET", key, lambda: self._get_request(key, n))
+
+    def put_stream(self, key: str, chunks: Iterable[Chunk], *, create_once: bool = False) -> bool:
+        """``StreamingMailbox.put_stream``: one PUT up to ``multipart_threshold`` bytes, else a
+        multipart upload, parts in parallel, aborted if anything fails (``multipart.py``)."""
+        check_object_key(key)
+        if create_once:
+            self._ensure_probed()
+        return multipart.upload(self, key, chunks, create_once=create_once)
+
+    def get_stream(self, key: str, *, part_size: int | None = None) -> Iterator[Chunk] | None:
+        """``StreamingMailbox.get_stream``: parallel ranged GETs of ``part_size`` bytes, in order."""
+        check_object_key(key)
+        if part_size is not None and part_size < 1:
+            raise ValueError(f"part_size={part_size!r}: expected None or an integer >= 1")
+        return multipart.download(self, key, part_size)
 
     def list(self, prefix: str, after: str = "") -> builtins.list[str]:
         check_list_args(prefix, after)
@@ -259,6 +314,14 @@ class S3Mailbox:
 
     # ---- retries and error classification -----------------------------------------------
 
+    def _retried_raw(self, fn: Callable[[], T], what: str) -> T:
+        """``fn`` retried while it raises ``MailboxUnavailable`` (it classifies errors itself)."""
+        return call_with_retries(fn, policy=self.retry, clock=self.clock, what=what)
+
+    @staticmethod
+    def _is_transient(exc: Any) -> bool:
+        return _is_transient(exc)
+
     def _retried(self, op: str, key: str, fn: Callable[[], T]) -> T:
         return call_with_retries(
             lambda: self._guard(op, key, fn), policy=self.retry, clock=self.clock, what=f"{op} {self._where(key)}"
@@ -314,6 +377,7 @@ class S3Mailbox:
                     "'If-None-Match: *' (AWS S3 since 2024-08, Cloudflare R2, MinIO, Ceph RGW, moto>=5.0.15) "
                     "or a FileMailbox on a POSIX directory."
                 )
+            probe_guarantees(self, key, first)
         except self._client_error as exc:
             if _status(exc) == 501 or _code(exc) == "NotImplemented":
                 raise StoreUnsupported(
