@@ -151,6 +151,27 @@ def test_huge_and_tiny_values_stay_finite_and_close() -> None:
     assert np.all(np.abs(roundtrip(tiny) - tiny) <= 2.0**-126)
 
 
+def test_bytes_do_not_depend_on_flush_to_zero_mode() -> None:
+    """Another library (torch here) may make the FPU flush subnormals to zero, on input too;
+    the scale search reads magnitudes from their bits, so blocks whose values are mostly
+    subnormal next to a small normal maximum keep their bytes."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(8)
+    small = (rng.standard_normal((64, 32)) * 2.0**-128).astype(F32)
+    small[:, 0] = F32(2.0**-122)  # a normal maximum; the rest of each block is subnormal
+    x = np.concatenate([small.reshape(-1), rng.standard_normal(100).astype(F32)])
+    want = quant.quantize(x, "I2")
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        # the mode is on: float arithmetic now reads these subnormals as zeros
+        assert not (small[:, 1:] * F32(2.0**100)).any()
+        got = quant.quantize(x, "I2")
+    finally:
+        torch.set_flush_denormal(False)
+    assert got.data.tobytes() == want.data.tobytes() and got.scale.tobytes() == want.scale.tobytes()
+
+
 # ---------------------------------------------------------------------------------------------
 # The same bytes everywhere
 

@@ -232,26 +232,31 @@ def _i2(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _i2_block_codes(blocks: torch.Tensor, n_last: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[nblocks, 32] float32 -> (I2 codes [nblocks * 32], scale byte per block); the last block
-    holds ``n_last`` values, then padding. ``quant_i2._choose`` and ``quantize_i2``, op for op."""
+    holds ``n_last`` values, then padding. ``quant_i2._choose`` and ``quantize_i2``, op for op;
+    the search is exact integer arithmetic, so ``torch.sum``'s order cannot change it."""
     u = blocks.view(torch.int32)
     mag = u & _MAG
     amax = mag.amax(dim=1)
-    k0 = _pow2_exponent(amax, quant_i2.I2_TOP)
+    k0 = _pow2_exponent(amax, quant_i2.I2_TOP).long()
     kn = k0.clamp(max=126)
-    y = mag.view(torch.float32) * _inv_pow2(kn)[:, None]
+    y = _fixed_point(mag, kn)
+    y_all = y.sum(dim=1, dtype=torch.int64)
+    n = torch.full_like(k0, quant_i2.I2_BLOCK)
+    n[-1] = n_last
     best_k = torch.zeros_like(k0)
-    best_err = torch.full(k0.shape, float("inf"), dtype=torch.float32, device=blocks.device)
+    best_err = torch.full_like(k0, torch.iinfo(torch.int64).max)
     for j in quant_i2.I2_TRIES:
         k = (k0 + j).clamp_(-126, 127)
-        s = _inv_pow2(kn - k)[:, None]
-        d = y - torch.where(y > s + s, s * 3, s)
-        d[-1, n_last:] = 0
-        err = _block_sum(d * d)
+        s = torch.ones_like(k) << (quant_i2.FIX + k - kn)
+        outer = y > (2 * s)[:, None]
+        y_out = torch.where(outer, y, 0).sum(dim=1, dtype=torch.int64)
+        n_out = outer.sum(dim=1)
+        err = s * s * (n + 8 * n_out) - 2 * s * (y_all + 2 * y_out)
         better = err < best_err
         best_k = torch.where(better, k, best_k)
         best_err = torch.where(better, err, best_err)
-    outer = (mag > ((best_k + 128) << 23)[:, None]).to(torch.int32)
-    codes = (((u < 0).to(torch.int32) << 1) | outer).to(torch.uint8)
+    outer_bits = ((best_k + 128) << 23).to(torch.int32)  # 2**(k + 1); at k = 127, inf's bits
+    codes = (((u < 0).to(torch.int32) << 1) | (mag > outer_bits[:, None]).to(torch.int32)).to(torch.uint8)
     regular = (amax > 0) & (amax < _EXP)
     codes = torch.where(regular[:, None], codes, 0).to(torch.uint8)
     zero, nan = quant_i2.ZERO_SCALE, quant_i2.NAN_SCALE
@@ -259,9 +264,9 @@ def _i2_block_codes(blocks: torch.Tensor, n_last: int) -> tuple[torch.Tensor, to
     return codes.reshape(-1), scale
 
 
-def _block_sum(e: torch.Tensor) -> torch.Tensor:
-    """``quant_i2.block_sum``: the same tree of pairwise adds (``torch.sum`` orders its own)."""
-    while e.shape[1] > 1:
-        h = e.shape[1] // 2
-        e = e[:, :h] + e[:, h:]
-    return e[:, 0]
+def _fixed_point(mag: torch.Tensor, kn: torch.Tensor) -> torch.Tensor:
+    """``quant_i2.fixed_point``: ``floor(|x| * 2**(FIX - kn))`` from the bits, by a shift."""
+    e = mag >> 23
+    m = (mag & 0x7FFFFF) | ((e > 0).to(torch.int32) << 23)
+    shift = (kn + (150 - quant_i2.FIX)).to(torch.int32)[:, None] - e.clamp(min=1)
+    return m >> shift.clamp_(0, 31)

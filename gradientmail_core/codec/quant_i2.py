@@ -28,19 +28,22 @@ L2 error (F4 in brackets): Gaussian 0.344 (0.115), Student-t(4) 0.468 (0.139), L
 ratio at its best for Gaussians gave 0.349, 0.513, 0.460, 0.365, 0.403. At 2.25 bits a value
 against F4's 4.25, with error feedback carrying the rest into the next delta.
 
-Same bytes everywhere: the codes are integer comparisons of float32 bits, and the error that
-picks the exponent is a fixed sequence of float32 operations (a multiply by a power of two,
-subtract, multiply, and a fixed tree of adds over the block), each a single IEEE operation that
-every device rounds alike (``adapters/torch_quant.py`` repeats them). The errors are computed on
-the block scaled into [0, 3], so nothing that decides a choice is a float32 subnormal and
-flush-to-zero modes cannot change it.
+Same bytes everywhere: the codes are integer comparisons of float32 bits, and the errors that
+pick the exponent are integer arithmetic too. Each magnitude becomes a fixed-point integer,
+``floor(|x| * 2**(FIX - kn))`` (``kn`` = k0 but at most 126), taken from its bits by a shift;
+a candidate's squared error less the common sum of squares is then
+``s*s*(n + 8*n_out) - 2*s*(sum_all + 2*sum_out)`` with ``s = 2**(FIX + k - kn)``, ``n`` the
+block's values and ``n_out``, ``sum_out`` the count and sum of those above ``2*s``: exact in
+int64, so any summation order gives the same choice (``adapters/torch_quant.py`` uses
+``torch.sum``), and no float flush-to-zero or denormals-are-zero mode can change it. The fixed
+point truncates below ``2**-FIX`` of ``2**kn``, far below anything that separates candidates.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .e8m0 import inv_pow2, pow2_exponent
+from .e8m0 import pow2_exponent
 
 I2_BLOCK = 32
 # Level of each code, ``sign << 1 | outer``, in units of the block's scale.
@@ -48,6 +51,7 @@ I2_LEVELS = np.array([1.0, 3.0, -1.0, -3.0], dtype=np.float32)
 # The tried exponents, relative to k0, in preference order for equal errors.
 I2_TRIES = (1, 0, -1, -2)
 I2_TOP = 3.0  # k0: the smallest k with absmax <= I2_TOP * 2**k
+FIX = 20  # fraction bits of the fixed point the scale search runs in
 ZERO_SCALE, NAN_SCALE = 0, 0xFF
 # Scale byte -> its float32 multiplier: 0 for a zero block, 2**(b - 127), NaN for 255.
 I2_SCALE_VALUES = np.array([0.0] + [2.0 ** (b - 127) for b in range(1, 255)] + [np.nan], dtype=np.float32)
@@ -64,31 +68,40 @@ def i2_sizes(n: int) -> tuple[int, int]:
     return nblocks * I2_BLOCK // 4, nblocks
 
 
-def block_sum(e: np.ndarray) -> np.ndarray:
-    """[nblocks, 32] -> [nblocks]: the sum by a fixed tree of pairwise adds (halves), so every
-    framework adds in the same order (``ndarray.sum`` and ``torch.sum`` choose their own)."""
-    while e.shape[1] > 1:
-        h = e.shape[1] // 2
-        e = e[:, :h] + e[:, h:]
-    return e[:, 0]
+def fixed_point(mag: np.ndarray, kn: np.ndarray) -> np.ndarray:
+    """[nblocks, 32] magnitude bits (finite) -> ``floor(|x| * 2**(FIX - kn))`` per value (int32,
+    below 2**23), by shifting the significand: exact for normals and subnormals alike."""
+    mi = mag.view(np.int32)
+    e = mi >> 23  # biased exponent; 0 for a subnormal, whose significand has no implicit bit
+    m = (mi & 0x7FFFFF) | ((e > 0).astype(np.int32) << 23)
+    np.maximum(e, 1, out=e)
+    # |x| = m * 2**(e - 150); times 2**(FIX - kn) is m >> (kn - FIX + 150 - e), a right shift
+    # of at least 1 since |x| <= 6 * 2**kn. Inf/NaN blocks shift by anything; they are discarded.
+    shift = (kn + (150 - FIX)).astype(np.int32)[:, None] - e
+    np.clip(shift, 0, 31, out=shift)
+    return m >> shift
 
 
 def _choose(mag: np.ndarray, amax: np.ndarray, n_last: int) -> np.ndarray:
     """[nblocks, 32] magnitude bits and their block maxima -> the exponent k of each block
     (``I2_TRIES`` around k0, least squared error, clipped to [-126, 127]); the last block holds
-    ``n_last`` values and padding, which does not count. Blocks of zeros, inf or NaN get some
-    k; the caller overwrites them."""
+    ``n_last`` values and zero padding, which does not count. Blocks of zeros, inf or NaN get
+    some k; the caller overwrites them."""
     k0 = pow2_exponent(amax, I2_TOP)
-    kn = np.minimum(k0, 126)  # the normalising exponent: y = |x| * 2**-kn is at most 4
-    y = mag.view(_F32) * inv_pow2(kn)[:, None]
+    kn = np.minimum(k0, 126)
+    y = fixed_point(mag, kn)
+    y_all = y.sum(axis=1, dtype=np.int64)
+    n = np.full(k0.shape, I2_BLOCK, np.int64)
+    n[-1] = n_last  # padding is 0: it adds to no sum, only to the count of values
     best_k = np.zeros(k0.shape, np.int64)
-    best_err = np.full(k0.shape, np.inf, np.float32)
+    best_err = np.full(k0.shape, np.iinfo(np.int64).max, np.int64)
     for j in I2_TRIES:
         k = np.clip(k0 + j, -126, 127)
-        s = inv_pow2(kn - k)[:, None]  # the scale 2**k in y's units: 2**(k - kn), exact
-        d = y - np.where(y > s + s, s * np.float32(3), s)
-        d[-1, n_last:] = 0
-        err = block_sum(d * d)
+        s = np.left_shift(1, FIX + k - kn)  # k - kn in [-2, 1]: 2**18 .. 2**21
+        outer = y > (2 * s).astype(np.int32)[:, None]
+        y_out = np.where(outer, y, 0).sum(axis=1, dtype=np.int64)
+        n_out = np.count_nonzero(outer, axis=1)
+        err = s * s * (n + 8 * n_out) - 2 * s * (y_all + 2 * y_out)  # below 2**53: no overflow
         better = err < best_err  # strict: the first of equal errors (the largest scale) stays
         best_k[better] = k[better]
         best_err[better] = err[better]
@@ -104,30 +117,29 @@ def quantize_i2(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         flat = np.concatenate([flat, np.zeros(nblocks * I2_BLOCK - flat.size, _F32)])
     packed = np.empty(nbytes, np.uint8)
     scale = np.empty(nblocks, np.uint8)
-    with np.errstate(invalid="ignore", over="ignore"):  # non-finite blocks are patched below
-        for i in range(0, flat.size, _CHUNK):
-            u = flat[i : i + _CHUNK].view(np.uint32).reshape(-1, I2_BLOCK)
-            mag = u & np.uint32(0x7FFFFFFF)
-            # Integer order of the magnitude bits is float order; inf/NaN sort last.
-            amax = mag.max(axis=1)
-            regular = (amax > 0) & (amax < 0x7F800000)
-            last = i + (u.shape[0] - 1) * I2_BLOCK  # where the chunk's last block starts
-            k = _choose(mag, amax, min(n - last, I2_BLOCK))
-            # outer: |x| > 2 * 2**k, compared on the bits (2**(k + 1) has exponent field k + 128;
-            # 2**128 is inf's bits, above every finite value).
-            outer = mag > ((k + 128).astype(np.uint32) << 23)[:, None]
-            codes = ((u >> 31) << 1).astype(np.uint8) | outer
-            codes[~regular] = 0
-            quads = codes.reshape(-1, 4)
-            out = packed[i // 4 : i // 4 + quads.shape[0]]
-            np.left_shift(quads[:, 3], 6, out=out)
-            out |= quads[:, 2] << 4
-            out |= quads[:, 1] << 2
-            out |= quads[:, 0]
-            sc = (k + 127).astype(np.uint8)
-            sc[amax == 0] = ZERO_SCALE
-            sc[amax >= 0x7F800000] = NAN_SCALE
-            scale[i // I2_BLOCK : i // I2_BLOCK + sc.size] = sc
+    for i in range(0, flat.size, _CHUNK):
+        u = flat[i : i + _CHUNK].view(np.uint32).reshape(-1, I2_BLOCK)
+        mag = u & np.uint32(0x7FFFFFFF)
+        # Integer order of the magnitude bits is float order; inf/NaN sort last.
+        amax = mag.max(axis=1)
+        regular = (amax > 0) & (amax < 0x7F800000)
+        last = i + (u.shape[0] - 1) * I2_BLOCK  # where the chunk's last block starts
+        k = _choose(mag, amax, min(n - last, I2_BLOCK))
+        # outer: |x| > 2 * 2**k, compared on the bits (2**(k + 1) has exponent field k + 128;
+        # 2**128 is inf's bits, above every finite value).
+        outer = mag > ((k + 128).astype(np.uint32) << 23)[:, None]
+        codes = ((u >> 31) << 1).astype(np.uint8) | outer
+        codes[~regular] = 0
+        quads = codes.reshape(-1, 4)
+        out = packed[i // 4 : i // 4 + quads.shape[0]]
+        np.left_shift(quads[:, 3], 6, out=out)
+        out |= quads[:, 2] << 4
+        out |= quads[:, 1] << 2
+        out |= quads[:, 0]
+        sc = (k + 127).astype(np.uint8)
+        sc[amax == 0] = ZERO_SCALE
+        sc[amax >= 0x7F800000] = NAN_SCALE
+        scale[i // I2_BLOCK : i // I2_BLOCK + sc.size] = sc
     return packed, scale
 
 
