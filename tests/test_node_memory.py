@@ -1,0 +1,134 @@
+"""Memory a node holds between polls, counted in the distinct buffers (numpy arrays, payload
+bytes) reachable from its node and learner, the model's own parameters and the store excluded.
+
+A follower holds one copy of the model (the learner's anchors, which the node's newest
+parameters share) plus at most the fragment in flight; a node that stops closing rounds releases
+the outer state it held. ``bench/memory.py`` measures the same in processes (peak RSS)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import types
+from collections import deque
+from typing import Any
+
+import numpy as np
+from harness import Cluster, Member
+from test_engine_rounds import assert_identical, finish
+
+import gradientmail_core as gm
+from gradientmail_core.syncer.node import NodeOptions
+
+SHAPES = {f"w{i}": (128, 128) for i in range(8)}  # 8 x 64 KiB: 4 fragments of 128 KiB
+MODEL = sum(4 * a * b for a, b in SHAPES.values())
+FRAGMENT = MODEL // 4
+SLACK = 16 << 10  # payload headers, records, events: small next to a fragment
+
+_SKIP = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, str, int, float, type(threading.Lock()))
+
+
+def held_bytes(m: Member) -> int:
+    """Bytes of the distinct buffers reachable from ``m``'s node and learner (each array counted
+    once by the buffer that owns its memory), not counting the model, the store or the clock."""
+    skip = {id(m.node.store), id(m.node.clock), id(m.learner.adapter), id(m.params)}
+    seen: set[int] = set(skip)
+    owners: dict[int, int] = {}
+    todo: list[Any] = [m.node, m.learner]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, _SKIP):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, np.ndarray):
+            owner: Any = obj
+            while isinstance(owner.base, np.ndarray):
+                owner = owner.base
+            if owner.base is not None:  # a view of bytes (a decoded payload, a frombuffer)
+                todo.append(owner.base)
+            elif id(owner) not in skip and not any(owner is p for p in m.params.values()):
+                owners[id(owner)] = owner.nbytes
+            continue
+        if isinstance(obj, bytes | bytearray | memoryview):
+            owners[id(obj)] = memoryview(obj).nbytes
+            continue
+        if isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif isinstance(obj, list | tuple | set | frozenset | deque):
+            todo.extend(obj)
+        elif isinstance(obj, types.MethodType):
+            todo.append(obj.__self__)
+        elif isinstance(obj, queue.Queue):
+            todo.extend(obj.queue)
+        else:
+            todo.extend(getattr(obj, "__dict__", {}).values())
+            todo.extend(getattr(obj, s) for s in getattr(type(obj), "__slots__", ()) if hasattr(obj, s))
+    return sum(owners.values())
+
+
+def run_measured(c: Cluster, steps: int) -> dict[tuple[str, str], int]:
+    """Run ``steps`` steps; the most each member held after training ("step": a contribution may
+    wait in the outbox) and after each poll ("poll")."""
+    most: dict[tuple[str, str], int] = {}
+
+    def look(when: str) -> None:
+        for name, m in c.members.items():
+            most[name, when] = max(most.get((name, when), 0), held_bytes(m))
+
+    for _ in range(steps):
+        for m in c.live():
+            m.train(4)
+        look("step")
+        c.tick_all()
+        look("poll")
+        c.clock.advance(0.05)
+    return most
+
+
+def test_follower_holds_one_copy_of_the_model_and_the_fragment_in_flight():
+    c = Cluster(gm.DiLoCo(sync_every=8, fragments=4, quorum_size=2), shapes=dict(SHAPES))
+    a, b = c.join_all("ab")
+    c.run(16)  # every fragment committed at least once
+    most = run_measured(c, 32)
+    assert a.node.stats.committed > 0 and b.node.stats.committed == 0
+    # After a poll: b's anchors (the model, once), which the node's newest parameters share; no
+    # payload bytes of its own snapshots (it closes nothing) and no second copy of the model.
+    assert most["b", "poll"] <= MODEL + SLACK, (most["b", "poll"] / MODEL, "model copies")
+    # After a step: also the fragment captured for the next round, until the poll uploads it.
+    assert most["b", "step"] <= MODEL + FRAGMENT + SLACK, (most["b", "step"] / MODEL, "model copies")
+    for f, (_, theta) in b.node.thetas.items():
+        assert all(theta[n] is b.learner.anchors[f][n] for n in theta)
+    finish(c)
+    assert_identical([a, b])
+
+
+def test_closer_holds_its_outer_state_and_one_fragment_merge():
+    c = Cluster(gm.DiLoCo(sync_every=8, fragments=4, quorum_size=2), shapes=dict(SHAPES))
+    a, b = c.join_all("ab")
+    c.run(16)
+    most = max(run_measured(c, 32)["a", when] for when in ("step", "poll"))
+    assert a.node.stats.committed > 0
+    # The anchors (also the fp32 master: the parameters are F32), the momentum, and one round's
+    # merge: its two deltas and the new master and momentum it writes into.
+    assert most <= 2 * MODEL + 4 * FRAGMENT + SLACK, (most / MODEL, "model copies")
+    finish(c)
+    assert_identical([a, b])
+
+
+def test_node_that_stops_closing_releases_the_outer_state():
+    c = Cluster(gm.DiLoCo(sync_every=4, fragments=2), shapes=dict(SHAPES))
+    c.options = NodeOptions(poll_interval=0.1, lease_timeout=5.0, round_timeout=0.5)
+    a, b = c.join_all("ab")
+    c.run(8)
+    c.settle(4)
+    assert a.node.closer_states, "a closes the first rounds"
+    for _ in range(40):  # a stalls; b takes the rounds over (timeout) and commits both fragments
+        b.train()
+        b.node.tick()
+        b.learner.drain()
+        c.clock.advance(0.05)
+    c.run(8)  # a resumes as a follower
+    assert {a.node.newest[f].closer for f in (0, 1)} == {"b"}
+    assert a.node.closer_states == {}
+    finish(c)
+    assert_identical([a, b])
