@@ -266,7 +266,7 @@ def _i2_block_codes(blocks: torch.Tensor, n_last: int) -> tuple[torch.Tensor, to
 
 def _fixed_point(mag: torch.Tensor, kn: torch.Tensor) -> torch.Tensor:
     """``quant_i2.fixed_point``: ``floor(|x| * 2**(FIX - kn))`` from the bits, by a shift."""
-    e = mag >> 23
-    m = (mag & 0x7FFFFF) | ((e > 0).to(torch.int32) << 23)
-    shift = (kn + (150 - quant_i2.FIX)).to(torch.int32)[:, None] - e.clamp(min=1)
+    e = (mag >> 23).clamp_(min=1)
+    m = mag - ((e - 1) << 23)
+    shift = (kn + (150 - quant_i2.FIX)).to(torch.int32)[:, None] - e
     return m >> shift.clamp_(0, 31)
