@@ -252,7 +252,7 @@ def test_zeros_stay_zero(dtype: str) -> None:
     np.testing.assert_array_equal(roundtrip(np.zeros((4, 40), np.float32), dtype), 0)
 
 
-@pytest.mark.parametrize("dtype", ["F32", "F8_E4M3", "F4"])
+@pytest.mark.parametrize("dtype", ["F32", "F8_E4M3", "F4", "I2"])
 def test_huge_values_up_to_float32_max_stay_finite(dtype: str) -> None:
     x = f32(F32_MAX, -F32_MAX, 3e38, 1e38, 1.0, 0.0)
     out = roundtrip(x, dtype)
@@ -291,7 +291,7 @@ def test_codes_do_not_depend_on_flush_to_zero_mode() -> None:
     must not change, since the rounding never produces a subnormal float32."""
     torch = pytest.importorskip("torch")
     x = np.concatenate([weights(20_000), f32(2.0**-126, 3 * 2.0**-10, 0.75, 0.25)])
-    expected = {d: quant.quantize(x, d) for d in ("F8_E4M3", "F4")}
+    expected = {d: quant.quantize(x, d) for d in ("F8_E4M3", "F4", "I2")}
     if not torch.set_flush_denormal(True):
         pytest.skip("this CPU cannot flush denormals")
     try:
