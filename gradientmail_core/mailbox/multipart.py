@@ -46,7 +46,9 @@ MiB = 1 << 20
 MIN_PART = 5 * MiB  # S3's smallest part, except the last
 MAX_PART = 5 * 1024 * MiB  # S3's largest part
 MAX_PARTS = 10_000  # S3's (and R2's) most parts in one upload
-GROW_EVERY = 1000  # parts before the part size doubles, where unequal parts are allowed
+# Parts before the part size doubles, where unequal parts are allowed: 900 keeps objects up to
+# 7 GB (8 MiB parts) in equal parts, and lets 10,000 parts of 5 MiB and up carry 5 TiB.
+GROW_EVERY = 900
 # Measured on moto over loopback (bench/transfer.py, docs/backends.md "Part size"); 8 MiB is also
 # boto3's own multipart_chunksize and the size AWS suggests for byte-range reads.
 DEFAULT_PART_SIZE = 8 * MiB
@@ -57,8 +59,8 @@ def part_sizes(part_size: int, *, equal: bool) -> Iterator[int]:
 
     ``equal``: ``part_size`` for every part (R2). Otherwise ``part_size`` for the first
     ``GROW_EVERY`` parts, then twice that for the next ``GROW_EVERY``, and so on, capped at
-    ``MAX_PART``: 10,000 parts then hold ``1023 * GROW_EVERY * part_size`` bytes (8 TiB from
-    8 MiB parts), more than S3's 5 TiB object limit, while an object of a few GB keeps equal parts.
+    ``MAX_PART``: 10,000 parts then hold more than S3's 5 TiB object limit from any part size
+    of at least 5 MiB, while an object of a few GB keeps equal parts.
     """
     for n in itertools.count():
         yield part_size if equal else min(MAX_PART, part_size << (n // GROW_EVERY))

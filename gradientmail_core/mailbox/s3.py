@@ -84,8 +84,8 @@ class S3Mailbox:
       addressing is then the default, which they all accept).
     - ``request_checksums``: ``"when_supported"`` (boto3's default) or ``"when_required"``
       (for stores that reject the newer checksum headers, e.g. Hugging Face Storage Buckets).
-    - ``max_concurrency``: parts one stream moves at once (multipart uploads, ranged reads);
-      the HTTP connection pool holds twice that, so a node can upload and download together.
+    - ``max_concurrency``: size of the HTTP connection pool, i.e. how many threads can talk to
+      the store at once; also the parts one stream moves at once (multipart uploads, ranged reads).
     - ``part_size``: bytes per part of a stream (default ``multipart.DEFAULT_PART_SIZE``, 8 MiB;
       at least 5 MiB, which S3 requires of every part but the last). Memory per stream is about
       ``part_size * (max_concurrency + 1)``.
@@ -157,7 +157,7 @@ class S3Mailbox:
         self.multipart_threshold = threshold
         options: dict[str, Any] = {
             "region_name": region,
-            "max_pool_connections": 2 * max_concurrency + 2,
+            "max_pool_connections": max_concurrency,
             "retries": {"total_max_attempts": 1, "mode": "standard"},  # we retry ourselves; see module doc
             "request_checksum_calculation": request_checksums,
             "response_checksum_validation": request_checksums,
