@@ -1,17 +1,21 @@
 """Rounds over a wide-area link: round time against the bandwidth floor, per role, before and after
 streaming and multipart transfers (issue 18), in one run.
 
-A moto S3 server runs on 127.0.0.1; every node reaches it through its own ``_link.Link`` (a local
-proxy: ``--mbit`` each way, ``--rtt-ms`` round trip, a TCP window of ``--window-mb``), so each
-node has its own internet connection and the store is far from all of them. ``--nodes`` nodes (a
-thread each, ``gm.Session``) train a numpy model of ``--fragment-mb`` MB of float32 with
+A moto S3 server runs on 127.0.0.1 (its own process); every node reaches it through its own
+``_link.Link`` (a local proxy: ``--mbit`` each way, ``--rtt-ms`` round trip, a TCP window of
+``--window-mb``), so each node has its own internet connection and the store is far from all of
+them. ``--nodes`` nodes (a process each, with its proxy; ``gm.Session``) train a numpy model of
+``--fragment-mb`` MB of float32 with
 ``DiLoCo(fragments=1, quorum_size=nodes)``: the whole model is one fragment, and the training
 steps take ``--step-ms``, so a round is as long as its transfers make it.
 
 Per round a follower uploads its delta and downloads the new parameters; the closer uploads its
 delta, the parameters and the outer state, and downloads the other deltas. The floor of a role
 is ``max(bytes up, bytes down) / rate`` per round (the link is full duplex); the round's floor is
-the largest role's. Bytes are counted by the proxies, so they include HTTP.
+the largest role's. Bytes are counted by the proxies, so they include HTTP. A round is also a
+chain no transfer can overlap (the deltas up, the closer reads them, writes the new parameters,
+the followers read them): ``chain`` is that chain's bytes over the rate, ``(closer up + closer
+down + follower down) / rate`` with two nodes, the floor a round of this protocol can reach.
 
 Two configurations over fresh buckets, one after the other:
 
@@ -28,13 +32,15 @@ the figures in bench/README.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
-import logging
+import json
 import os
 import secrets
+import socket
 import statistics
+import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -141,45 +147,88 @@ def run_node(
             out.error = out.error or f"close: {type(e).__name__}: {e}"
 
 
+def mailbox_for(label: str, bucket: str, url: str, args: argparse.Namespace) -> Any:
+    if label == "before":
+        return Joined(gm.S3Mailbox(bucket, endpoint_url=url, part_size=5 << 30, max_concurrency=1, probe=False))
+    opts: dict[str, Any] = {}
+    if args.part_mb:
+        opts["part_size"] = int(args.part_mb * (1 << 20))
+    if args.concurrency:
+        opts["max_concurrency"] = args.concurrency
+    return gm.S3Mailbox(bucket, endpoint_url=url, probe=False, **opts)
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One node (``--worker``): its link, its session; prints its result as one JSON line."""
+    host, port = args.endpoint.removeprefix("http://").split(":")
+    link = Link((host, int(port)), mbit=args.mbit, rtt_ms=args.rtt_ms, window=int(args.window_mb * (1 << 20)))
+    name = f"node{args.index}"
+    res = NodeResult(name)
+    model = build_model(int(args.fragment_mb * 1e6), seed=args.index)
+    run_node(name, model, mailbox_for(args.worker, args.bucket, link.url, args), link, args, res)
+    link.close()
+    print(json.dumps(dataclasses.asdict(res)), flush=True)
+
+
 def run_config(label: str, endpoint: str, args: argparse.Namespace) -> list[NodeResult]:
     import boto3
 
-    host, port = endpoint.removeprefix("http://").split(":")
     bucket = f"wan-{label}-{secrets.token_hex(4)}"
     boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
-    results, threads, links = [], [], []
+    passed = [
+        f"--{k.replace('_', '-')}={v}"
+        for k, v in vars(args).items()
+        if k not in ("only", "worker", "index", "endpoint", "bucket")
+    ]
+    procs = []
     for i in range(args.nodes):
-        link = Link((host, int(port)), mbit=args.mbit, rtt_ms=args.rtt_ms, window=int(args.window_mb * (1 << 20)))
-        links.append(link)
-        if label == "before":
-            mailbox: Any = Joined(
-                gm.S3Mailbox(bucket, endpoint_url=link.url, part_size=5 << 30, max_concurrency=1, probe=False)
-            )
-        else:
-            opts: dict[str, Any] = {}
-            if args.part_mb:
-                opts["part_size"] = int(args.part_mb * (1 << 20))
-            if args.concurrency:
-                opts["max_concurrency"] = args.concurrency
-            mailbox = gm.S3Mailbox(bucket, endpoint_url=link.url, probe=False, **opts)
-        name = f"node{i}"
-        res = NodeResult(name)
-        results.append(res)
-        model = build_model(int(args.fragment_mb * 1e6), seed=i)
-        t = threading.Thread(target=run_node, args=(name, model, mailbox, link, args, res), name=name)
-        threads.append(t)
-        t.start()
+        cmd = [
+            sys.executable,
+            __file__,
+            f"--worker={label}",
+            f"--index={i}",
+            f"--endpoint={endpoint}",
+            f"--bucket={bucket}",
+        ]
+        procs.append(subprocess.Popen([*cmd, *passed], stdout=subprocess.PIPE, text=True))
         time.sleep(0.5)  # node0 creates the run
-    for t in threads:
-        t.join()
-    for link in links:
-        link.close()
+    results = []
+    for i, p in enumerate(procs):
+        out, _ = p.communicate()
+        lines = [line for line in out.splitlines() if line.startswith("{")]
+        if lines:
+            row = json.loads(lines[-1])
+            results.append(NodeResult(**{**row, "marks": [tuple(m) for m in row["marks"]]}))
+        else:
+            results.append(NodeResult(f"node{i}", error=f"exit {p.returncode}"))
     return results
+
+
+def start_store() -> tuple[subprocess.Popen[bytes], str]:
+    """moto's S3 server in its own process, on a free port; its endpoint once it answers."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=str(_HERE.parent),
+    )
+    for _ in range(200):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc, f"http://127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("moto server did not start")
 
 
 def summarize(label: str, results: list[NodeResult], args: argparse.Namespace) -> list[str]:
     rate = args.mbit * 1e6 / 8
     rows = []
+    moved: dict[str, tuple[float, float]] = {}
     for r in results:
         if r.error or len(r.commits) < 2:
             rows.append(f"| {label} | {r.name} | {r.role} | - | - | - | - | - | {r.error or 'too few rounds'} |")
@@ -190,12 +239,16 @@ def summarize(label: str, results: list[NodeResult], args: argparse.Namespace) -
         up = (r.marks[-1][0] - r.marks[0][0]) / n
         down = (r.marks[-1][1] - r.marks[0][1]) / n
         floor = max(up, down) / rate
+        moved[r.role] = (up, down)
         intervals = [b - a for a, b in zip(r.commits, r.commits[1:])]
         spread = statistics.pstdev(intervals) if len(intervals) > 1 else 0.0
         rows.append(
             f"| {label} | {r.name} | {r.role} | {up / 1e6:.1f} | {down / 1e6:.1f} | {floor:.2f} | "
             f"{per_round:.2f} ± {spread:.2f} | {floor / per_round:.0%} | |"
         )
+    if len(results) == 2 and set(moved) == {"closer", "follower"}:
+        chain = (sum(moved["closer"]) + moved["follower"][1]) / rate
+        rows.append(f"| {label} | | chain | | | {chain:.2f} | | | transfers one round must make in turn |")
     return rows
 
 
@@ -212,15 +265,16 @@ def main() -> None:
     ap.add_argument("--part-mb", type=float, default=0, help="after: part size (default: S3Mailbox's)")
     ap.add_argument("--concurrency", type=int, default=0, help="after: max_concurrency (default: S3Mailbox's)")
     ap.add_argument("--only", choices=("both", "before", "after"), default="both")
+    ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--endpoint", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--bucket", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return
 
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
+    server, endpoint = start_store()
     print(
         f"{args.nodes} nodes, a {args.fragment_mb:g} MB fragment (float32), link {args.mbit:g} Mbit/s each way, "
         f"RTT {args.rtt_ms:g} ms, window {args.window_mb:g} MiB, {os.cpu_count()} CPUs\n"
@@ -237,7 +291,8 @@ def main() -> None:
                 lines += summarize(label, results, args)
                 print(f"{label}: {time.monotonic() - t0:.0f} s", file=sys.stderr)
     finally:
-        server.stop()
+        server.terminate()
+        server.wait()
     print("\n".join(lines))
 
 
