@@ -23,7 +23,7 @@ from gradientmail_core.protocol.records import Manifest, RoundRecord, decode, en
 from gradientmail_core.protocol.run import RunInfo, open_run
 from gradientmail_core.protocol.schedule import is_checkpoint, round_of
 from gradientmail_core.protocol.store import RunStore
-from gradientmail_core.protocol.tape import load_newest
+from gradientmail_core.protocol.tape import fetch_theta, load_newest
 from gradientmail_core.syncer import replay
 from gradientmail_core.syncer.bridge import Bridge
 from gradientmail_core.syncer.closer import theta_digest
@@ -309,3 +309,18 @@ def test_gc_keeps_the_newest_checkpoint_and_what_follows_it_and_deletes_the_rest
                     assert r.theta.key in blobs and r.outer.key in blobs
                 elif r.round < ck and r.round <= head - 2 * P:
                     assert not any(k.startswith(keys.round_blobs_prefix(r.round)) for k in blobs), r.round
+
+
+def test_a_recovery_racing_gc_on_an_old_chain_waits_for_the_newer_records():
+    c = Cluster(cfg())
+    _, b, _ = c.join_all("abc")
+    c.run(60)
+    c.settle(4)
+    recs = records(c)
+    newest_ck = max(r.round for r in recs if r.fragment == 0 and r.is_checkpoint)
+    # a stale view: fragment 0's record of two checkpoints ago, between checkpoints
+    old = next(r for r in recs if r.fragment == 0 and not r.is_checkpoint and r.round < newest_ck - 2 * K * 2)
+    store, run = b.node.store, b.node.run
+    assert fetch_theta(store, run, 0, old) is None  # gone: the reader lists the tape again
+    with pytest.raises(MailboxUnavailable, match="newer commits exist"):
+        replay.recover(store, run, 0, old, None)
