@@ -43,6 +43,9 @@ class Clock:
         self.sleeps.append(seconds)
 
 
+_RAW: dict[str, Any] = {}
+
+
 @pytest.fixture
 def s3(s3_server: str, s3_bucket: str) -> Any:
     import boto3
@@ -56,7 +59,9 @@ def s3(s3_server: str, s3_bucket: str) -> Any:
         kwargs.setdefault("clock", Clock())
         return S3Mailbox(s3_bucket, "run", endpoint_url=s3_server, **kwargs)
 
-    make.raw = boto3.client("s3", endpoint_url=s3_server)  # type: ignore[attr-defined]
+    if s3_server not in _RAW:  # a boto3 client costs a few hundred ms to build: one per server
+        _RAW[s3_server] = boto3.client("s3", endpoint_url=s3_server)
+    make.raw = _RAW[s3_server]  # type: ignore[attr-defined]
     make.bucket = s3_bucket  # type: ignore[attr-defined]
     return make
 
@@ -117,47 +122,6 @@ def test_a_large_stream_goes_up_in_parts_and_comes_back_in_ranged_gets(s3: Any) 
     assert leftovers(s3) == []
 
 
-def test_a_stream_within_the_threshold_is_one_put(s3: Any) -> None:
-    mailbox = s3(multipart_threshold=32 * MiB)
-    seen = requests(mailbox, "CreateMultipartUpload", "PutObject")
-    assert mailbox.put_stream(KEY, chunks())
-    assert [op for op, _ in seen] == ["PutObject"]
-    assert read_all(mailbox, part_size=SIZE) == DATA
-
-
-def test_create_once_streams_refuse_a_taken_key_and_leave_no_upload(s3: Any) -> None:
-    mailbox = s3()
-    assert mailbox.put_stream(KEY, chunks(), create_once=True) is True
-    assert mailbox.put_stream(KEY, chunks(b"x" * SIZE), create_once=True) is False
-    assert read_all(mailbox) == DATA and leftovers(s3) == []
-    assert mailbox.put_stream(KEY, chunks(b"y" * SIZE)) is True  # payloads: replacing is allowed
-    assert read_all(mailbox) == b"y" * SIZE
-
-
-def test_memory_stays_within_max_concurrency_parts(s3: Any) -> None:
-    mailbox = s3(max_concurrency=2)
-    lock = threading.Lock()
-    state = {"produced": 0, "sent": 0, "worst": 0}
-
-    def sent(params: dict[str, Any], **_: Any) -> None:
-        with lock:
-            state["sent"] += len(params["Body"])
-
-    mailbox.client.meta.events.register("before-parameter-build.s3.UploadPart", sent)
-
-    def producer() -> Iterator[memoryview]:
-        for chunk in chunks(DATA * 2, step=MiB):
-            with lock:
-                state["produced"] += len(chunk)
-                state["worst"] = max(state["worst"], state["produced"] - state["sent"])
-            yield chunk
-
-    assert mailbox.put_stream(KEY, producer())
-    # Bytes taken from the writer but not yet handed to a request: the parts in flight, the one
-    # being filled, and the chunk in hand. Never the whole 34 MB object.
-    assert state["worst"] <= (2 + 2) * PART, state
-
-
 # ---- part sizes and the 10,000-part limit ----------------------------------------------------------
 
 
@@ -194,6 +158,57 @@ def small_parts(monkeypatch: pytest.MonkeyPatch) -> int:
     monkeypatch.setattr(multipart, "MIN_PART", 1024)
     monkeypatch.setattr(multipart, "GROW_EVERY", 4)
     return 1024
+
+
+TPART = 1024
+TSIZE = 4 * TPART + 300  # five parts of 1 KiB, the last short
+TDATA = os.urandom(TSIZE)
+TSHA = hashlib.sha256(TDATA).hexdigest()
+
+
+@pytest.fixture
+def tiny(s3: Any, small_parts: int) -> Any:
+    """Mailboxes with 1 KiB parts: the fault tests move a few KiB, not 17 MB."""
+
+    def make(**kwargs: Any) -> Any:
+        kwargs.setdefault("part_size", TPART)
+        return s3(**kwargs)
+
+    make.raw, make.bucket = s3.raw, s3.bucket  # type: ignore[attr-defined]
+    return make
+
+
+def test_a_stream_within_the_threshold_is_one_put(tiny: Any) -> None:
+    mailbox = tiny(multipart_threshold=8 * TPART)
+    seen = requests(mailbox, "CreateMultipartUpload", "PutObject")
+    assert mailbox.put_stream(KEY, chunks(TDATA, step=300))
+    assert [op for op, _ in seen] == ["PutObject"]
+    assert read_all(mailbox, part_size=TSIZE) == TDATA
+
+
+def test_memory_stays_within_max_concurrency_parts(tiny: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(multipart, "GROW_EVERY", 10_000)  # equal parts: the bound is in parts
+    mailbox = tiny(max_concurrency=2)
+    lock = threading.Lock()
+    state = {"produced": 0, "sent": 0, "worst": 0}
+
+    def sent(params: dict[str, Any], **_: Any) -> None:
+        with lock:
+            state["sent"] += len(params["Body"])
+
+    mailbox.client.meta.events.register("before-parameter-build.s3.UploadPart", sent)
+
+    def producer() -> Iterator[memoryview]:
+        for chunk in chunks(os.urandom(64 * TPART), step=700):
+            with lock:
+                state["produced"] += len(chunk)
+                state["worst"] = max(state["worst"], state["produced"] - state["sent"])
+            yield chunk
+
+    assert mailbox.put_stream(KEY, producer())
+    # Bytes taken from the writer but not yet handed to a request: the parts in flight, the one
+    # being filled, and the chunk in hand. Never the whole 64-part object.
+    assert state["worst"] <= (2 + 2) * TPART, state
 
 
 def test_any_number_of_parts_growing_parts_included(s3: Any, small_parts: int) -> None:
@@ -239,37 +254,6 @@ def fail_part(mailbox: Any, number: int, times: int | None) -> list[int]:
     return failed
 
 
-def test_a_part_upload_that_fails_once_is_retried(s3: Any) -> None:
-    mailbox = s3()
-    failed = fail_part(mailbox, 2, times=1)
-    assert mailbox.put_stream(KEY, chunks())
-    assert failed == [2] and mailbox.clock.sleeps == [0.01]
-    assert read_all(mailbox) == DATA and leftovers(s3) == []
-
-
-def test_a_part_upload_that_keeps_failing_aborts_the_whole_put(s3: Any) -> None:
-    mailbox = s3()
-    failed = fail_part(mailbox, 3, times=None)
-    with pytest.raises(MailboxUnavailable, match=r"part 3"):
-        mailbox.put_stream(KEY, chunks())
-    assert failed == [3, 3, 3]
-    assert absent(s3) and leftovers(s3) == []  # nothing under the key, no parts left billed
-
-
-def test_a_writer_that_dies_mid_stream_leaves_nothing(s3: Any) -> None:
-    mailbox = s3()
-
-    def dying() -> Iterator[memoryview]:
-        for i, chunk in enumerate(chunks()):
-            if i == 12:
-                raise RuntimeError("the encoder failed")
-            yield chunk
-
-    with pytest.raises(RuntimeError, match="encoder"):
-        mailbox.put_stream(KEY, dying())
-    assert absent(s3) and leftovers(s3) == []
-
-
 # ---- failed downloads ------------------------------------------------------------------------------
 
 
@@ -304,50 +288,90 @@ def break_range(mailbox: Any, start: int, *, flip: bool, times: int = 1) -> list
     return hit
 
 
-def test_a_connection_reset_mid_download_is_retried(s3: Any) -> None:
-    mailbox = s3()
-    assert mailbox.put_stream(KEY, chunks())
-    hit = break_range(mailbox, 2 * PART, flip=False)
-    assert read_all(mailbox) == DATA
+def test_create_once_streams_refuse_a_taken_key_and_leave_no_upload(tiny: Any) -> None:
+    mailbox = tiny()
+    assert mailbox.put_stream(KEY, chunks(TDATA, step=300), create_once=True) is True
+    assert mailbox.put_stream(KEY, chunks(b"x" * TSIZE, step=300), create_once=True) is False
+    assert read_all(mailbox) == TDATA and leftovers(tiny) == []
+    assert mailbox.put_stream(KEY, chunks(b"y" * TSIZE, step=300)) is True  # payloads: replacing is allowed
+    assert read_all(mailbox) == b"y" * TSIZE
+
+
+def test_a_part_upload_that_fails_once_is_retried(tiny: Any) -> None:
+    mailbox = tiny()
+    failed = fail_part(mailbox, 2, times=1)
+    assert mailbox.put_stream(KEY, chunks(TDATA, step=300))
+    assert failed == [2] and mailbox.clock.sleeps == [0.01]
+    assert read_all(mailbox) == TDATA and leftovers(tiny) == []
+
+
+def test_a_part_upload_that_keeps_failing_aborts_the_whole_put(tiny: Any) -> None:
+    mailbox = tiny()
+    failed = fail_part(mailbox, 3, times=None)
+    with pytest.raises(MailboxUnavailable, match=r"part 3"):
+        mailbox.put_stream(KEY, chunks(TDATA, step=300))
+    assert failed == [3, 3, 3]
+    assert absent(tiny) and leftovers(tiny) == []  # nothing under the key, no parts left billed
+
+
+def test_a_writer_that_dies_mid_stream_leaves_nothing(tiny: Any) -> None:
+    mailbox = tiny()
+
+    def dying() -> Iterator[memoryview]:
+        for i, chunk in enumerate(chunks(TDATA, step=300)):
+            if i == 8:
+                raise RuntimeError("the encoder failed")
+            yield chunk
+
+    with pytest.raises(RuntimeError, match="encoder"):
+        mailbox.put_stream(KEY, dying())
+    assert absent(tiny) and leftovers(tiny) == []
+
+
+def test_a_connection_reset_mid_download_is_retried(tiny: Any) -> None:
+    mailbox = tiny()
+    assert mailbox.put_stream(KEY, chunks(TDATA, step=300))
+    hit = break_range(mailbox, 2 * TPART, flip=False)
+    assert read_all(mailbox) == TDATA
     assert len(hit) == 1 and mailbox.clock.sleeps == [0.01]
 
 
-def test_a_part_that_keeps_breaking_fails_the_read(s3: Any) -> None:
-    mailbox = s3()
-    assert mailbox.put_stream(KEY, chunks())
-    break_range(mailbox, PART, flip=False, times=3)
+def test_a_part_that_keeps_breaking_fails_the_read(tiny: Any) -> None:
+    mailbox = tiny()
+    assert mailbox.put_stream(KEY, chunks(TDATA, step=300))
+    break_range(mailbox, TPART, flip=False, times=3)
     stream = mailbox.get_stream(KEY)
-    assert stream is not None and len(next(stream)) == PART
+    assert stream is not None and len(next(stream)) == TPART
     with pytest.raises(MailboxUnavailable, match="failed 3 times"):
         next(stream)
 
 
-def test_a_part_read_back_corrupt_is_caught_by_the_callers_sha256(s3: Any) -> None:
-    mailbox = s3()
-    assert mailbox.put_stream(KEY, chunks())
-    break_range(mailbox, 3 * PART, flip=True)
-    assert hashlib.sha256(read_all(mailbox)).hexdigest() != SHA  # the reader's check refuses it
-    assert hashlib.sha256(read_all(mailbox)).hexdigest() == SHA  # the stored object is intact
+def test_a_part_read_back_corrupt_is_caught_by_the_callers_sha256(tiny: Any) -> None:
+    mailbox = tiny()
+    assert mailbox.put_stream(KEY, chunks(TDATA, step=300))
+    break_range(mailbox, 3 * TPART, flip=True)
+    assert hashlib.sha256(read_all(mailbox)).hexdigest() != TSHA  # the reader's check refuses it
+    assert hashlib.sha256(read_all(mailbox)).hexdigest() == TSHA  # the stored object is intact
 
 
-def test_an_object_replaced_while_it_is_read_fails_the_read(s3: Any) -> None:
-    mailbox = s3(max_concurrency=1)
-    assert mailbox.put_stream(KEY, chunks())
+def test_an_object_replaced_while_it_is_read_fails_the_read(tiny: Any) -> None:
+    mailbox = tiny(max_concurrency=1)
+    assert mailbox.put_stream(KEY, chunks(TDATA, step=300))
     stream = mailbox.get_stream(KEY)
-    assert stream is not None and bytes(next(stream)) == DATA[:PART]
-    assert mailbox.put_stream(KEY, chunks(b"z" * SIZE))
+    assert stream is not None and bytes(next(stream)) == TDATA[:TPART]
+    assert mailbox.put_stream(KEY, chunks(b"z" * TSIZE, step=300))
     with pytest.raises(MailboxUnavailable, match="replaced or deleted while it was read"):
         list(stream)
 
 
-def test_empty_missing_and_early_closed_streams(s3: Any) -> None:
-    mailbox = s3()
+def test_empty_missing_and_early_closed_streams(tiny: Any) -> None:
+    mailbox = tiny()
     assert mailbox.get_stream("blobs/missing.bin") is None
     assert mailbox.put_stream("blobs/empty.bin", iter([])) is True
     assert list(mailbox.get_stream("blobs/empty.bin") or ["not empty"]) == []
-    assert mailbox.put_stream(KEY, chunks())
-    stream = mailbox.get_stream(KEY, part_size=PART)
-    assert stream is not None and bytes(next(stream)) == DATA[:PART]
+    assert mailbox.put_stream(KEY, chunks(TDATA, step=300))
+    stream = mailbox.get_stream(KEY, part_size=TPART)
+    assert stream is not None and bytes(next(stream)) == TDATA[:TPART]
     stream.close()  # type: ignore[attr-defined]
     with pytest.raises(ValueError):
         mailbox.get_stream("../bad")
