@@ -15,8 +15,7 @@ Arms:
 - ``streaming-F32`` / ``streaming-F4``: Streaming DiLoCo (5 fragments, H=50, overlap 5 steps,
   mixing 0.5), deltas in F32 or F4; ``streaming-F4-EF``, ``streaming-I2``, ``streaming-I2-EF``:
   F4 and I2 deltas with and without error feedback; ``streaming-I2-goal``: I2 deltas and commits,
-  error feedback and ``checkpoint_every=10`` (``bench/traffic.py --goal``). Each is compared with
-  ``streaming-F32`` at the same learning rates;
+  error feedback and ``checkpoint_every=10`` (``traffic.py --goal``); each against F32, same lrs;
 - ``decoupled-hetero``: Decoupled DiLoCo (4 fragments, H=20, quorum 3, RDA, no waiting) with
   learner 3 taking three times as long per step as the others; its fast learners go on to
   1.5 x ``steps`` (at the schedule's floor after ``steps``) to find when it reaches the target,
