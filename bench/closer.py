@@ -131,7 +131,7 @@ def measure(n_params: int, n_contrib: int, root: str) -> dict:
 
     def write(key: str, data: bytes) -> None:
         marks.append(time.perf_counter())
-        outcome, _ = create_once(mailbox, key, data)
+        outcome, _ = create_once(mailbox, key, data if isinstance(data, bytes) else data.read())  # a stream
         assert outcome is not CreateOutcome.TAKEN
         marks.append(time.perf_counter())
 

@@ -67,7 +67,8 @@ def commit_bytes(cfg: DiLoCo, n: int, compression: str = "") -> tuple[bytes, dic
         now=1.0,
         write=lambda key, data: written.append(key),
     )
-    return store.encode_record(commit.record), commit.payloads, written
+    payloads = {k: v if isinstance(v, bytes) else v.read() for k, v in commit.payloads.items()}  # written as streams
+    return store.encode_record(commit.record), payloads, written
 
 
 def test_an_accepted_snapshot_carries_its_tensor_norms_and_a_rejected_one_none() -> None:

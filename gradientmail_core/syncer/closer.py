@@ -15,7 +15,8 @@ from ..aggregators.acceptance import PayloadStatus, judge, outlier_mask
 from ..aggregators.fused import memo_norms, sq_norms
 from ..aggregators.merge import contribution_weight, mean_pairwise_cosine, merge_with_cosine
 from ..aggregators.outer import final_step_tensor, outer_step_tensor
-from ..codec.payload import decode_payload, encode_payload, sha256_hex
+from ..codec.payload import decode_payload
+from ..codec.stream import PayloadStream, stream_payload
 from ..errors import MissingExtra, PayloadCorrupt, PayloadLayoutMismatch, RecordInvalid
 from ..protocol import keys
 from ..protocol.members import SignatureInvalid
@@ -49,7 +50,7 @@ class FragmentState:
         return cls(
             0,
             theta,
-            {n: v.astype(np.float32) for n, v in theta.items()},
+            {n: v.astype(np.float32, copy=False) for n, v in theta.items()},  # shared: never written in place
             {n: np.zeros_like(v, dtype=np.float32) for n, v in theta.items()},
         )
 
@@ -212,7 +213,8 @@ class Collector:
 class Commit:
     record: RoundRecord
     state: FragmentState
-    payloads: dict[str, bytes]  # key -> bytes, written before the record
+    # key -> bytes, written before the record (with ``write``: the stream it wrote)
+    payloads: dict[str, bytes | PayloadStream]
 
 
 def compute_commit(
@@ -223,7 +225,7 @@ def compute_commit(
     compression: str,
     sync_seconds: float | None,
     now: float,
-    write: Callable[[str, bytes], object] | None = None,
+    write: Callable[[str, bytes | PayloadStream], object] | None = None,
     outliers: bool = True,
 ) -> Commit:
     """Merge the accepted deltas, take the outer step, and build the payloads and record.
@@ -231,9 +233,11 @@ def compute_commit(
     Deterministic: contributions are merged in learner-id order, so a closer that
     recomputes the round after a crash writes the same parameter bytes.
 
-    ``write(key, data)``, if given, is called for each payload (theta, outer, then the change: a
+    ``write(key, stream)``, if given, is called for each payload (theta, outer, then the change: a
     fixed order, on the calling thread) as soon as its sha256 is known, while the payloads after
-    it are still being hashed on worker threads; the record is built once all are written.
+    it are still being hashed on worker threads; the record is built once all are written. The
+    payloads are ``PayloadStream``s, produced again piece by piece as they are written: no
+    joined copy of one is held (without ``write``, ``payloads`` holds their bytes).
 
     A version that is no checkpoint (``checkpoint_every``, ``schedule.is_checkpoint``) writes the
     change only; its record carries the sha256 of the theta and outer payloads it did not write
@@ -287,47 +291,47 @@ def compute_commit(
     momentum = st.momentum if final else {n: new_momentum[n] for n in st.master}
     dtypes = run.fragment_dtypes(f)
     checkpoint = is_checkpoint(st.version + 1, final=final, every=cfg.checkpoint_every)
-    # Each payload is encoded and hashed as a job on a worker thread (the byte joins, sha256 and
-    # zstd overlap each other and the writes, which release the GIL); written in a fixed order.
+    # Each payload's hash pass is a job on a worker thread (sha256 and zstd overlap each other and
+    # the writes, which release the GIL); written in a fixed order.
     with _Jobs(threaded=threaded) as jobs:
         change_job = None
         if cfg.commit_dtype is not None:
             commit_dtype = cfg.commit_dtype
             diff = {n: np.subtract(master[n], st.theta[n], dtype=np.float32) for n in master}
             change_job = jobs.payload(
-                lambda: encode_payload(diff, commit_dtype, kind="change", compression=compression)
+                lambda: stream_payload(diff, commit_dtype, kind="change", compression=compression)
             )
             # Publish exactly what a learner rebuilds from the change; the fp32 master keeps the
             # rounding error, so it is fed back into the next round's change.
             theta = rebuild_theta(run, f, st.theta, cast(diff, dict.fromkeys(diff, cfg.commit_dtype)))
         else:
             theta = cast(master, dtypes)
-        plain_job = jobs.payload(lambda: encode_payload(theta, dtypes, kind="theta", compression=""))
+        plain_job = jobs.payload(lambda: stream_payload(theta, dtypes, kind="theta", compression=""))
         theta_job = (
             None
             if not checkpoint
             else plain_job
             if compression == ""
-            else jobs.payload(lambda: encode_payload(theta, dtypes, kind="theta", compression=compression))
+            else jobs.payload(lambda: stream_payload(theta, dtypes, kind="theta", compression=compression))
         )
         outer = {f"momentum/{n}": v for n, v in momentum.items()}
         if not run.master_is_theta(f):  # else theta is the master, byte for byte: not written twice
             outer.update({f"master/{n}": v for n, v in master.items()})
         # Between checkpoints the outer payload is only hashed (uncompressed), for ``outer_digest``.
         outer_zip = compression if checkpoint else ""
-        outer_job = jobs.payload(lambda: encode_payload(outer, "F32", kind="outer", compression=outer_zip))
+        outer_job = jobs.payload(lambda: stream_payload(outer, "F32", kind="outer", compression=outer_zip))
         cosine_job = jobs.submit(lambda: _cosine(known, deltas)) if threaded else None
-        payloads: dict[str, bytes] = {}
+        payloads: dict[str, bytes | PayloadStream] = {}
         refs = {}
         for kind, job in (("theta", theta_job), ("outer", outer_job if checkpoint else None), ("change", change_job)):
             if job is None:
                 continue
             data, sha = job()
             k = keys.round_blob_key(c.round, kind, sha, compression)
-            payloads[k] = data
             refs[kind] = PayloadRef(key=k, sha256=sha, size=len(data))
             if write is not None:
-                write(k, data)
+                write(k, data)  # as it is produced again: no joined copy of the payload is ever held
+            payloads[k] = data if write is not None else data.read()
         theta_digest = plain_job()[1]
         outer_digest = None if checkpoint else outer_job()[1]
         if cosine_job is not None:
@@ -411,12 +415,12 @@ class _Jobs:
             return lambda: done
         return self._pool.submit(fn).result
 
-    def payload(self, encode: Callable[[], bytes]) -> Callable[[], tuple[bytes, str]]:
-        """Start ``encode`` and the hash of its bytes; returns a function waiting for ``(bytes, sha256)``."""
+    def payload(self, encode: Callable[[], PayloadStream]) -> Callable[[], tuple[PayloadStream, str]]:
+        """Start ``encode`` (its hash pass); returns a function waiting for ``(stream, sha256)``."""
 
-        def job() -> tuple[bytes, str]:
-            data = encode()
-            return data, sha256_hex(data)
+        def job() -> tuple[PayloadStream, str]:
+            stream = encode()
+            return stream, stream.sha256
 
         return self.submit(job)
 
