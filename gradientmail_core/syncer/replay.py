@@ -13,11 +13,13 @@ after it). Each replayed round must give the record's change payload, ``theta_di
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..aggregators.fused import sq_norms
 from ..errors import MailboxUnavailable, ProtocolError
 from ..protocol import keys
 from ..protocol.rebuild import chain_records, checkpoint_record
-from ..protocol.records import RoundRecord, Snapshot
+from ..protocol.records import Participant, PayloadRef, RoundRecord, Snapshot
 from ..protocol.run import RunInfo, payload_cap
 from ..protocol.schedule import version_before
 from ..protocol.store import RunStore
@@ -67,22 +69,9 @@ def replay_round(store: RunStore, run: RunInfo, state: FragmentState, rec: Round
     """Commit ``rec``'s round again from ``state`` (the version before) and its recorded
     contributions; ``ProtocolError`` unless the result is the record's, bit for bit."""
     f, r = rec.fragment, rec.round
-    assert rec.contributions is not None and rec.change is not None and state.version == rec.version - 1
+    assert rec.change is not None and state.version == rec.version - 1
     c = Collector(r, run, state, opened_at=0.0, estimates=Estimates(), quorum_at=0.0)
-    expected, dtypes, cap = run.shapes[f], run.delta_dtypes(f), payload_cap(run, f)
-    for p, ref in zip(rec.participants, rec.contributions, strict=True):
-        b = keys.parse_blob_key(ref.key)
-        if b is None or (b.kind, b.round, b.learner, b.sha) != ("snapshot", r, p.learner, p.payload_sha256):
-            raise ProtocolError(
-                f"{keys.round_key(r)}: contribution {ref.key} is not {p.learner}'s payload of round {r}"
-            )
-        delta = store.get_payload(ref, expected, max_bytes=cap, dtypes=dtypes)
-        if delta is None:
-            raise MailboxUnavailable(
-                f"fragment {f}: contribution {ref.key} to round {r}, needed to rebuild version {rec.version} from "
-                f"checkpoint version {rec.checkpoint}, is gone; newer commits exist (or the store lost it: then "
-                "restore it, the fragment cannot be rebuilt without it)"
-            )
+    for p, ref, delta in _contributions(store, run, rec):
         snap = Snapshot(
             learner=p.learner,
             round=r,
@@ -100,16 +89,48 @@ def replay_round(store: RunStore, run: RunInfo, state: FragmentState, rec: Round
     commit = compute_commit(
         c, closer=rec.closer, live=rec.live, compression=compression, sync_seconds=None, now=0.0, outliers=False
     )
-    mine = commit.record
-    if (
-        mine.change is None
-        or mine.change.sha256 != rec.change.sha256
-        or mine.theta_digest != rec.theta_digest
-        or mine.outer_digest != rec.outer_digest
-        or (mine.checkpoint, mine.final) != (rec.checkpoint, rec.final)
-    ):
+    if not _same(commit.record, rec):
         raise ProtocolError(
             f"{keys.round_key(r)}: replaying fragment {f} version {rec.version} from its contributions does not give "
             "the committed change, parameters and outer state; refusing to close with a different state"
         )
     return commit.state
+
+
+def _contributions(
+    store: RunStore, run: RunInfo, rec: RoundRecord
+) -> list[tuple[Participant, PayloadRef, dict[str, np.ndarray]]]:
+    """Each participant of ``rec`` with its payload, read and verified (its own blob folder, the
+    sha256 the record names); a payload gone is ``MailboxUnavailable``."""
+    f, r = rec.fragment, rec.round
+    assert rec.contributions is not None
+    expected, dtypes, cap = run.shapes[f], run.delta_dtypes(f), payload_cap(run, f)
+    out = []
+    for p, ref in zip(rec.participants, rec.contributions, strict=True):
+        b = keys.parse_blob_key(ref.key)
+        if b is None or (b.kind, b.round, b.learner, b.sha) != ("snapshot", r, p.learner, p.payload_sha256):
+            raise ProtocolError(
+                f"{keys.round_key(r)}: contribution {ref.key} is not {p.learner}'s payload of round {r}"
+            )
+        delta = store.get_payload(ref, expected, max_bytes=cap, dtypes=dtypes)
+        if delta is None:
+            raise MailboxUnavailable(
+                f"fragment {f}: contribution {ref.key} to round {r}, needed to rebuild version {rec.version} from "
+                f"checkpoint version {rec.checkpoint}, is gone; newer commits exist (or the store lost it: then "
+                "restore it, the fragment cannot be rebuilt without it)"
+            )
+        out.append((p, ref, delta))
+    return out
+
+
+def _same(mine: RoundRecord, rec: RoundRecord) -> bool:
+    """The replayed commit is the recorded one: the same change payload, parameters (their digest)
+    and outer state (its digest), building on the same checkpoint."""
+    return (
+        mine.change is not None
+        and rec.change is not None
+        and mine.change.sha256 == rec.change.sha256
+        and mine.theta_digest == rec.theta_digest
+        and mine.outer_digest == rec.outer_digest
+        and (mine.checkpoint, mine.final) == (rec.checkpoint, rec.final)
+    )
