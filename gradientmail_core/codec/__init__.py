@@ -2,11 +2,14 @@
 
 - ``payload``: the payload format (named tensors in their storage dtypes, in a safetensors
   file, optionally compressed) and its strict reader.
+- ``stream``: the same payloads produced, hashed and compressed piece by piece
+  (``PayloadStream``), and read, verified and decoded as their parts arrive (``decode_stream``).
 - ``quant``: float32 to and from the storage dtypes (BF16, F16, F8 E4M3 with a per-tensor scale,
   F4 E2M1 with a scale per block of 32; I2, two-bit codes with a scale per block of 32, is in
   ``quant_i2``), round-to-nearest-even (I2: its own tie rule), the same bytes on every host;
   its minifloat grids and code tables are public for the device quantizers
   (``adapters.torch_quant``).
-- ``compress``: lossless byte-plane shuffle plus one zstd frame per tensor.
+- ``compress``: lossless byte-plane shuffle plus one zstd frame per tensor (multi-threaded from
+  8 MiB).
 - ``safetensors_io``: the safetensors container itself, canonical on write, validated on read.
 """
