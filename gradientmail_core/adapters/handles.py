@@ -16,7 +16,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..codec.payload import encode_payload, encode_quantized
+from ..codec import quant
+from ..codec.stream import PayloadStream, stream_quantized
 from .base import Adapter, Captured, DevicePipeline, pipeline_of
 from .feedback import Fed, Residuals, quantize_with_residual
 
@@ -26,6 +27,11 @@ class Contribution(Protocol):
 
     def encode(self, dtypes: Mapping[str, str], *, compression: str) -> bytes:
         """Background thread: the delta payload, each tensor quantized to its dtype."""
+        ...
+
+    def stream(self, dtypes: Mapping[str, str], *, compression: str) -> PayloadStream:
+        """Background thread: the same payload, produced piece by piece as it is uploaded (the
+        node uploads this: no joined copy of the payload is held)."""
         ...
 
 
@@ -50,11 +56,15 @@ class _HostContribution:
         self.fed: Fed | None = None  # error feedback (``feedback.py``), set by ``FragmentIO``
 
     def encode(self, dtypes: Mapping[str, str], *, compression: str) -> bytes:
+        return self.stream(dtypes, compression=compression).read()
+
+    def stream(self, dtypes: Mapping[str, str], *, compression: str) -> PayloadStream:
         delta = self._delta()
         if self.fed is not None:
             quantized = self.fed.quantize(lambda residual: quantize_with_residual(delta, residual, dtypes))
-            return encode_quantized(quantized, kind="delta", compression=compression)
-        return encode_payload(delta, dtypes, kind="delta", compression=compression)
+        else:  # quantized once (F32: the delta itself), read by the stream's hash pass and its upload
+            quantized = {n: quant.quantize(v, dtypes[n]) for n, v in delta.items()}
+        return stream_quantized(quantized, kind="delta", compression=compression)
 
     def _delta(self) -> dict[str, np.ndarray]:
         if self.delta is not None:  # encoded before (a failed upload is retried): the delta is kept
@@ -80,10 +90,14 @@ class _DeviceContribution:
         self.fed: Fed | None = None
 
     def encode(self, dtypes: Mapping[str, str], *, compression: str) -> bytes:
+        return self.stream(dtypes, compression=compression).read()
+
+    def stream(self, dtypes: Mapping[str, str], *, compression: str) -> PayloadStream:
         if self.fed is not None:
             quantized = self.fed.quantize(lambda residual: self.captured.encode_with_residual(dtypes, residual))
-            return encode_quantized(quantized, kind="delta", compression=compression)
-        return encode_quantized(self.captured.encode(dtypes), kind="delta", compression=compression)
+        else:
+            quantized = self.captured.encode(dtypes)
+        return stream_quantized(quantized, kind="delta", compression=compression)
 
 
 class _HostIncoming:

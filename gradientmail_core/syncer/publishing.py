@@ -8,6 +8,7 @@ from ..mailbox import CreateOutcome
 from ..protocol import keys
 from ..protocol.records import Snapshot
 from .bridge import Publish
+from .closer import upload_form
 from .state import NodeState
 
 
@@ -27,8 +28,13 @@ class Publishing(NodeState):
             self.emit(ev.Skipped(self.me, pub.round, "round already committed"))
             return
         compression = self.opts.compression
-        data = pub.delta.encode(self.run.delta_dtypes(pub.fragment), compression=compression)
-        ref = self.store.put_payload(lambda sha: keys.snapshot_blob_key(pub.round, self.me, sha, compression), data)
+        with pub.delta.stream(self.run.delta_dtypes(pub.fragment), compression=compression) as data:
+            ref = self.store.put_payload(
+                lambda sha: keys.snapshot_blob_key(pub.round, self.me, sha, compression), upload_form(data)
+            )
+            # Only a node closing rounds judges its own snapshot from memory (``closing``): a node
+            # closing nothing never holds the payload joined.
+            own = data.read() if self.collector is not None else None
         snap = Snapshot(
             learner=self.me,
             round=pub.round,
@@ -47,7 +53,7 @@ class Publishing(NodeState):
             self.emit(ev.Skipped(self.me, pub.round, "this learner id already contributed to the round"))
             return
         self.stats.published += 1
-        if outcome is CreateOutcome.CREATED:  # known to be what the store holds (not a retry's read-back)
-            self.own_snapshots[pub.round] = (snap, data)
+        if outcome is CreateOutcome.CREATED and own is not None:  # what the store holds (not a retry's read-back)
+            self.own_snapshots[pub.round] = (snap, own)
         self.snapshot_keys.setdefault(pub.round, set()).add(self.me)
-        self.emit(ev.Published(self.me, pub.round, pub.fragment, pub.steps, pub.tokens, len(data), pub.final))
+        self.emit(ev.Published(self.me, pub.round, pub.fragment, pub.steps, pub.tokens, ref.size, pub.final))
