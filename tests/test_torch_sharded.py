@@ -243,5 +243,26 @@ def test_a_model_without_dtensors_is_not_sharded():
     assert ts.find_sharded(torch.nn.Linear(2, 2)) is None  # the plain adapter's business
 
 
+def test_gpu_check_script_has_help_and_says_no_cuda_on_a_cpu_machine(capsys, monkeypatch):
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    assert spec is not None and spec.loader is not None
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--help"])
+    with pytest.raises(SystemExit) as e:
+        gpu_check.main()
+    assert e.value.code == 0 and "not built yet (issue 13)" in capsys.readouterr().out
+    if torch.cuda.is_available():
+        return
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py"])
+    assert gpu_check.main() == 0
+    assert "no CUDA device" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--require-cuda"])
+    assert gpu_check.main() == 2
+
+
 if __name__ == "__main__":
     _worker(Path(sys.argv[1]))
