@@ -174,6 +174,9 @@ def _worker(out: Path) -> None:
         for n, p in sharded.params.items():
             want = (reference.get_parameter(n).float() * 2 + 1).to(p.dtype)
             applied[n] = bool(torch.equal(p.full_tensor(), want))
+    # Each rank's refs of its chunks (a made-up sha: the chunk index, repeated), known to every rank.
+    fake = {k: (f"{k:02x}{rank:02x}" * 16, 1000 + k) for k in owned}
+    refs = ts.gather_refs(sharded, fake)
     refused = {}
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
@@ -191,7 +194,7 @@ def _worker(out: Path) -> None:
             refused[kind] = ""
         except ts.ShardingUnsupported as e:
             refused[kind] = str(e)
-    report = {"peak": meter.peak, "owned": sorted(owned), "applied": applied, "refused": refused}
+    report = {"peak": meter.peak, "owned": sorted(owned), "applied": applied, "refused": refused, "refs": refs}
     (out / f"r{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 
@@ -234,6 +237,9 @@ def test_fsdp2_ranks_build_the_chunks_of_the_unsharded_model_and_take_a_commit_b
     reports = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(WORLD)]
     assert sorted(k for report in reports for k in report["owned"]) == list(range(len(plan)))
     assert all(report["owned"] for report in reports)
+    for report in reports:  # every rank learned every rank's refs, in chunk order
+        want = {str(k): [f"{k:02x}{r:02x}" * 16, 1000 + k] for r, rep in enumerate(reports) for k in rep["owned"]}
+        assert report["refs"] == want
     shape_of = dict(shapes)
     senders = {t.src for t in ts.transfers(plan, shape_of, WORLD)}
     assert len(senders) == WORLD, "some rank sent nothing: the exchange is not exercised"

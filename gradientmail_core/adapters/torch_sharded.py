@@ -399,3 +399,31 @@ def scatter_chunks(
             raw = received[t.dst][cursor[t.dst] : cursor[t.dst] + nbytes]
             cursor[t.dst] += nbytes
             apply_local(sharded, [(t.piece, _as(raw, local[t.piece.name].dtype, meter))], local)
+
+
+def gather_refs(
+    sharded: ShardedParams, refs: Mapping[int, tuple[str, int]], device: Any = "cpu"
+) -> dict[int, tuple[str, int]]:
+    """Collective: every rank's ``{chunk: (sha256 hex, size)}`` of the chunk payloads it uploaded,
+    merged and known to every rank. Tensors only (``all_gather_object`` would pickle): per chunk
+    six int64 words, [chunk, size, sha256 as four words], padded to the largest rank's count.
+    ``device``: where the collective's tensors live (``cuda`` for NCCL)."""
+    count = torch.tensor([len(refs)], dtype=torch.int64, device=device)
+    counts = [torch.zeros_like(count) for _ in range(sharded.world)]
+    dist.all_gather(counts, count, group=sharded.group)
+    most = max(int(c.item()) for c in counts)
+    rows = torch.zeros((max(most, 1), 6), dtype=torch.int64)
+    for i, (k, (sha, size)) in enumerate(sorted(refs.items())):
+        rows[i, 0], rows[i, 1] = k, size
+        rows[i, 2:] = torch.frombuffer(bytearray(bytes.fromhex(sha)), dtype=torch.int64)
+    mine = rows.to(device)
+    everyone = [torch.empty_like(mine) for _ in range(sharded.world)]
+    dist.all_gather(everyone, mine, group=sharded.group)
+    out: dict[int, tuple[str, int]] = {}
+    for c, got in zip(counts, everyone):
+        for row in got[: int(c.item())].cpu():
+            k = int(row[0])
+            if k in out:
+                raise ValueError(f"chunk {k} uploaded by two ranks: ownership differs between ranks")
+            out[k] = (row[2:].numpy().tobytes().hex(), int(row[1]))
+    return out
