@@ -405,7 +405,7 @@ def gather_refs(
     sharded: ShardedParams, refs: Mapping[int, tuple[str, int]], device: Any = "cpu"
 ) -> dict[int, tuple[str, int]]:
     """Collective: every rank's ``{chunk: (sha256 hex, size)}`` of the chunk payloads it uploaded,
-    merged and known to every rank. Tensors only (``all_gather_object`` would pickle): per chunk
+    merged and known to every rank. Tensors only (``all_gather_object`` would unserialise Python objects): per chunk
     six int64 words, [chunk, size, sha256 as four words], padded to the largest rank's count.
     ``device``: where the collective's tensors live (``cuda`` for NCCL)."""
     count = torch.tensor([len(refs)], dtype=torch.int64, device=device)
