@@ -26,7 +26,8 @@ that chunk is taken from the writer's chunks (a part upload that fails: the back
 nothing half-written) or instead of yielding it to the reader (a connection reset mid-download),
 and a ``flip`` flips a bit of that chunk (without ``part``, of the first chunk). Rules without
 ``part`` fire around the call as usual; on a whole ``get`` or ``put_if_absent`` a rule's ``part``
-is ignored (the object is one part).
+is ignored (the object is one part). ``retry_412`` and the tracking of uncertain create-once
+writes (``uncertain``) apply to ``put_if_absent`` only: a stream's bytes are not kept to compare.
 
 Listings can be paginated (``page_size``): each page is a separate request (``list(prefix,
 after=cursor)`` on the inner store) that may itself fail or be slow, as S3's are. Listings are
