@@ -14,8 +14,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ..codec.payload import encode_payload, sha256_hex
 from ..codec.quant import dequantize, quantize
+from ..codec.stream import stream_payload
 from ..errors import ProtocolError
 from . import keys
 from .records import RoundRecord
@@ -48,7 +48,10 @@ def rebuild_theta(
 
 
 def theta_digest(run: RunInfo, f: int, theta: Mapping[str, np.ndarray]) -> str:
-    return sha256_hex(encode_payload(theta, run.fragment_dtypes(f), kind="theta", compression=""))
+    """The sha256 of the plain theta payload of ``theta`` (``encode_payload``'s bytes), hashed
+    piece by piece by the stream's first pass: a fragment's payload is never joined to be hashed."""
+    with stream_payload(theta, run.fragment_dtypes(f), kind="theta", compression="") as s:
+        return s.sha256
 
 
 def checkpoint_record(store: RunStore, run: RunInfo, f: int, v: int) -> RoundRecord | None:
