@@ -327,8 +327,7 @@ class Auditor(Captured):
         for what, mine, theirs in (("master", e_master, new_master), ("momentum", e_momentum, new_momentum)):
             if not all(np.array_equal(mine[n], theirs[n]) for n in mine):
                 out.append(f"its outer {what} differs from the recomputed one (engine functions, exact)")
-        self.states[r] = (new_master, new_momentum, new_theta)
-        self.states.pop(r - 4 * P * max(cfg.checkpoint_every, 1), None)
+        self.states[r] = (new_master, new_momentum, new_theta)  # (all kept: a stalled learner may align an old round)
         # (2) independent float64 cross-check
         d64 = ref.merge64(
             deltas,
