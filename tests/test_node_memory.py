@@ -109,8 +109,10 @@ def test_closer_holds_its_outer_state_and_one_fragment_merge():
     most = max(run_measured(c, 32)["a", when] for when in ("step", "poll"))
     assert a.node.stats.committed > 0
     # The anchors (also the fp32 master: the parameters are F32), the momentum, and one round's
-    # merge: its two deltas and the new master and momentum it writes into.
-    assert most <= 2 * MODEL + 4 * FRAGMENT + SLACK, (most / MODEL, "model copies")
+    # merge between polls: a delta judged (the round closes in the poll that judges the last one;
+    # the closer's own is kept decoded, never as payload bytes too) and the new master and
+    # momentum it writes into.
+    assert most <= 2 * MODEL + 3 * FRAGMENT + SLACK, (most / MODEL, "model copies")
     finish(c)
     assert_identical([a, b])
 
@@ -130,5 +132,33 @@ def test_node_that_stops_closing_releases_the_outer_state():
     c.run(8)  # a resumes as a follower
     assert {a.node.newest[f].closer for f in (0, 1)} == {"b"}
     assert a.node.closer_states == {}
+    finish(c)
+    assert_identical([a, b])
+
+
+def test_a_new_closer_recovers_from_the_parameters_it_already_holds():
+    from gradientmail_core.syncer import replay
+
+    c = Cluster(gm.DiLoCo(sync_every=8, fragments=4, quorum_size=2), shapes=dict(SHAPES))
+    a, b = c.join_all("ab")
+    c.run(16)
+    assert b.node.stats.committed == 0
+    for f, (version, theta) in b.node.thetas.items():
+        rec = b.node.newest[f]
+        assert rec.version == version and rec.is_checkpoint
+        held = replay.recover(b.node.store, b.node.run, f, rec, None, (version, theta))
+        # The arrays it holds, not a download of them (a fragment more while the first round merges) ...
+        assert all(held.theta[n] is theta[n] for n in theta)
+        # ... and the state the download gives, bit for bit.
+        fetched = replay.recover(b.node.store, b.node.run, f, rec, None)
+        for mine, theirs in (
+            (held.theta, fetched.theta),
+            (held.master, fetched.master),
+            (held.momentum, fetched.momentum),
+        ):
+            assert all(mine[n].tobytes() == theirs[n].tobytes() for n in theirs)
+        # A version it does not hold is downloaded.
+        stale = replay.recover(b.node.store, b.node.run, f, rec, None, (version - 1, theta))
+        assert not any(stale.theta[n] is theta[n] for n in theta)
     finish(c)
     assert_identical([a, b])

@@ -15,7 +15,6 @@ from ..aggregators.acceptance import PayloadStatus, judge, outlier_mask
 from ..aggregators.fused import memo_norms, sq_norms
 from ..aggregators.merge import contribution_weight, mean_pairwise_cosine, merge_with_cosine
 from ..aggregators.outer import final_step_tensor, outer_step_tensor
-from ..codec.payload import decode_payload
 from ..codec.stream import PayloadStream, stream_payload
 from ..errors import MissingExtra, PayloadCorrupt, PayloadLayoutMismatch, RecordInvalid
 from ..protocol import keys
@@ -103,10 +102,12 @@ class Collector:
     def accepted(self) -> list[Judged]:
         return [j for j in self.judged.values() if j.reason is None]
 
-    def judge_snapshot(self, store: RunStore, learner: str, *, own: tuple[Snapshot, bytes] | None = None) -> Judged:
+    def judge_snapshot(
+        self, store: RunStore, learner: str, *, own: tuple[Snapshot, dict[str, np.ndarray]] | None = None
+    ) -> Judged:
         """Fetch and judge ``learner``'s snapshot for this round (SPEC 3.6).
 
-        ``own``: the closer's own snapshot and payload bytes, as it wrote them: judged the same
+        ``own``: the closer's own snapshot and its payload decoded as it wrote it: judged the same
         way without reading them back (two GETs and a download of the payload fewer per round).
         """
         key = keys.snapshot_key(self.round, learner)
@@ -137,10 +138,7 @@ class Collector:
                 try:
                     cap = payload_cap(self.run, self.fragment)
                     if own is not None:
-                        compression = keys.compression_of(snap.payload.key)
-                        payload = decode_payload(
-                            own[1], expected, compression=compression, max_bytes=cap, dtypes=dtypes
-                        )
+                        payload = own[1]  # decoded with these shapes, dtypes and cap (``publishing``)
                     else:
                         payload = store.get_payload(snap.payload, expected, max_bytes=cap, dtypes=dtypes)
                     status = "ok" if payload is not None else "missing"

@@ -33,7 +33,7 @@ class Closing(Following):
         its checkpoint and, between checkpoints, by replaying the rounds after it (``replay.py``).
         Missing payloads mean this node's view is stale (paused after its listing, the run
         committed meanwhile and collected them): ``MailboxUnavailable``, catch up next poll."""
-        state = recover(self.store, self.run, f, self.newest.get(f), self.closer_states.get(f))
+        state = recover(self.store, self.run, f, self.newest.get(f), self.closer_states.get(f), self.thetas.get(f))
         self.closer_states[f] = state
         return state
 

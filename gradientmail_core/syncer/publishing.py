@@ -3,10 +3,15 @@ snapshot record that names it)."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from .. import events as ev
+from ..codec.stream import PayloadStream, decode_stream
+from ..errors import PayloadCorrupt, PayloadLayoutMismatch
 from ..mailbox import CreateOutcome
 from ..protocol import keys
-from ..protocol.records import Snapshot
+from ..protocol.records import PayloadRef, Snapshot
+from ..protocol.run import payload_cap
 from .bridge import Publish
 from .closer import upload_form
 from .state import NodeState
@@ -33,8 +38,8 @@ class Publishing(NodeState):
                 lambda sha: keys.snapshot_blob_key(pub.round, self.me, sha, compression), upload_form(data)
             )
             # Only a node closing rounds judges its own snapshot from memory (``closing``): a node
-            # closing nothing never holds the payload joined.
-            own = data.read() if self.collector is not None else None
+            # closing nothing keeps nothing of it.
+            own = self._own_delta(pub, data, ref) if self.collector is not None else None
         snap = Snapshot(
             learner=self.me,
             round=pub.round,
@@ -57,3 +62,23 @@ class Publishing(NodeState):
             self.own_snapshots[pub.round] = (snap, own)
         self.snapshot_keys.setdefault(pub.round, set()).add(self.me)
         self.emit(ev.Published(self.me, pub.round, pub.fragment, pub.steps, pub.tokens, ref.size, pub.final))
+
+    def _own_delta(self, pub: Publish, data: PayloadStream, ref: PayloadRef) -> dict[str, np.ndarray] | None:
+        """The payload just uploaded, decoded as the closer's judge decodes a snapshot's (same
+        shapes, dtypes and cap; hash checked) from the stream produced again, never joined: the
+        decoded delta is what judging it needs, so its bytes are not kept beside it (a fragment
+        less while the round merges). None if it does not decode: then it is read back like any."""
+        f = pub.fragment
+        try:
+            return decode_stream(
+                data.chunks(),
+                self.run.shapes[f],
+                size=data.size,
+                sha256=data.sha256,
+                compression=keys.compression_of(ref.key),
+                max_bytes=payload_cap(self.run, f),
+                dtypes=self.run.delta_dtypes(f),
+                key=ref.key,
+            )
+        except (PayloadCorrupt, PayloadLayoutMismatch):
+            return None

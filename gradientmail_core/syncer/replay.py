@@ -28,19 +28,28 @@ from .closer import Collector, Estimates, FragmentState, Judged, compute_commit
 
 
 def recover(
-    store: RunStore, run: RunInfo, f: int, rec: RoundRecord | None, held: FragmentState | None
+    store: RunStore,
+    run: RunInfo,
+    f: int,
+    rec: RoundRecord | None,
+    held: FragmentState | None,
+    theta: tuple[int, dict[str, np.ndarray]] | None = None,
 ) -> FragmentState:
     """Fragment ``f``'s state at ``rec`` (its newest record; None: the initial parameters).
 
     ``held``: a state this node computed itself (a commit of its own), used when it is ``rec``'s
     version, or, between checkpoints, when replaying from it is shorter than from the checkpoint.
+    ``theta``: ``(version, parameters)`` this node holds already (``NodeState.thetas``: read and
+    verified, or committed by itself), used instead of downloading them again when the state is
+    recovered at that version (a fragment less to hold while the closer's first round merges).
     Missing payloads raise ``MailboxUnavailable`` (newer commits exist: GC collected what this
     node's stale view needs; it catches up on the next poll)."""
     version = rec.version if rec else 0
     if held is not None and held.version == version:
         return held
+    known = theta[1] if theta is not None and theta[0] == version else None
     if rec is None or rec.is_checkpoint:
-        return _checkpoint_state(store, run, f, rec)
+        return _checkpoint_state(store, run, f, rec, known)
     assert rec.checkpoint is not None
     if held is not None and rec.checkpoint <= held.version < version and held.checkpoint == rec.checkpoint:
         state = held
@@ -51,9 +60,11 @@ def recover(
     return state
 
 
-def _checkpoint_state(store: RunStore, run: RunInfo, f: int, rec: RoundRecord | None) -> FragmentState:
+def _checkpoint_state(
+    store: RunStore, run: RunInfo, f: int, rec: RoundRecord | None, known: dict[str, np.ndarray] | None = None
+) -> FragmentState:
     version = rec.version if rec else 0
-    theta = fetch_theta(store, run, f, rec)
+    theta = known if known is not None else fetch_theta(store, run, f, rec)
     if theta is None:
         raise MailboxUnavailable(f"fragment {f}: the parameters of version {version} are gone; newer commits exist")
     if rec is None:

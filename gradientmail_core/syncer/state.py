@@ -123,9 +123,10 @@ class NodeState:
         self.collector: Collector | None = None
         self.follow: Follow | None = None
         self.snapshot_keys: dict[int, set[str]] = {}
-        # This node's snapshots of rounds not yet committed, as written: its own contribution is
-        # judged from them when it closes the round, instead of being read back from the store.
-        self.own_snapshots: dict[int, tuple[Snapshot, bytes]] = {}
+        # This node's snapshots of rounds not yet committed, with their payloads decoded (checked
+        # against the sha256 uploaded): its own contribution is judged from them when it closes
+        # the round, instead of being read back from the store.
+        self.own_snapshots: dict[int, tuple[Snapshot, dict[str, np.ndarray]]] = {}
         self.rounds_seen = 0
         # Who this node has seen (``View.sightings``): learner -> number of the newest listing.
         self.listing = 0
