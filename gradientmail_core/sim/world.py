@@ -91,7 +91,9 @@ class Simulation(Chaos):
         violations = [str(v) for v in self.auditor.violations] + self.violations
         stats = self.stats + self.auditor.stats
         losses = (0.0, 0.0)
-        if self.auditor.run is not None:
+        # Only a run that held every invariant: a round the auditor refused (a mutant caught) has
+        # no recomputed state, so between checkpoints its parameters are nowhere to be read.
+        if self.auditor.run is not None and not violations:
             losses = (self._loss(self._newest_params(initial=True)), self._loss(self._newest_params()))
         return SimResult(
             self.config,
