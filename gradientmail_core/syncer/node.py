@@ -102,10 +102,10 @@ class Node(Publishing, Election):
         self._publish_view()
 
     def _release_own_snapshots(self) -> None:
-        """Keep this node's snapshot bytes only for the rounds it may still judge as their closer:
-        the one it collects (until judged) and those after it. A node closing nothing keeps none
-        (a fragment of payload bytes per round in flight): were it to take a round over, it reads
-        its snapshot back from the store like anyone else's."""
+        """Keep this node's decoded snapshot payloads only for the rounds it may still judge as
+        their closer: the one it collects (until judged) and those after it. A node closing nothing
+        keeps none (a fragment per round in flight): were it to take a round over, it reads its
+        snapshot back from the store like anyone else's."""
         c = self.collector
         for r in [r for r in self.own_snapshots if c is None or r < c.round or (r == c.round and self.me in c.judged)]:
             del self.own_snapshots[r]
