@@ -8,6 +8,7 @@ hold every invariant, every fault kind and critical path is reached, and a seed 
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 from collections import Counter
@@ -15,6 +16,7 @@ from collections import Counter
 import pytest
 
 from gradientmail_core.sim import SimResult, run_many, run_seed
+from gradientmail_core.sim.scenario import draw_scenario
 
 SEEDS = int(os.environ.get("GM_SIM_SEEDS", "1000"))
 ROUNDS = int(os.environ.get("GM_SIM_ROUNDS", "50"))
@@ -98,6 +100,15 @@ def test_every_fault_kind_and_critical_path_is_reached(sweep):
     assert not [k for k in MUST_REACH if not stats[k]], "never reached"
     assert not [k for k in MUST_FAULT if not faults[k]], "never injected"
     assert not [k for k in MUST_RESOLVE if not resolved[k]], "never resolved"
+
+
+def test_the_sweep_mixes_checkpoints_and_error_feedback():
+    # The invariants above hold over seeds that quantize deltas with and without error feedback
+    # and checkpoint only every k-th version (the scenario is drawn from random.Random(seed)).
+    draws = [draw_scenario(random.Random(seed), None).cfg for seed in range(SEEDS)]
+    assert sum(c.error_feedback and c.delta_dtype is not None for c in draws) >= SEEDS // 10
+    assert sum(c.delta_dtype is not None and not c.error_feedback for c in draws) >= SEEDS // 10
+    assert sum(c.checkpoint_every > 1 and c.error_feedback for c in draws) >= SEEDS // 20
 
 
 def test_the_loss_falls_in_every_run(sweep):

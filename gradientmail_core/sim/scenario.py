@@ -130,6 +130,10 @@ def draw_scenario(r: random.Random, nodes: int | None) -> _Draw:
         # version (the rounds between are replayed by a node that takes over).
         commit_dtype=(commit := r.choice([None, None, "F8_E4M3", "F4"])),
         checkpoint_every=r.choice([1, 2, 3, 5]) if commit else 1,
+        # Quantized deltas wherever commits are quantized, half of them with error feedback; derived
+        # from the draws above (no draw of their own), so every other seed keeps its run.
+        delta_dtype=commit,
+        error_feedback=commit is not None and (H // P) % 2 == 0,
     )
     opts = NodeOptions(poll_interval=0.5, lease_timeout=3.0, round_timeout=2.0)
     return _Draw(
