@@ -47,6 +47,15 @@ def s3_server() -> Iterator[str]:
         server.stop()
 
 
+@pytest.fixture(scope="session")
+def s3_client(s3_server: str) -> Any:
+    """A plain boto3 client of the moto server, to look at what a test left there (one per
+    session: building a client costs a few hundred ms)."""
+    import boto3
+
+    return boto3.client("s3", endpoint_url=s3_server)
+
+
 _bucket_ids = itertools.count()
 
 

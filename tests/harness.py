@@ -176,3 +176,15 @@ class Cluster:
     def head(self) -> int:
         rounds = self.mailbox.list("rounds/")
         return len(rounds) - 1
+
+
+class RecordingClock(FakeClock):
+    """A fake clock that remembers every sleep, so tests assert the backoff, not wall time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sleeps: list[float] = []
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        super().sleep(seconds)

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 pytest.importorskip("hypothesis")
+from harness import RecordingClock  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from gradientmail_core.clock import FakeClock  # noqa: E402
 from gradientmail_core.errors import MailboxUnavailable, MissingExtra, StoreUnsupported  # noqa: E402
 from gradientmail_core.mailbox import (  # noqa: E402
     CountingMailbox,
@@ -44,18 +44,6 @@ if TYPE_CHECKING:
     from conftest import MailboxTarget
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-class RecordingClock(FakeClock):
-    """A fake clock that remembers every sleep, so tests assert the backoff, not wall time."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sleeps: list[float] = []
-
-    def sleep(self, seconds: float) -> None:
-        self.sleeps.append(seconds)
-        super().sleep(seconds)
 
 
 def run_python(code: str, *args: str) -> subprocess.Popen[str]:

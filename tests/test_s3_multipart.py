@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from harness import RecordingClock
 
 from gradientmail_core.errors import MailboxUnavailable
 from gradientmail_core.mailbox import multipart
@@ -30,38 +31,18 @@ SHA = hashlib.sha256(DATA).hexdigest()
 KEY = "blobs/rounds/0000000001/payload.safetensors"
 
 
-class Clock:
-    """Retries wait on this: recorded, never slept."""
-
-    def __init__(self) -> None:
-        self.sleeps: list[float] = []
-
-    def now(self) -> float:
-        return 0.0
-
-    def sleep(self, seconds: float) -> None:
-        self.sleeps.append(seconds)
-
-
-_RAW: dict[str, Any] = {}
-
-
 @pytest.fixture
-def s3(s3_server: str, s3_bucket: str) -> Any:
-    import boto3
-
+def s3(s3_server: str, s3_bucket: str, s3_client: Any) -> Any:
     from gradientmail_core.mailbox.s3 import S3Mailbox
 
     def make(**kwargs: Any) -> S3Mailbox:
         kwargs.setdefault("part_size", PART)
         kwargs.setdefault("max_concurrency", 4)
         kwargs.setdefault("retry", RetryPolicy(attempts=3, base_delay=0.01))
-        kwargs.setdefault("clock", Clock())
+        kwargs.setdefault("clock", RecordingClock())
         return S3Mailbox(s3_bucket, "run", endpoint_url=s3_server, **kwargs)
 
-    if s3_server not in _RAW:  # a boto3 client costs a few hundred ms to build: one per server
-        _RAW[s3_server] = boto3.client("s3", endpoint_url=s3_server)
-    make.raw = _RAW[s3_server]  # type: ignore[attr-defined]
+    make.raw = s3_client  # type: ignore[attr-defined]
     make.bucket = s3_bucket  # type: ignore[attr-defined]
     return make
 

@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 import pytest
+from harness import RecordingClock
 
 from gradientmail_core.errors import StoreUnsupported
 from gradientmail_core.mailbox import multipart, open_mailbox
@@ -19,33 +20,16 @@ from gradientmail_core.mailbox.profiles import PROFILES, profile_named
 
 pytest.importorskip("boto3")
 
-_RAW: dict[str, Any] = {}
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.sleeps: list[float] = []
-
-    def now(self) -> float:
-        return 0.0
-
-    def sleep(self, seconds: float) -> None:
-        self.sleeps.append(seconds)
-
 
 @pytest.fixture
-def s3(s3_server: str, s3_bucket: str) -> Any:
-    import boto3
-
+def s3(s3_server: str, s3_bucket: str, s3_client: Any) -> Any:
     from gradientmail_core.mailbox.s3 import S3Mailbox
 
     def make(**kwargs: Any) -> S3Mailbox:
-        kwargs.setdefault("clock", Clock())
+        kwargs.setdefault("clock", RecordingClock())
         return S3Mailbox(s3_bucket, "run", endpoint_url=s3_server, **kwargs)
 
-    if s3_server not in _RAW:
-        _RAW[s3_server] = boto3.client("s3", endpoint_url=s3_server)
-    make.raw, make.bucket, make.server = _RAW[s3_server], s3_bucket, s3_server  # type: ignore[attr-defined]
+    make.raw, make.bucket, make.server = s3_client, s3_bucket, s3_server  # type: ignore[attr-defined]
     return make
 
 

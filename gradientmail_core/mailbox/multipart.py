@@ -32,13 +32,11 @@ import itertools
 import logging
 from collections.abc import Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import MailboxUnavailable
 from .contract import Chunk
-
-if TYPE_CHECKING:
-    from .s3 import S3Mailbox
+from .profiles import S3Access
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +102,7 @@ def cut(chunks: Iterable[Chunk], sizes: Iterator[int]) -> Iterator[bytes | bytea
 # ---- upload ----------------------------------------------------------------------------------
 
 
-def upload(mb: S3Mailbox, key: str, chunks: Iterable[Chunk], *, create_once: bool) -> bool:
+def upload(mb: S3Access, key: str, chunks: Iterable[Chunk], *, create_once: bool) -> bool:
     """``S3Mailbox.put_stream``: one PUT for a short stream, a multipart upload otherwise."""
     parts = cut(chunks, part_sizes(mb.part_size, equal=mb.profile.equal_parts))
     head: list[bytes | bytearray] = []
@@ -121,7 +119,7 @@ def upload(mb: S3Mailbox, key: str, chunks: Iterable[Chunk], *, create_once: boo
     return True
 
 
-def _multipart(mb: S3Mailbox, key: str, parts: Iterator[bytes | bytearray], *, create_once: bool) -> bool:
+def _multipart(mb: S3Access, key: str, parts: Iterator[bytes | bytearray], *, create_once: bool) -> bool:
     full = mb._root + key
     extra: dict[str, Any] = {"ChecksumAlgorithm": "CRC32"} if mb.checksums == "when_supported" else {}
     created = mb._retried("PUT", key, lambda: mb.client.create_multipart_upload(Bucket=mb.bucket, Key=full, **extra))
@@ -138,7 +136,7 @@ def _multipart(mb: S3Mailbox, key: str, parts: Iterator[bytes | bytearray], *, c
     return written
 
 
-def _upload_parts(mb: S3Mailbox, key: str, upload_id: str, parts: Iterator[bytes | bytearray]) -> list[dict[str, Any]]:
+def _upload_parts(mb: S3Access, key: str, upload_id: str, parts: Iterator[bytes | bytearray]) -> list[dict[str, Any]]:
     done: dict[int, dict[str, Any]] = {}
     inflight: set[Future[tuple[int, dict[str, Any]]]] = set()
 
@@ -168,7 +166,7 @@ def _upload_parts(mb: S3Mailbox, key: str, upload_id: str, parts: Iterator[bytes
 
 
 def _upload_part(
-    mb: S3Mailbox, key: str, upload_id: str, number: int, body: bytes | bytearray
+    mb: S3Access, key: str, upload_id: str, number: int, body: bytes | bytearray
 ) -> tuple[int, dict[str, Any]]:
     def send() -> dict[str, Any]:
         return dict(
@@ -183,7 +181,7 @@ def _upload_part(
     return number, info
 
 
-def _complete(mb: S3Mailbox, key: str, upload_id: str, parts: list[dict[str, Any]], *, create_once: bool) -> bool:
+def _complete(mb: S3Access, key: str, upload_id: str, parts: list[dict[str, Any]], *, create_once: bool) -> bool:
     """Complete the upload; False if ``create_once`` found the key taken (412)."""
     uncertain = False
     full = mb._root + key
@@ -213,7 +211,7 @@ def _complete(mb: S3Mailbox, key: str, upload_id: str, parts: list[dict[str, Any
     return mb._retried_raw(attempt, f"PUT {mb._where(key)} (complete)")
 
 
-def _abort(mb: S3Mailbox, key: str, upload_id: str) -> None:
+def _abort(mb: S3Access, key: str, upload_id: str) -> None:
     try:
         mb._retried(
             "DELETE",
@@ -237,7 +235,7 @@ class _Changed(Exception):
     """The object was replaced or deleted between two ranged reads of one stream."""
 
 
-def download(mb: S3Mailbox, key: str, part_size: int | None) -> Iterator[Chunk] | None:
+def download(mb: S3Access, key: str, part_size: int | None) -> Iterator[Chunk] | None:
     """``S3Mailbox.get_stream``: None if absent, else the object's parts in order."""
     size = part_size or mb.part_size
     first = mb._retried("GET", key, lambda: _open(mb, key, 0, size, None))
@@ -249,7 +247,7 @@ def download(mb: S3Mailbox, key: str, part_size: int | None) -> Iterator[Chunk] 
     return _parts(mb, key, size, total, etag, body)
 
 
-def _open(mb: S3Mailbox, key: str, start: int, size: int, etag: str | None) -> tuple[int, str | None, Any, bool] | None:
+def _open(mb: S3Access, key: str, start: int, size: int, etag: str | None) -> tuple[int, str | None, Any, bool] | None:
     """A ranged GET of ``size`` bytes from ``start``: (object size, ETag, unread body, whether the
     store honoured the range), or None if there is no object."""
     kwargs: dict[str, Any] = {"Range": f"bytes={start}-{start + size - 1}"}
@@ -273,7 +271,7 @@ def _open(mb: S3Mailbox, key: str, start: int, size: int, etag: str | None) -> t
     return total, resp.get("ETag"), resp["Body"], ranged or total <= size
 
 
-def _read(mb: S3Mailbox, key: str, body: Any, want: int) -> bytes:
+def _read(mb: S3Access, key: str, body: Any, want: int) -> bytes:
     try:
         data = body.read(want)
     finally:
@@ -283,7 +281,7 @@ def _read(mb: S3Mailbox, key: str, body: Any, want: int) -> bytes:
     return bytes(data)
 
 
-def _fetch(mb: S3Mailbox, key: str, start: int, want: int, etag: str | None, body: Any = None) -> bytes:
+def _fetch(mb: S3Access, key: str, start: int, want: int, etag: str | None, body: Any = None) -> bytes:
     """The bytes ``[start, start + want)``, from ``body`` if given (the first request's), retried."""
     pending = [body]
 
@@ -304,7 +302,7 @@ def _fetch(mb: S3Mailbox, key: str, start: int, want: int, etag: str | None, bod
         ) from exc
 
 
-def _sequential(mb: S3Mailbox, key: str, body: Any, total: int, size: int) -> Iterator[Chunk]:
+def _sequential(mb: S3Access, key: str, body: Any, total: int, size: int) -> Iterator[Chunk]:
     """The parts of one whole-object response, read in turn (a store that ignores Range)."""
     try:
         for start in range(0, total, size):
@@ -319,7 +317,7 @@ def _sequential(mb: S3Mailbox, key: str, body: Any, total: int, size: int) -> It
         body.close()
 
 
-def _parts(mb: S3Mailbox, key: str, size: int, total: int, etag: str | None, body: Any) -> Iterator[Chunk]:
+def _parts(mb: S3Access, key: str, size: int, total: int, etag: str | None, body: Any) -> Iterator[Chunk]:
     if total == 0:
         if body is not None:
             body.close()

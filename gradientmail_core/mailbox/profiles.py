@@ -20,13 +20,13 @@ The guarantees, each checked by one probe step (``GUARANTEES``):
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
 from ..errors import StoreUnsupported
 
-if TYPE_CHECKING:
-    from .s3 import S3Mailbox
+T = TypeVar("T")
 
 GUARANTEES = ("create-once", "if-match", "ranged-get", "list-order", "multipart")
 
@@ -45,6 +45,28 @@ class StoreProfile:
     region: str | None = None  # default region when none is given
     endpoint_url: str | None = None  # default endpoint when none is given
     probe: tuple[str, ...] = GUARANTEES  # the guarantees checked before the first write
+
+
+class S3Access(Protocol):
+    """What the probe here and the transfers in ``multipart.py`` use of an ``S3Mailbox``: its client,
+    names and limits, and its retry and error classification (so those modules never import it)."""
+
+    client: Any
+    bucket: str
+    profile: StoreProfile
+    checksums: str
+    part_size: int
+    max_concurrency: int
+    multipart_threshold: int
+    _root: str
+    _client_error: type[Exception]
+    _transient_errors: tuple[type[Exception], ...]
+
+    def _put(self, key: str, data: bytes) -> bool: ...
+    def _retried(self, op: str, key: str, fn: Callable[[], T]) -> T: ...
+    def _retried_raw(self, fn: Callable[[], T], what: str) -> T: ...
+    def _is_transient(self, exc: Any) -> bool: ...
+    def _where(self, key: str) -> str: ...
 
 
 PROFILES: dict[str, StoreProfile] = {
@@ -95,7 +117,7 @@ def gcs_precondition_hook(request: object, **_: object) -> None:
         headers["x-goog-if-generation-match"] = "0"
 
 
-def probe_guarantees(mb: S3Mailbox, key: str, data: bytes) -> None:
+def probe_guarantees(mb: S3Access, key: str, data: bytes) -> None:
     """Check every guarantee of ``mb.profile.probe`` but create-once (already checked) on the probe
     object ``key``, which holds ``data``; raise ``StoreUnsupported`` naming the first one missing."""
     checks = {"if-match": _if_match, "ranged-get": _ranged_get, "list-order": _list_order, "multipart": _multipart}
@@ -104,7 +126,7 @@ def probe_guarantees(mb: S3Mailbox, key: str, data: bytes) -> None:
             checks[name](mb, key, data)
 
 
-def _fail(mb: S3Mailbox, guarantee: str, found: str, needed: str) -> StoreUnsupported:
+def _fail(mb: S3Access, guarantee: str, found: str, needed: str) -> StoreUnsupported:
     return StoreUnsupported(
         f"the S3 store at {mb.client.meta.endpoint_url} (bucket {mb.bucket!r}, profile {mb.profile.name!r}) "
         f"lacks the {guarantee!r} guarantee: {found}. gradientmail needs {needed}. Use another store or "
@@ -112,7 +134,7 @@ def _fail(mb: S3Mailbox, guarantee: str, found: str, needed: str) -> StoreUnsupp
     )
 
 
-def _if_match(mb: S3Mailbox, key: str, data: bytes) -> None:
+def _if_match(mb: S3Access, key: str, data: bytes) -> None:
     try:
         mb.client.get_object(Bucket=mb.bucket, Key=mb._root + key, IfMatch='"0123456789abcdef0123456789abcdef"')
     except mb._client_error as exc:
@@ -122,7 +144,7 @@ def _if_match(mb: S3Mailbox, key: str, data: bytes) -> None:
     raise _fail(mb, "if-match", "a GET with If-Match of another ETag returned the object", "412 on If-Match")
 
 
-def _ranged_get(mb: S3Mailbox, key: str, data: bytes) -> None:
+def _ranged_get(mb: S3Access, key: str, data: bytes) -> None:
     resp = mb.client.get_object(Bucket=mb.bucket, Key=mb._root + key, Range="bytes=1-2")
     body = resp["Body"].read()
     status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
@@ -130,7 +152,7 @@ def _ranged_get(mb: S3Mailbox, key: str, data: bytes) -> None:
         raise _fail(mb, "ranged-get", f"Range: bytes=1-2 answered HTTP {status} with {len(body)} bytes", "206")
 
 
-def _list_order(mb: S3Mailbox, key: str, data: bytes) -> None:
+def _list_order(mb: S3Access, key: str, data: bytes) -> None:
     base = f"{key}.{secrets.token_hex(4)}/"
     names = [base + n for n in ("a-", "a", "b")]  # byte order: 'a' < 'a-' < 'b'
     for n in names:
@@ -146,7 +168,7 @@ def _list_order(mb: S3Mailbox, key: str, data: bytes) -> None:
         mb.client.delete_objects(Bucket=mb.bucket, Delete={"Objects": [{"Key": mb._root + n} for n in names]})
 
 
-def _multipart(mb: S3Mailbox, key: str, data: bytes) -> None:
+def _multipart(mb: S3Access, key: str, data: bytes) -> None:
     target = mb._root + key + ".multipart"
     created = mb.client.create_multipart_upload(Bucket=mb.bucket, Key=target)
     upload_id = created["UploadId"]
