@@ -28,6 +28,9 @@ R = TypeVar("R")
 # parts): below it one PUT costs no more than one part would.
 STREAM_BYTES = 64 << 20
 PUT_PIECE = 8 << 20
+# A stream smaller than this is joined and written as one create-once PUT, as every other object:
+# its copy is small, and a PUT of it costs what one part would.
+JOIN_BELOW = 1 << 20
 
 
 class RunStore:
@@ -100,13 +103,16 @@ class RunStore:
         """Write payload bytes (or a stream of them) under their content-addressed ``key`` (the
         caller hashed them to name it). Re-putting one is harmless: the key names the bytes.
 
-        A stream, and bytes from ``STREAM_BYTES`` on, go out through ``write_stream`` (on S3 a
+        A stream from ``JOIN_BELOW`` on, and bytes from ``STREAM_BYTES`` on, go out through ``write_stream`` (on S3 a
         multipart upload, parts in parallel): a stream as it is produced, bytes as views of
         ``PUT_PIECE``, never copied. A write that fails half-way (the store, or a stream whose
-        bytes come out differently the second time) leaves nothing under ``key``. Smaller bytes
+        bytes come out differently the second time) leaves nothing under ``key``. Smaller ones
         are one create-once PUT, as every other object."""
         blob = keys.parse_blob_key(key)
         assert blob is not None, f"{key} is not a payload key"
+        if isinstance(data, PayloadStream) and data.size < JOIN_BELOW:
+            assert data.sha256 == blob.sha, f"{key} does not name the stream's sha256 {data.sha256}"
+            data = data.read()
         if isinstance(data, PayloadStream) or len(data) >= STREAM_BYTES:
             if isinstance(data, PayloadStream):
                 assert data.sha256 == blob.sha, f"{key} does not name the stream's sha256 {data.sha256}"

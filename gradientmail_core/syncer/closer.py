@@ -29,9 +29,6 @@ from ..protocol.store import RunStore
 from .timing import ema, grace_seconds
 
 T = TypeVar("T")
-# A payload smaller than this is uploaded joined, as one create-once PUT: its copy is small. A
-# larger one goes out as the stream it is, produced again piece by piece: no joined copy held.
-JOINED_BELOW = 1 << 20
 IGNORED = "ignored"  # a snapshot no member signed: judged once, in no record
 
 
@@ -331,7 +328,7 @@ def compute_commit(
             k = keys.round_blob_key(c.round, kind, sha, compression)
             refs[kind] = PayloadRef(key=k, sha256=sha, size=len(data))
             if write is not None:
-                write(k, upload_form(data))
+                write(k, data)
             payloads[k] = data if write is not None else data.read()
         theta_digest = plain_job()[1]
         outer_digest = None if checkpoint else outer_job()[1]
@@ -424,11 +421,6 @@ class _Jobs:
             return stream, stream.sha256
 
         return self.submit(job)
-
-
-def upload_form(stream: PayloadStream) -> bytes | PayloadStream:
-    """What to hand the store for ``stream``: its bytes if small (``JOINED_BELOW``), else itself."""
-    return stream.read() if stream.size < JOINED_BELOW else stream
 
 
 def _cosine(known: list[tuple[np.ndarray, float]], deltas: list[dict[str, np.ndarray]]) -> float | None:

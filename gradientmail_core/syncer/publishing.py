@@ -13,7 +13,6 @@ from ..protocol import keys
 from ..protocol.records import PayloadRef, Snapshot
 from ..protocol.run import payload_cap
 from .bridge import Publish
-from .closer import upload_form
 from .state import NodeState
 
 
@@ -34,9 +33,7 @@ class Publishing(NodeState):
             return
         compression = self.opts.compression
         with pub.delta.stream(self.run.delta_dtypes(pub.fragment), compression=compression) as data:
-            ref = self.store.put_payload(
-                lambda sha: keys.snapshot_blob_key(pub.round, self.me, sha, compression), upload_form(data)
-            )
+            ref = self.store.put_payload(lambda sha: keys.snapshot_blob_key(pub.round, self.me, sha, compression), data)
             # Only a node closing rounds judges its own snapshot from memory (``closing``): a node
             # closing nothing keeps nothing of it.
             own = self._own_delta(pub, data, ref) if self.collector is not None else None
