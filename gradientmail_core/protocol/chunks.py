@@ -1,0 +1,295 @@
+"""Chunked payloads: a fragment cut into fixed, world-size-independent chunks (``docs/sharding.md``,
+sections 1 and 2; ``docs/protocol.md``, "Chunked payloads").
+
+A fragment's tensors, in the fragment's order (the manifest's ``fragments[f]``; for the outer
+state, ``RunInfo.outer_shapes(f)``'s order), are flattened (C order) and laid end to end on a
+*line*, each starting at the previous one's end rounded up to a multiple of ``BLOCK`` (32: the F4
+and I2 quantizer blocks). The line is cut every ``C = chunk_elements`` elements (a positive
+multiple of ``BLOCK``); chunk ``k`` is the list of ``Piece``s (flat element ranges of tensors) in
+``[k*C, (k+1)*C)``. A run whose manifest has no ``chunk_elements`` (``None``: every run created
+before chunks existed) stores one chunk of whole tensors per fragment. A fragment whose line is
+at most ``C`` is one chunk of whole tensors too, and that chunk's payload has exactly the bytes a
+whole-fragment payload always had. Everything here is pure (numpy at most): every node computes
+the same plan from (shapes, ``C``).
+
+API for sharded nodes
+---------------------
+
+The plan (this module, pure; the same names and signatures as ``adapters/torch_sharded.py``'s):
+
+- ``BLOCK``, ``Piece(name, start, stop)`` (``.size``), ``numel(shape)``, ``check_chunk(C)``,
+  ``offsets(shapes)``, ``chunk_plan(shapes, C) -> list[list[Piece]]``, ``shard_range``,
+  ``holder``, ``chunk_owner``, ``owned_chunks``, ``Transfer``, ``transfers`` (``shapes``: a
+  sequence of ``(name, shape)`` in fragment order, or for the ownership functions a mapping).
+- ``fragment_plan(shapes, chunk_elements) -> list[list[Piece]]``: ``chunk_plan``, or for
+  ``None`` one chunk of whole tensors. ``shapes``: an ordered mapping (``RunInfo.shapes[f]``) or
+  a sequence of pairs. ``RunInfo.chunk_elements`` is the run's ``C``; ``RunInfo.plan(f)`` and
+  ``RunInfo.outer_plan(f)`` are the plans of a fragment's parameters/deltas/changes and of its
+  outer state.
+- ``is_whole(piece, shapes)``, ``piece_view(flat, piece)``, ``piece_shape(piece, shapes)`` (the
+  shape a piece is stored with: the tensor's shape when whole, else ``(size,)``),
+  ``assemble(plan, chunks, shapes) -> {name: array}`` (full tensors from each chunk's
+  ``{name: values}``; every element covered exactly once, else ``PayloadCorrupt``).
+
+Refs and digests (``protocol/records.py``):
+
+- ``PayloadRef.more: list[PayloadRef]``: chunks 1..n-1 (the ref itself is chunk 0); left out of
+  the JSON when empty; entries may not have ``more`` themselves.
+- ``chunk_refs(ref) -> list[PayloadRef]`` (each without ``more``), ``join_refs(refs) ->
+  PayloadRef`` (the inverse), ``ref_digest(ref)`` (``ref.sha256`` for one chunk, else the sha256
+  of the chunks' sha256 hex strings concatenated in order: what ``Participant.payload_sha256``,
+  ``theta_digest`` and ``outer_digest`` hold), ``digest_of(shas)``, ``ref_size(ref)`` (bytes of
+  all chunks).
+
+Encoding one chunk (``codec/chunked.py``, ``codec/quant.py``):
+
+- ``ChunkSpec(k, n, pieces, shapes)``: ``.expected`` (stored name -> logical shape) and ``.meta``
+  (the ``"pieces"``/``"chunk"`` metadata; empty for one chunk of whole tensors);
+  ``chunk_specs(shapes, chunk_elements) -> list[ChunkSpec]``.
+- F8_E4M3 has one scale per tensor: a chunk holding part of an F8 tensor must be given the
+  tensor-wide scale byte, ``f8_scales={name: quant.e4m3_scale_byte(amax)}``, where ``amax`` is the
+  tensor's finite absolute maximum: ``all_reduce(MAX)`` over the ranks of ``quant.e4m3_amax(local
+  part)`` (exact). Whole tensors, and F4/I2/BF16/F16/F32 pieces, need nothing.
+- ``stream_chunk(values, spec, dtypes, *, kind, compression, f8_scales=None) -> PayloadStream``:
+  ``values[name]`` is the piece's float32 values (flat, ``piece.size`` elements; a whole tensor
+  may have its shape) or a ``quant.QTensor`` of the piece (quantized already: for F4/I2 pieces the
+  byte slice ``slice_quantized(whole_q, piece, shape)`` of the whole tensor's codes and scales).
+- ``fragment_streams(tensors, shapes, dtypes, chunk_elements, *, kind, compression)``: every chunk
+  of a whole fragment (float32 arrays or ``QTensor``s), one ``PayloadStream`` at a time.
+- ``decode_chunk(...)``: one chunk's stream checked against its spec and decoded.
+
+The store (``protocol/store.py``, ``RunStore``):
+
+- ``get_payload(ref, expected, *, max_bytes=None, dtypes=None, chunk_elements=None)``: the whole
+  fragment, assembled from every chunk (each fetched, size- and sha256-checked, decoded against
+  the plan); ``None`` if any chunk is gone; ``PayloadCorrupt`` for a wrong chunk count, order, or
+  any bad chunk; nothing half-assembled is ever returned. ``expected``: ordered shapes (the plan
+  follows the order). ``max_bytes`` bounds the chunks' total; each chunk is also capped by its
+  own largest size (``payload.default_payload_cap`` of its pieces).
+- ``get_chunk(ref, pieces, *, shapes, k, n, dtypes=None, max_bytes=None, kind=None) ->
+  dict[str, np.ndarray] | None``: one chunk (``ref``: that chunk's ref, e.g. ``chunk_refs(r)[k]``),
+  verified, as ``{piece name: flat float32 values of the piece}``; ``None`` if gone.
+- ``put_chunk(key_for_sha, values, pieces, *, shapes, k, n, dtypes, kind, compression,
+  f8_scales=None) -> PayloadRef``: encodes one chunk (``stream_chunk``) and uploads it under
+  ``key_for_sha(sha256)`` (e.g. ``functools.partial(keys.snapshot_blob_key, round, learner,
+  compression=compression)``, ``keys.round_blob_key(r, kind, sha, compression)``,
+  ``keys.init_blob_key(f, sha, compression)``). Equivalent: ``put_payload(key_for_sha,
+  stream_chunk(...))``. Join the chunk refs in chunk order with ``join_refs``.
+- ``put_fragment(key_for_sha, tensors, *, shapes, dtypes, chunk_elements, kind, compression,
+  on_chunk=None) -> PayloadRef``: every chunk of a whole fragment (float32 or ``QTensor``s),
+  uploaded in order, refs joined.
+
+The engine (``syncer/publishing.py``): a contribution object with a method ``upload(store, run,
+fragment, round, learner, compression) -> PayloadRef`` is uploaded by that method (a sharded
+node's ranks upload their chunks; it returns the joined ref) instead of by the node; the node
+then writes the snapshot record naming that ref.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import PayloadCorrupt
+
+BLOCK = 32  # the F4 and I2 quantizer blocks (quant.F4_BLOCK, quant_i2.I2_BLOCK)
+
+Shapes = Sequence[tuple[str, Sequence[int]]]
+"""A fragment's tensors in payload order: (name, full shape)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The chunk plan
+
+
+@dataclass(frozen=True, order=True)
+class Piece:
+    """Elements ``[start, stop)`` of tensor ``name``, flattened in C order."""
+
+    name: str
+    start: int
+    stop: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+def numel(shape: Sequence[int]) -> int:
+    return math.prod(int(d) for d in shape)
+
+
+def check_chunk(chunk: int) -> int:
+    if chunk <= 0 or chunk % BLOCK:
+        raise ValueError(f"chunk size must be a positive multiple of {BLOCK} elements, found {chunk}")
+    return chunk
+
+
+def offsets(shapes: Shapes) -> list[int]:
+    """Where each tensor starts on the fragment's padded line: the previous one's end, rounded up
+    to a multiple of ``BLOCK`` (so every tensor starts on a quantizer block)."""
+    out, at = [], 0
+    for _, shape in shapes:
+        out.append(at)
+        at += -(-numel(shape) // BLOCK) * BLOCK
+    return out
+
+
+def chunk_plan(shapes: Shapes, chunk: int) -> list[list[Piece]]:
+    """Chunk index -> its pieces, in line order. At least one chunk; a tensor with no elements is
+    a zero-length piece of chunk 0 (so a fragment that fits one chunk is a chunk of every tensor)."""
+    check_chunk(chunk)
+    starts = offsets(shapes)
+    end = max((s + numel(shape) for s, (_, shape) in zip(starts, shapes)), default=0)
+    plan: list[list[Piece]] = [[] for _ in range(max(1, -(-end // chunk)))]
+    for at, (name, shape) in zip(starts, shapes):
+        n = numel(shape)
+        if n == 0:
+            plan[0].append(Piece(name, 0, 0))
+            continue
+        for k in range(at // chunk, (at + n - 1) // chunk + 1):
+            lo, hi = max(k * chunk, at), min((k + 1) * chunk, at + n)
+            plan[k].append(Piece(name, lo - at, hi - at))
+    return plan
+
+
+def shard_range(shape: Sequence[int], world: int, coord: int) -> tuple[int, int]:
+    """The flat elements ``[start, stop)`` of a tensor that mesh coordinate ``coord`` holds under
+    ``Shard(0)``: ``torch.chunk``'s ``ceil(rows / world)`` rows per rank, clipped to the tensor."""
+    if not shape:  # 0-d: one element, on coordinate 0 (FSDP2 never shards these)
+        return (0, 1) if coord == 0 else (1, 1)
+    rows, inner = int(shape[0]), numel(shape[1:])
+    per = -(-rows // world)
+    lo, hi = min(coord * per, rows), min((coord + 1) * per, rows)
+    return lo * inner, hi * inner
+
+
+def holder(shape: Sequence[int], world: int, element: int) -> int:
+    """The mesh coordinate holding flat ``element`` of a ``Shard(0)`` tensor."""
+    if not shape:
+        return 0
+    rows, inner = int(shape[0]), numel(shape[1:])
+    return (element // inner) // -(-rows // world)
+
+
+def chunk_owner(pieces: Sequence[Piece], shapes: Mapping[str, Sequence[int]], world: int) -> int:
+    """The rank that builds (and uploads, and downloads) a chunk: the holder of its first element."""
+    for p in pieces:
+        if p.size:
+            return holder(shapes[p.name], world, p.start)
+    return 0
+
+
+def owned_chunks(
+    plan: Sequence[Sequence[Piece]], shapes: Mapping[str, Sequence[int]], world: int, coord: int
+) -> list[int]:
+    return [k for k, pieces in enumerate(plan) if chunk_owner(pieces, shapes, world) == coord]
+
+
+@dataclass(frozen=True, order=True)
+class Transfer:
+    """Elements of ``piece`` (a sub-range of a piece of ``chunk``) that ``src`` holds and
+    ``dst``, the chunk's owner, lacks. ``scatter_chunks`` runs the same list backwards."""
+
+    src: int
+    dst: int
+    chunk: int
+    index: int  # of the plan piece (in ``plan[chunk]``) that ``piece`` lies in
+    piece: Piece
+
+
+def transfers(plan: Sequence[Sequence[Piece]], shapes: Mapping[str, Sequence[int]], world: int) -> list[Transfer]:
+    """Every element a chunk's owner must receive, in (chunk, piece, element) order: the same
+    list on every rank, so sender and receiver agree on sizes and order without talking."""
+    out = []
+    for k, pieces in enumerate(plan):
+        owner = chunk_owner(pieces, shapes, world)
+        for i, p in enumerate(pieces):
+            if not p.size:
+                continue
+            shape = shapes[p.name]
+            at = p.start
+            while at < p.stop:
+                h = holder(shape, world, at)
+                stop = min(p.stop, shard_range(shape, world, h)[1])
+                if h != owner:
+                    out.append(Transfer(h, owner, k, i, Piece(p.name, at, stop)))
+                at = stop
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Plans of a run's fragments, and reading them back
+
+
+def _pairs(shapes: Mapping[str, Sequence[int]] | Shapes) -> list[tuple[str, tuple[int, ...]]]:
+    items = shapes.items() if isinstance(shapes, Mapping) else shapes
+    return [(str(n), tuple(int(d) for d in s)) for n, s in items]
+
+
+def fragment_plan(shapes: Mapping[str, Sequence[int]] | Shapes, chunk_elements: int | None) -> list[list[Piece]]:
+    """The chunks of a payload of these tensors (in this order): ``chunk_plan``, or for a run
+    without chunks (``None``) one chunk of whole tensors."""
+    pairs = _pairs(shapes)
+    if chunk_elements is None:
+        return [[Piece(n, 0, numel(s)) for n, s in pairs]]
+    return chunk_plan(pairs, chunk_elements)
+
+
+def is_whole(piece: Piece, shapes: Mapping[str, Sequence[int]]) -> bool:
+    """Is ``piece`` all of its tensor (stored with the tensor's shape, as a whole payload does)?"""
+    return piece.start == 0 and piece.stop == numel(shapes[piece.name])
+
+
+def is_one_whole_chunk(plan: Sequence[Sequence[Piece]], shapes: Mapping[str, Sequence[int]]) -> bool:
+    """One chunk of whole tensors: its payload is today's whole-fragment payload, byte for byte."""
+    return len(plan) == 1 and all(is_whole(p, shapes) for p in plan[0])
+
+
+def piece_shape(piece: Piece, shapes: Mapping[str, Sequence[int]]) -> tuple[int, ...]:
+    """The logical shape a piece is stored with: its tensor's when whole, else ``(size,)``."""
+    return tuple(int(d) for d in shapes[piece.name]) if is_whole(piece, shapes) else (piece.size,)
+
+
+def piece_view(flat: Any, piece: Piece) -> Any:
+    """The piece's elements of its tensor's flat (1-D, C order) values: a view, not a copy."""
+    return flat[piece.start : piece.stop]
+
+
+def assemble(
+    plan: Sequence[Sequence[Piece]],
+    chunks: Sequence[Mapping[str, np.ndarray]],
+    shapes: Mapping[str, Sequence[int]],
+) -> dict[str, np.ndarray]:
+    """Full float32 tensors (in ``shapes``' order) from each chunk's decoded ``{name: values}``
+    (``values``: the piece's elements, any shape of ``piece.size`` elements). Every element of
+    every tensor must be covered exactly once by the plan and every piece present with its size:
+    anything else is ``PayloadCorrupt``, and nothing is returned."""
+    if len(chunks) != len(plan):
+        raise PayloadCorrupt(f"{len(chunks)} chunks for a plan of {len(plan)}")
+    flats = {n: np.empty(numel(s), np.float32) for n, s in shapes.items()}
+    covered = dict.fromkeys(shapes, 0)
+    ends = dict.fromkeys(shapes, 0)
+    for k, (pieces, got) in enumerate(zip(plan, chunks)):
+        if set(got) != {p.name for p in pieces}:
+            raise PayloadCorrupt(f"chunk {k} holds {sorted(got)[:10]}, the plan {[p.name for p in pieces][:10]}")
+        for p in pieces:
+            if p.name not in flats:
+                raise PayloadCorrupt(f"chunk {k}: tensor {p.name!r} is not one of the fragment's")
+            values = np.asarray(got[p.name])
+            if values.size != p.size or p.start != ends[p.name] or p.stop > flats[p.name].size:
+                raise PayloadCorrupt(
+                    f"chunk {k}: piece {p.name}[{p.start}:{p.stop}] does not continue the tensor at {ends[p.name]} "
+                    f"with {values.size} values"
+                )
+            flats[p.name][p.start : p.stop] = values.reshape(-1)
+            ends[p.name] = p.stop
+            covered[p.name] += p.size
+    for n, flat in flats.items():
+        if covered[n] != flat.size or ends[n] != flat.size:
+            raise PayloadCorrupt(f"tensor {n!r}: the chunks cover {covered[n]} of its {flat.size} elements")
+    return {n: flats[n].reshape(tuple(int(d) for d in s)) for n, s in shapes.items()}
