@@ -11,6 +11,8 @@ from typing import Any
 from .errors import RunConfigMismatch
 
 DELTA_DTYPES = ("F32", "F16", "BF16", "F8_E4M3", "F4", "I2")
+CHUNK_BLOCK = 32  # chunk sizes are multiples of the F4/I2 quantizer block (protocol/chunks.py BLOCK)
+DEFAULT_CHUNK_ELEMENTS = 1 << 24  # 16 Mi elements: 64 MiB of fp32, 8 MiB of F4 per chunk payload
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,6 +158,12 @@ class DiLoCo:
     # (and on a final round); the rounds between carry the quantized change and what a recovering
     # closer needs to replay them bit for bit (docs/protocol.md, "Checkpoints"). Needs commit_dtype.
     checkpoint_every: int = 1
+    # Payloads are stored as chunks of this many elements of a fragment's line (a positive multiple
+    # of 32; docs/protocol.md, "Chunked payloads"): what lets a sharded node's ranks each upload and
+    # download only their part. A fragment of at most this many elements is one chunk, with the
+    # bytes a whole-fragment payload always had. None: one chunk per fragment, however large (what
+    # every run created before the option stores: a manifest without the field reads as None).
+    chunk_elements: int | None = DEFAULT_CHUNK_ELEMENTS
 
     def __post_init__(self) -> None:
         def bad(what: str) -> ValueError:
@@ -226,6 +234,9 @@ class DiLoCo:
                 f"checkpoint_every={ce} with commit_dtype=None: the rounds between checkpoints publish only "
                 "the quantized change, so set commit_dtype (e.g. 'F4') or keep checkpoint_every=1"
             )
+        c = self.chunk_elements
+        if c is not None and (not isinstance(c, int) or isinstance(c, bool) or c < 1 or c % CHUNK_BLOCK):
+            raise bad(f"chunk_elements={c!r}: expected None or a positive multiple of {CHUNK_BLOCK}")
         if not isinstance(self.error_feedback, bool):
             raise bad(f"error_feedback={self.error_feedback!r}: expected True or False")
         object.__setattr__(self, "mixing", float(self.mixing))
@@ -242,6 +253,8 @@ class DiLoCo:
                 continue  # off, the default: manifests from before agree
             if f.name == "checkpoint_every" and v == 1:
                 continue  # the default: manifests from before the option keep their bytes and agree
+            if f.name == "chunk_elements" and v is None:
+                continue  # whole fragments: what a manifest from before the option means
             d[f.name] = v.to_dict() if hasattr(v, "to_dict") else v
         return d
 
@@ -252,6 +265,8 @@ class DiLoCo:
         d["partition"] = _partition_from(d.get("partition", {}))
         if "alignment" in d:
             d["alignment"] = _alignment_from(d["alignment"])
+        # A manifest from before chunks stores whole fragments, forever (not the new default).
+        d.setdefault("chunk_elements", None)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:
@@ -272,6 +287,10 @@ class DiLoCo:
     def check_matches(self, run_config: dict[str, Any]) -> None:
         """Raise ``RunConfigMismatch`` naming every field that differs from the run's."""
         mine = self.to_dict()
+        if "chunk_elements" not in run_config and mine.get("chunk_elements") == DEFAULT_CHUNK_ELEMENTS:
+            # A run from before chunks (whole fragments), joined by a node that left the option at
+            # its default: the run's layout is the run's, every node reads it from the manifest.
+            del mine["chunk_elements"]
         diffs = {
             k: (run_config.get(k), mine.get(k))
             for k in sorted(set(mine) | set(run_config))

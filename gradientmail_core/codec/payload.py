@@ -23,6 +23,13 @@ I2         U8 [8 * nblocks]: 2-bit codes, four a byte,  U8 [nblocks]: scale per 
 logical shapes are there because the stored ones cannot always carry them (packed F4/I2, zstd).
 '#' never occurs in parameter names, so auxiliary tensors cannot collide with them.
 
+A chunk of a chunked payload (``docs/protocol.md``, "Chunked payloads"; ``codec/chunked.py``) is
+the same format holding its pieces: a piece that is part of a tensor is stored under the tensor's
+name with the 1-D logical shape ``[stop - start]``, and the metadata gains ``"pieces"`` (canonical
+JSON ``{name: [start, stop]}`` of the partial pieces) and ``"chunk"`` (``"k/n"`` when ``n > 1``).
+Both are absent from a payload of whole tensors in one chunk, which keeps today's bytes; a reader
+is told which of them to expect (``meta``) and refuses any other (``PayloadLayoutMismatch``).
+
 Byte layout of ``.safetensors.zst`` (``compression="zstd"``): the same container, with the
 same tensor names and metadata, but each stored tensor above is replaced by a ``U8 [len]``
 tensor holding ``compress.compress(its bytes, its element size)``: one zstd frame of the byte
@@ -39,7 +46,7 @@ import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
@@ -51,6 +58,7 @@ from . import quant, safetensors_io
 
 FORMAT = "gradientmail/1"
 SCALE = "#scale"
+LAYOUT_KEYS = ("pieces", "chunk")  # the metadata of a chunk (absent from a whole payload)
 COMPRESSIONS = {"": "none", "zstd": "zstd"}
 T = TypeVar("T")
 
@@ -129,23 +137,58 @@ def encode_payload(
     *,
     kind: str,
     compression: str = "",
+    meta: Mapping[str, str] | None = None,
+    f8_scales: Mapping[str, int] | None = None,
 ) -> bytes:
-    """float32 tensors -> payload bytes, each stored in its dtype. Equal input gives equal bytes."""
+    """float32 tensors -> payload bytes, each stored in its dtype. Equal input gives equal bytes.
+    ``meta``: a chunk's layout metadata (``LAYOUT_KEYS``); ``f8_scales``: the E8M0 scale byte an
+    F8_E4M3 tensor is encoded with (a piece takes its whole tensor's), else its own."""
     if isinstance(dtypes, str):
         dtypes = dict.fromkeys(tensors, dtypes)
     if set(dtypes) != set(tensors):
         raise ValueError(f"dtypes name {sorted(set(dtypes) ^ set(tensors))[:10]} not matching the tensors")
     _check(dtypes, compression)
     shapes = {name: tuple(np.shape(x)) for name, x in tensors.items()}
-    return _encode(lambda name: quant.quantize(tensors[name], dtypes[name]), dtypes, shapes, kind, compression)
+    scales = f8_scales or {}
+    return _encode(
+        lambda name: quant.quantize(tensors[name], dtypes[name], f8_scale=scales.get(name)),
+        dtypes,
+        shapes,
+        kind,
+        compression,
+        meta,
+    )
 
 
-def encode_quantized(tensors: Mapping[str, quant.QTensor], *, kind: str, compression: str = "") -> bytes:
+def encode_quantized(
+    tensors: Mapping[str, quant.QTensor], *, kind: str, compression: str = "", meta: Mapping[str, str] | None = None
+) -> bytes:
     """Tensors quantized already (by a device-side quantizer) -> payload bytes: the bytes
     ``encode_payload`` gives for the float32 tensors they are the quantization of."""
     dtypes = {name: q.dtype for name, q in tensors.items()}
     _check(dtypes, compression)
-    return _encode(tensors.__getitem__, dtypes, {n: q.shape for n, q in tensors.items()}, kind, compression)
+    return _encode(tensors.__getitem__, dtypes, {n: q.shape for n, q in tensors.items()}, kind, compression, meta)
+
+
+def metadata(
+    kind: str,
+    compression: str,
+    dtypes: Mapping[str, str],
+    shapes: Mapping[str, Sequence[int]],
+    meta: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """A payload's ``__metadata__`` (a chunk's layout keys added when given)."""
+    out = {
+        "format": FORMAT,
+        "kind": kind,
+        "compression": COMPRESSIONS[compression],
+        "dtypes": _canonical(dict(dtypes)),
+        "shapes": _canonical({name: [int(d) for d in shape] for name, shape in shapes.items()}),
+    }
+    for k, v in (meta or {}).items():
+        assert k in LAYOUT_KEYS and isinstance(v, str), f"not a chunk's layout metadata: {k!r}"
+        out[k] = v
+    return out
 
 
 def _check(dtypes: Mapping[str, str], compression: str) -> None:
@@ -164,6 +207,7 @@ def _encode(
     shapes: Mapping[str, tuple[int, ...]],
     kind: str,
     compression: str,
+    meta: Mapping[str, str] | None = None,
 ) -> bytes:
     def encode_one(name: str) -> dict[str, tuple[str, Sequence[int], Any]]:
         q = quantized(name)
@@ -180,14 +224,7 @@ def _encode(
     stored: dict[str, tuple[str, Sequence[int], Any]] = {}
     for part in _map(encode_one, list(dtypes), sum(safetensors_io.numel(s) for s in shapes.values()) * 4):
         stored.update(part)
-    metadata = {
-        "format": FORMAT,
-        "kind": kind,
-        "compression": COMPRESSIONS[compression],
-        "dtypes": _canonical(dict(dtypes)),
-        "shapes": _canonical({name: list(shape) for name, shape in shapes.items()}),
-    }
-    return safetensors_io.write(stored, metadata)
+    return safetensors_io.write(stored, metadata(kind, compression, dtypes, shapes, meta))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,6 +237,7 @@ class PayloadInfo:
     compression: str
     dtypes: dict[str, str]
     shapes: dict[str, tuple[int, ...]]
+    layout: dict[str, str] = field(default_factory=dict)  # a chunk's "pieces" and "chunk" metadata
 
 
 def header_info(header: Mapping[str, Any], compression: str) -> PayloadInfo:
@@ -235,7 +273,10 @@ def header_info(header: Mapping[str, Any], compression: str) -> PayloadInfo:
         raise PayloadCorrupt(
             f"payload shapes metadata must give a shape for every tensor in dtypes, found {shapes!r:.200}"
         )
-    return PayloadInfo(kind, compression, dtypes, {k: tuple(v) for k, v in shapes.items()})
+    layout = {k: meta[k] for k in LAYOUT_KEYS if k in meta}
+    if not all(isinstance(v, str) for v in layout.values()):
+        raise PayloadCorrupt(f"payload chunk metadata must be strings, found {layout!r:.200}")
+    return PayloadInfo(kind, compression, dtypes, {k: tuple(v) for k, v in shapes.items()}, layout)
 
 
 def _read(
@@ -264,12 +305,19 @@ def check_header(
     *,
     kind: str | None = None,
     dtypes: Mapping[str, str] | None = None,
+    meta: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, Any], dict[str, tuple[str, tuple[int, ...]]]]:
     """Check a parsed header against the expected tensors (see ``decode_payload``); returns its
-    tensor entries and the exact stored layout ``{stored name: (safetensors dtype, shape)}``."""
+    tensor entries and the exact stored layout ``{stored name: (safetensors dtype, shape)}``.
+    ``meta``: the chunk layout metadata expected (``LAYOUT_KEYS``; none for a whole payload)."""
     compression = info.compression
     if kind is not None and info.kind != kind:
         raise PayloadCorrupt(f"payload is of kind {info.kind!r}, expected {kind!r}")
+    if info.layout != dict(meta or {}):
+        raise PayloadLayoutMismatch(
+            f"payload is chunk {info.layout.get('chunk', '0/1')} with pieces {info.layout.get('pieces', '{}')!r:.200}, "
+            f"expected chunk {(meta or {}).get('chunk', '0/1')} with pieces {(meta or {}).get('pieces', '{}')!r:.200}"
+        )
     if set(info.dtypes) != set(expected):
         missing, extra = sorted(set(expected) - set(info.dtypes)), sorted(set(info.dtypes) - set(expected))
         raise PayloadLayoutMismatch(
@@ -312,6 +360,7 @@ def decode_payload(
     max_bytes: int | None = None,
     kind: str | None = None,
     dtypes: Mapping[str, str] | None = None,
+    meta: Mapping[str, str] | None = None,
 ) -> dict[str, np.ndarray]:
     """Payload bytes -> {name: float32 array of the expected shape} (fresh, writable arrays).
 
@@ -322,7 +371,7 @@ def decode_payload(
     """
     cap = default_payload_cap(expected) if max_bytes is None else max_bytes
     header, start, info = _read(data, compression, cap, header_cap(expected))
-    entries, layout = check_header(header, info, expected, kind=kind, dtypes=dtypes)
+    entries, layout = check_header(header, info, expected, kind=kind, dtypes=dtypes, meta=meta)
     buf = memoryview(data)
 
     def stored(k: str) -> np.ndarray | None:

@@ -257,16 +257,37 @@ def e4m3_values(codes: np.ndarray, scale: float = 1.0) -> np.ndarray:
     return np.take(table, codes.reshape(-1)).reshape(codes.shape)  # flat: take() on 0-d gives a scalar
 
 
-def quantize_e4m3(x: np.ndarray) -> tuple[np.ndarray, int]:
-    """float32 -> (E4M3 codes shaped like x, E8M0 scale byte)."""
-    x = np.asarray(x, dtype=_F32, order="C")
-    flat = x.reshape(-1)
+def e4m3_amax(x: np.ndarray) -> np.float32:
+    """The largest magnitude of the finite entries of ``x`` (0 for none): what an F8 tensor's
+    scale is computed from. The maximum of the parts' values is the whole's (exact), so a
+    tensor held in parts (a sharded node's ranks, a chunk's pieces) gets its scale from
+    ``e4m3_scale_byte(max(e4m3_amax(part) for part in parts))``."""
+    flat = np.asarray(x, dtype=_F32).reshape(-1)
     if flat.size == 0:
-        return np.zeros(x.shape, np.uint8), 127
+        return np.float32(0)
     amax = np.float32(max(flat.max(), -flat.min()))
     if not np.isfinite(amax):  # scale from the finite entries
         amax = np.float32(np.max(np.abs(flat), where=np.isfinite(flat), initial=0))
-    k = int(_pow2_exponent(np.array([amax], _F32).view(np.uint32), E4M3_MAX)[0]) if amax > 0 else 0
+    return amax
+
+
+def e4m3_scale_byte(amax: float | np.floating) -> int:
+    """The E8M0 scale byte of an F8 tensor whose finite absolute maximum is ``amax``."""
+    a = np.float32(amax)
+    k = int(_pow2_exponent(np.array([a], _F32).view(np.uint32), E4M3_MAX)[0]) if a > 0 else 0
+    return k + 127
+
+
+def quantize_e4m3(x: np.ndarray, scale_byte: int | None = None) -> tuple[np.ndarray, int]:
+    """float32 -> (E4M3 codes shaped like x, E8M0 scale byte). ``scale_byte``: the scale to use
+    (a part of a larger tensor is encoded with the whole tensor's), else ``x``'s own."""
+    x = np.asarray(x, dtype=_F32, order="C")
+    flat = x.reshape(-1)
+    if scale_byte is None:
+        if flat.size == 0:
+            return np.zeros(x.shape, np.uint8), 127
+        scale_byte = e4m3_scale_byte(e4m3_amax(flat))
+    k = int(scale_byte) - 127
     # Non-finite inputs stay non-finite through the scaling and map to the NaN code.
     codes = _e4m3_encode(flat, _inv_pow2(np.array([k]))[0] if k else None)
     return codes.reshape(x.shape), k + 127
@@ -358,8 +379,10 @@ def dequantize_f4(packed: np.ndarray, scale: np.ndarray, shape: tuple[int, ...])
 # Dispatch
 
 
-def quantize(x: np.ndarray, dtype: str) -> QTensor:
-    """float32 array -> its storage form in ``dtype`` (one of ``DTYPES``)."""
+def quantize(x: np.ndarray, dtype: str, *, f8_scale: int | None = None) -> QTensor:
+    """float32 array -> its storage form in ``dtype`` (one of ``DTYPES``). ``f8_scale``: for
+    F8_E4M3, the E8M0 scale byte to encode with (a part of a tensor takes the whole tensor's,
+    ``e4m3_scale_byte``); ignored by the other dtypes."""
     x = np.asarray(x, dtype=_F32, order="C")
     shape = tuple(int(d) for d in x.shape)
     if dtype == "F32":
@@ -369,7 +392,7 @@ def quantize(x: np.ndarray, dtype: str) -> QTensor:
     if dtype == "BF16":
         return QTensor(dtype, shape, to_bf16_bits(x))
     if dtype == "F8_E4M3":
-        codes, scale_byte = quantize_e4m3(x)
+        codes, scale_byte = quantize_e4m3(x, f8_scale)
         return QTensor(dtype, shape, codes, np.array([scale_byte], np.uint8))
     if dtype == "F4":
         packed, scale = quantize_f4(x)

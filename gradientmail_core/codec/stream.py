@@ -41,16 +41,14 @@ import numpy as np
 from ..errors import PayloadCorrupt, PayloadLayoutMismatch
 from . import quant, safetensors_io
 from .payload import (
-    COMPRESSIONS,
-    FORMAT,
     SCALE,
     WORKERS,
-    _canonical,
     _check,
     check_header,
     default_payload_cap,
     header_cap,
     header_info,
+    metadata,
     storage_layout,
 )
 from .payload import codec as zstd_codec
@@ -123,24 +121,29 @@ def stream_payload(
     *,
     kind: str,
     compression: str = "",
+    meta: Mapping[str, str] | None = None,
+    f8_scales: Mapping[str, int] | None = None,
 ) -> PayloadStream:
-    """float32 tensors -> the stream of ``encode_payload(tensors, dtypes, ...)``'s bytes."""
+    """float32 tensors -> the stream of ``encode_payload(tensors, dtypes, ...)``'s bytes (``meta``
+    and ``f8_scales`` as there)."""
     if isinstance(dtypes, str):
         dtypes = dict.fromkeys(tensors, dtypes)
     if set(dtypes) != set(tensors):
         raise ValueError(f"dtypes name {sorted(set(dtypes) ^ set(tensors))[:10]} not matching the tensors")
     _check(dtypes, compression)
     shapes = {name: tuple(int(d) for d in np.shape(x)) for name, x in tensors.items()}
-    source = _FloatSource(tensors, dtypes)
-    return _stream(source, dict(dtypes), shapes, kind, compression)
+    source = _FloatSource(tensors, dtypes, f8_scales or {})
+    return _stream(source, dict(dtypes), shapes, kind, compression, meta)
 
 
-def stream_quantized(tensors: Mapping[str, quant.QTensor], *, kind: str, compression: str = "") -> PayloadStream:
+def stream_quantized(
+    tensors: Mapping[str, quant.QTensor], *, kind: str, compression: str = "", meta: Mapping[str, str] | None = None
+) -> PayloadStream:
     """Tensors quantized already -> the stream of ``encode_quantized(tensors, ...)``'s bytes."""
     dtypes = {name: q.dtype for name, q in tensors.items()}
     _check(dtypes, compression)
     shapes = {name: tuple(q.shape) for name, q in tensors.items()}
-    return _stream(_QuantizedSource(tensors), dtypes, shapes, kind, compression)
+    return _stream(_QuantizedSource(tensors), dtypes, shapes, kind, compression, meta)
 
 
 def _arrays(q: quant.QTensor) -> list[np.ndarray]:
@@ -168,8 +171,8 @@ class _QuantizedSource:
 class _FloatSource:
     """Stored tensors of float32 tensors, quantized piece by piece where the dtype allows."""
 
-    def __init__(self, tensors: Mapping[str, np.ndarray], dtypes: Mapping[str, str]) -> None:
-        self.tensors, self.dtypes = tensors, dtypes
+    def __init__(self, tensors: Mapping[str, np.ndarray], dtypes: Mapping[str, str], scales: Mapping[str, int]) -> None:
+        self.tensors, self.dtypes, self.scales = tensors, dtypes, scales
         # A whole-tensor quantization (scaled dtypes) kept until each of its parts has gone out.
         self._held: dict[str, tuple[list[np.ndarray], set[int]]] = {}
 
@@ -177,7 +180,7 @@ class _FloatSource:
         self._held.clear()  # a pass given up half-way leaves nothing behind
 
     def whole(self, name: str) -> list[np.ndarray]:
-        return _arrays(quant.quantize(self.tensors[name], self.dtypes[name]))
+        return _arrays(quant.quantize(self.tensors[name], self.dtypes[name], f8_scale=self.scales.get(name)))
 
     def pieces(self, name: str, part: int) -> Iterator[Chunk]:
         dtype = self.dtypes[name]
@@ -198,28 +201,23 @@ class _FloatSource:
             yield view[i : i + PIECE]
 
 
-def _metadata(kind: str, compression: str, dtypes: Mapping[str, str], shapes: Mapping[str, Sequence[int]]) -> dict:
-    return {
-        "format": FORMAT,
-        "kind": kind,
-        "compression": COMPRESSIONS[compression],
-        "dtypes": _canonical(dict(dtypes)),
-        "shapes": _canonical({name: list(shape) for name, shape in shapes.items()}),
-    }
-
-
 def _stream(
-    source: Any, dtypes: dict[str, str], shapes: dict[str, tuple[int, ...]], kind: str, compression: str
+    source: Any,
+    dtypes: dict[str, str],
+    shapes: dict[str, tuple[int, ...]],
+    kind: str,
+    compression: str,
+    meta: Mapping[str, str] | None = None,
 ) -> PayloadStream:
-    metadata = _metadata(kind, compression, dtypes, shapes)
+    head_meta = metadata(kind, compression, dtypes, shapes, meta)
     # stored name -> (logical name, part index, safetensors dtype, stored shape)
     stored: dict[str, tuple[str, int, str, tuple[int, ...]]] = {}
     for name in dtypes:
         for i, (suffix, st_dtype, st_shape) in enumerate(storage_layout(shapes[name], dtypes[name])):
             stored[name + suffix] = (name, i, st_dtype, tuple(st_shape))
     if compression == "zstd":
-        return _zstd_stream(source, dtypes, shapes, metadata)
-    head, order = safetensors_io.header({k: (v[2], v[3]) for k, v in stored.items()}, metadata)
+        return _zstd_stream(source, dtypes, shapes, head_meta)
+    head, order = safetensors_io.header({k: (v[2], v[3]) for k, v in stored.items()}, head_meta)
 
     def parts() -> Iterator[Chunk]:
         source.restart()
@@ -351,6 +349,7 @@ def decode_stream(
     kind: str | None = None,
     dtypes: Mapping[str, str] | None = None,
     key: str = "payload",
+    meta: Mapping[str, str] | None = None,
 ) -> dict[str, np.ndarray]:
     """``decode_payload`` of the bytes ``chunks`` yields, decoded as they arrive, returned only
     once all ``size`` bytes have come and hash to ``sha256`` (``PayloadCorrupt`` otherwise)."""
@@ -366,7 +365,7 @@ def decode_stream(
     header, _ = safetensors_io.read_header(struct.pack("<Q", n) + start, max_header_bytes=limit, total=size)
     info = header_info(header, compression)
     try:
-        entries, layout = check_header(header, info, expected, kind=kind, dtypes=dtypes)
+        entries, layout = check_header(header, info, expected, kind=kind, dtypes=dtypes, meta=meta)
     except PayloadLayoutMismatch:
         # Intact bytes of other tensors (a ``schema`` rejection) or damaged ones (``corrupt``):
         # only the hash tells, as it does when the payload is read whole.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import re
@@ -57,9 +58,50 @@ def nonneg(**kw: Any) -> Any:
 
 @dataclass(frozen=True, kw_only=True)
 class PayloadRef:
+    """A payload by reference: its key, sha256 and size. A chunked payload (``docs/protocol.md``,
+    "Chunked payloads") is a list of chunks: this ref is chunk 0 and ``more`` lists chunks 1..n-1
+    in order (each without ``more`` of its own). Left out of the JSON when empty, so the ref of a
+    one-chunk payload has the bytes it always had."""
+
     key: str = field(metadata=_meta(pattern=_KEY, max_len=512))
     sha256: str = sha()
     size: int = nonneg()
+    more: list[PayloadRef] = field(
+        default_factory=list, hash=False, metadata={**_meta(max_len=MAX_LIST), "omit_default": True}
+    )
+
+
+def chunk_refs(ref: PayloadRef) -> list[PayloadRef]:
+    """The refs of a payload's chunks, in order (each without ``more``)."""
+    if not ref.more:
+        return [ref]
+    return [dataclasses.replace(ref, more=[]), *ref.more]
+
+
+def join_refs(refs: list[PayloadRef]) -> PayloadRef:
+    """One ref naming these chunks in order (the inverse of ``chunk_refs``)."""
+    assert refs, "a payload has at least one chunk"
+    assert not any(r.more for r in refs), "a chunk's ref has no chunks of its own"
+    return dataclasses.replace(refs[0], more=list(refs[1:])) if len(refs) > 1 else refs[0]
+
+
+def digest_of(shas: list[str]) -> str:
+    """The digest of a payload whose chunks hash to ``shas`` (in order): the sha256 itself for one
+    chunk, else the sha256 of the hex strings concatenated."""
+    if len(shas) == 1:
+        return shas[0]
+    return hashlib.sha256("".join(shas).encode("ascii")).hexdigest()
+
+
+def ref_digest(ref: PayloadRef) -> str:
+    """A payload's digest: ``ref.sha256`` for one chunk, else ``digest_of`` its chunks' sha256s.
+    What ``Participant.payload_sha256``, ``theta_digest`` and ``outer_digest`` hold."""
+    return digest_of([r.sha256 for r in chunk_refs(ref)])
+
+
+def ref_size(ref: PayloadRef) -> int:
+    """Bytes of every chunk of a payload."""
+    return sum(r.size for r in chunk_refs(ref))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -222,13 +264,27 @@ _OMIT_IF_NONE = ("owner", "members", "signer", "sig")
 
 def to_dict(record: Any) -> dict[str, Any]:
     d = dataclasses.asdict(record)
+    _omit(record, d)
+    return d
+
+
+def _omit(record: Any, d: dict[str, Any]) -> None:
+    """Leave out of ``d`` (``asdict(record)``) what is left out of the JSON, in nested records too
+    (a ``PayloadRef`` without chunks inside a round record keeps the bytes it had)."""
     for name in _OMIT_IF_NONE:
         if name in d and d[name] is None:
             del d[name]
     for f in _omitted_if_default(type(record)):
-        if d.get(f.name, f.default) == f.default:
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if d.get(f.name, default) == default:
             d.pop(f.name, None)
-    return d
+    for f in dataclasses.fields(record):
+        value, out = getattr(record, f.name), d.get(f.name)
+        if dataclasses.is_dataclass(value):
+            _omit(value, out)  # type: ignore[arg-type]
+        elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]) and isinstance(out, list):
+            for v, o in zip(value, out, strict=True):
+                _omit(v, o)
 
 
 _OMITTED: dict[type, tuple[dataclasses.Field[Any], ...]] = {}
@@ -318,6 +374,8 @@ def _build(cls: type[R], raw: Any, where: str) -> R:
                 raise RecordInvalid(f"{where}: missing field {name!r} in {cls.__name__}")
             continue
         values[name] = _check(hints[name], raw[name], f.metadata.get("check", {}), f"{where}.{name}")
+    if cls is PayloadRef and any(m.more for m in values.get("more", ())):
+        raise RecordInvalid(f"{where}.more: a chunk's ref lists chunks of its own")
     return cls(**values)
 
 

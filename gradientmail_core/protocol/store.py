@@ -7,21 +7,29 @@ secret, authentication) and the handling of create-once conflicts happen in one 
 Payloads move as streams (``mailbox.write_stream`` / ``read_stream``): a ``PayloadStream`` goes
 out as it is produced, and a payload read is verified and decoded as its parts arrive
 (``codec.stream``), so moving one never needs a joined copy of it.
+
+A chunked payload (``docs/protocol.md``, "Chunked payloads") is one object per chunk; its ref
+lists them (``PayloadRef.more``). ``get_payload`` given the run's ``chunk_elements`` reads every
+chunk and returns the assembled fragment; ``get_chunk``/``put_chunk`` move one chunk (a sharded
+node's ranks), ``put_fragment`` writes every chunk of a whole fragment. The API is summed up in
+``protocol/chunks.py``'s docstring.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
 
+from ..codec import chunked
 from ..codec.payload import sha256_hex
 from ..codec.stream import PayloadStream, decode_stream
 from ..errors import MailboxUnavailable, PayloadCorrupt, RecordInvalid
 from ..mailbox import Chunk, CreateOutcome, Mailbox, create_once, read_stream, write_stream
 from . import keys
-from .records import PayloadRef, decode, encode
+from .chunks import Piece, assemble, fragment_plan, is_one_whole_chunk
+from .records import PayloadRef, chunk_refs, decode, encode, join_refs
 
 R = TypeVar("R")
 # Bytes payloads from this size on are streamed (as views of PUT_PIECE; backends regroup them into
@@ -142,11 +150,105 @@ class RunStore:
         *,
         max_bytes: int | None = None,
         dtypes: Mapping[str, str] | None = None,
+        chunk_elements: int | None = None,
     ) -> dict[str, np.ndarray] | None:
         """Fetch, verify and decode a payload as its parts arrive. None if it is gone;
         ``PayloadCorrupt`` if bad: cut short, too long, not hashing to ``ref.sha256``
         (``PayloadLayoutMismatch`` if intact but of other tensors, or other ``dtypes``). Nothing
-        decoded is returned before the whole payload has been verified."""
+        decoded is returned before the whole payload has been verified.
+
+        ``chunk_elements``: the run's (``RunInfo.chunk_elements``). The payload is then the chunks
+        of ``expected`` (in this order) its ref lists, each read, verified against its place in
+        the plan and decoded, and the fragment is returned assembled; a ref listing another number
+        of chunks is ``PayloadCorrupt``, chunks out of order ``PayloadLayoutMismatch``, and
+        if any chunk is gone the result is None. ``max_bytes`` then bounds the chunks' total (each
+        is also held to its own cap). A fragment that is one chunk of whole tensors (always, with
+        ``chunk_elements`` None) is read exactly as a whole payload always was."""
+        specs = chunked.chunk_specs(expected, chunk_elements)
+        if len(specs) == 1 and not specs[0].meta:
+            if ref.more:
+                raise PayloadCorrupt(f"{ref.key}: the ref lists {len(ref.more) + 1} chunks, the plan one")
+            return self._read(
+                ref,
+                lambda chunks, compression: decode_stream(
+                    chunks,
+                    expected,
+                    size=ref.size,
+                    sha256=ref.sha256,
+                    compression=compression,
+                    max_bytes=max_bytes,
+                    dtypes=dtypes,
+                    key=ref.key,
+                ),
+                max_bytes,
+            )
+        refs = chunk_refs(ref)
+        if len(refs) != len(specs):
+            raise PayloadCorrupt(f"{ref.key}: the ref lists {len(refs)} chunks, the plan {len(specs)}")
+        total = sum(r.size for r in refs)
+        if max_bytes is not None and total > max_bytes:
+            raise PayloadCorrupt(
+                f"{ref.key}: declared size {total} of {len(refs)} chunks exceeds the cap of {max_bytes}"
+            )
+        parts: list[dict[str, np.ndarray]] = []
+        for r, s in zip(refs, specs, strict=True):
+            got = self._get_chunk(r, s, dtypes=dtypes, max_bytes=max_bytes)
+            if got is None:
+                return None
+            parts.append(got)
+        return assemble([list(s.pieces) for s in specs], parts, expected)
+
+    def get_chunk(
+        self,
+        ref: PayloadRef,
+        pieces: Sequence[Piece],
+        *,
+        shapes: Mapping[str, Sequence[int]],
+        k: int,
+        n: int,
+        dtypes: Mapping[str, str] | None = None,
+        max_bytes: int | None = None,
+        kind: str | None = None,
+    ) -> dict[str, np.ndarray] | None:
+        """Chunk ``k`` of ``n`` (``ref``: that chunk's own ref, ``chunk_refs(payload_ref)[k]``), of
+        these ``pieces`` of tensors of full ``shapes``: fetched, size- and sha256-checked, checked
+        against the plan's layout and decoded, as ``{piece name: flat float32 values}``. None if it
+        is gone; ``PayloadCorrupt``/``PayloadLayoutMismatch`` as ``get_payload``."""
+        if ref.more:
+            raise PayloadCorrupt(f"{ref.key}: a chunk's ref lists chunks of its own")
+        got = self._get_chunk(ref, chunked.spec(pieces, shapes, k, n), dtypes=dtypes, max_bytes=max_bytes, kind=kind)
+        return None if got is None else {name: v.reshape(-1) for name, v in got.items()}
+
+    def _get_chunk(
+        self,
+        ref: PayloadRef,
+        s: chunked.ChunkSpec,
+        *,
+        dtypes: Mapping[str, str] | None,
+        max_bytes: int | None,
+        kind: str | None = None,
+    ) -> dict[str, np.ndarray] | None:
+        cap = s.cap() if max_bytes is None else min(max_bytes, s.cap())
+        return self._read(
+            ref,
+            lambda chunks, compression: chunked.decode_chunk(
+                chunks,
+                s,
+                size=ref.size,
+                sha256=ref.sha256,
+                compression=compression,
+                max_bytes=cap,
+                kind=kind,
+                dtypes=dtypes,
+                key=ref.key,
+            ),
+            cap,
+        )
+
+    def _read(
+        self, ref: PayloadRef, decode: Callable[[Iterable[Chunk], str], dict[str, np.ndarray]], max_bytes: int | None
+    ) -> dict[str, np.ndarray] | None:
+        """One object's bytes, streamed into ``decode(chunks, compression)``; None if it is gone."""
         if max_bytes is not None and ref.size > max_bytes:
             raise PayloadCorrupt(f"{ref.key}: declared size {ref.size} exceeds the cap of {max_bytes} bytes")
         try:
@@ -157,20 +259,65 @@ class RunStore:
         if chunks is None:
             return None
         try:
-            return decode_stream(
-                self._counted(chunks),
-                expected,
-                size=ref.size,
-                sha256=ref.sha256,
-                compression=compression,
-                max_bytes=max_bytes,
-                dtypes=dtypes,
-                key=ref.key,
-            )
+            return decode(self._counted(chunks), compression)
         finally:
             close = getattr(chunks, "close", None)  # cancels the reads still in flight
             if close is not None:
                 close()
+
+    def put_chunk(
+        self,
+        key_for_sha: Callable[[str], str],
+        values: chunked.Values,
+        pieces: Sequence[Piece],
+        *,
+        shapes: Mapping[str, Sequence[int]],
+        k: int,
+        n: int,
+        dtypes: Mapping[str, str] | str,
+        kind: str,
+        compression: str,
+        f8_scales: Mapping[str, int] | None = None,
+    ) -> PayloadRef:
+        """Encode chunk ``k`` of ``n`` from its pieces' values (``codec.chunked.stream_chunk``:
+        float32 values of each piece, or its ``QTensor``; an F8 piece of float values needs its
+        whole tensor's scale byte in ``f8_scales``) and upload it under ``key_for_sha(sha256)``.
+        The ref of that one chunk; ``join_refs`` puts a payload's chunk refs together."""
+        s = chunked.spec(pieces, shapes, k, n)
+        with chunked.stream_chunk(values, s, dtypes, kind=kind, compression=compression, f8_scales=f8_scales) as data:
+            return self.put_payload(key_for_sha, data)
+
+    def put_fragment(
+        self,
+        key_for_sha: Callable[[str], str],
+        tensors: chunked.Values,
+        *,
+        shapes: Mapping[str, Sequence[int]],
+        dtypes: Mapping[str, str] | str,
+        chunk_elements: int | None,
+        kind: str,
+        compression: str,
+        on_chunk: Callable[[chunked.ChunkSpec, PayloadStream, PayloadRef], None] | None = None,
+    ) -> PayloadRef:
+        """Write a whole fragment (float32 arrays, or ``QTensor``s quantized already) as the chunks
+        of its plan (``shapes``' order), one at a time, and return the ref naming them all.
+        ``on_chunk(spec, stream, ref)`` is called after each chunk is written (the stream can be
+        produced again then: a closer decodes its own contribution from it)."""
+        out = []
+        for s, data in chunked.fragment_streams(
+            tensors, shapes, dtypes, chunk_elements, kind=kind, compression=compression
+        ):
+            with data:
+                ref = self.put_payload(key_for_sha, data)
+                if on_chunk is not None:
+                    on_chunk(s, data, ref)
+            out.append(ref)
+        return join_refs(out)
+
+    @staticmethod
+    def one_payload(shapes: Mapping[str, Sequence[int]], chunk_elements: int | None) -> bool:
+        """Is a payload of these tensors one chunk of whole tensors (today's whole payload)?"""
+        return chunk_elements is None or is_one_whole_chunk(fragment_plan(shapes, chunk_elements), shapes)
 
     def _counted(self, chunks: Iterable[Chunk]) -> Iterator[Chunk]:
         for chunk in chunks:
