@@ -9,6 +9,13 @@ GradScaler found no inf/NaN, so exactly the real optimizer steps count.
 The session joins the run lazily (``start()``, entering the handle, or at the latest just
 before the first real optimizer step), so that ``accelerator.load_state(...)`` called after
 registering can restore the handle's state (its learner id) before the node rejoins.
+
+With the FSDP plugin at ``fsdp_version=2`` the prepared model's parameters are DTensors
+(``fully_shard``): every process then runs a session of the same learner, and the post-step
+hook, which runs on every process after the same real optimizer step, steps each of them (the
+session's per-step decision is a collective of the node's processes). A step the GradScaler
+skips is skipped on every process alike (DTensor all-reduces the inf/NaN flag over the mesh).
+FSDP1 (flat parameters) is refused.
 """
 
 from __future__ import annotations
@@ -32,20 +39,24 @@ from .driver import SessionDriver
 from .options import SessionOptions
 
 _UNSUPPORTED = {
-    DistributedType.FSDP: "FSDP shards the parameters",
+    DistributedType.FSDP: "FSDP1 shards the parameters as flat parameters (use fsdp_version=2)",
     DistributedType.DEEPSPEED: "DeepSpeed owns the optimizer step and may shard the parameters",
     DistributedType.MEGATRON_LM: "Megatron-LM shards the parameters",
     DistributedType.XLA: "XLA runs outside torch.distributed",
 }
 
 
-def check_distributed_type(distributed_type: DistributedType) -> None:
-    """Refuse Accelerate setups where a rank does not hold whole parameters."""
+def check_distributed_type(distributed_type: DistributedType, fsdp_version: int | None = None) -> None:
+    """Refuse Accelerate setups whose parameters gradientmail cannot read: FSDP1, DeepSpeed,
+    Megatron-LM, XLA. FSDP with ``fsdp_version=2`` (DTensor parameters) is accepted."""
+    if distributed_type == DistributedType.FSDP and fsdp_version == 2:
+        return
     why = _UNSUPPORTED.get(distributed_type)
     if why is not None:
         raise ValueError(
             f"register_gradientmail cannot train with distributed_type={distributed_type.value}: {why}, and "
-            "gradientmail reads and writes whole parameters on rank 0. Launch the node as plain data parallel "
+            "gradientmail reads and writes whole parameters on rank 0, or FSDP2 DTensor shards on every rank. "
+            "Use the FSDP plugin with fsdp_version=2, or launch the node as plain data parallel "
             "(accelerate launch --multi_gpu, or torchrun) so every rank holds the full model, or use one process "
             "per node."
         )
@@ -136,7 +147,7 @@ class GradientMailHandle:
 
     @property
     def session(self) -> gm.Session | None:
-        """The live session, on the main process while started (None elsewhere)."""
+        """The live session while started: on the main process (on every process under FSDP2)."""
         return self.driver.session
 
     @property
@@ -181,9 +192,11 @@ def register_gradientmail(
         **options: the other options of :class:`~gradientmail_lightning.options.SessionOptions`
             (``wait_for_learners``, ``wait_timeout``, ``learner_id``, ``poll_interval``, ...).
 
-    Call it on every process; only the main process talks to the mailbox.
+    Call it on every process; only the main process talks to the mailbox (under FSDP2, every
+    process moves its part of the payloads).
     """
-    check_distributed_type(self.distributed_type)
+    plugin = getattr(self.state, "fsdp_plugin", None)
+    check_distributed_type(self.distributed_type, getattr(plugin, "fsdp_version", None))
     if samples_per_step is not None and (not isinstance(samples_per_step, int) or samples_per_step < 0):
         raise ValueError(f"register_gradientmail(samples_per_step={samples_per_step!r}): expected an int >= 0")
     if isinstance(optimizer, AcceleratedOptimizer):

@@ -5,7 +5,9 @@ It joins the run in ``on_train_start`` (after a checkpoint is restored, so a res
 rejoins under its old learner id and starts from the newest committed parameters), steps the
 session in ``on_train_batch_end`` once per real optimizer step, and closes the session in
 ``on_train_end``, leaving the model at the newest committed parameters. Under DDP only global
-rank 0 holds the session; alignments are mirrored to the other ranks at the same step.
+rank 0 holds the session; alignments are mirrored to the other ranks at the same step. Under
+``ModelParallelStrategy`` with FSDP2 (``fully_shard`` in ``configure_model``) every rank holds
+a session of the same learner and steps it after each real optimizer step.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without lightning
     raise MissingExtra("lightning") from e
 
+from gradientmail_core.adapters.torch_sharded import find_sharded
+
 from .driver import SamplesFn, SessionDriver, first_batch_len
 from .options import SessionOptions
 
@@ -32,14 +36,33 @@ _OWN_OPTIONS = ("samples_fn", "log_metrics")
 
 
 def check_strategy(strategy: Any) -> None:
-    """Refuse strategies where a rank does not hold whole parameters."""
+    """Refuse strategies whose parameters gradientmail cannot read: those that shard them other
+    than as FSDP2 DTensors, or run outside torch.distributed. ``ModelParallelStrategy`` passes
+    here; whether its module really is FSDP2-sharded is checked when training starts
+    (``check_sharded_module``), after ``configure_model`` ran."""
     name = type(strategy).__name__
-    if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy)) or "XLA" in name:
+    if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy)) or "XLA" in name:
         raise ValueError(
-            f"gradientmail cannot train with Trainer(strategy={name}(...)): it reads and writes whole "
-            "parameters on rank 0, and this strategy shards them or runs outside torch.distributed. "
-            "Use Trainer(strategy=MailboxDiLoCoStrategy(...)) (DDP: every rank holds the full model), or "
+            f"gradientmail cannot train with Trainer(strategy={name}(...)): this strategy shards the parameters "
+            "in its own format (FSDP1's flat parameters, DeepSpeed's partitions) or runs outside "
+            "torch.distributed. Use Trainer(strategy=ModelParallelStrategy()) with fully_shard(...) in "
+            "LightningModule.configure_model (FSDP2) and GradientMailCallback(...), or "
+            "Trainer(strategy=MailboxDiLoCoStrategy(...)) (DDP: every rank holds the full model), or "
             "strategy='ddp' / a single device with GradientMailCallback(...)."
+        )
+
+
+def check_sharded_module(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    """Under ``ModelParallelStrategy`` with several processes, the module's trainable parameters
+    must be FSDP2 DTensors (one 1-D mesh, ``Shard(0)``: ``find_sharded`` says why not)."""
+    if not isinstance(trainer.strategy, ModelParallelStrategy) or trainer.world_size == 1:
+        return
+    if find_sharded(pl_module) is None:
+        raise ValueError(
+            f"Trainer(strategy=ModelParallelStrategy(...)) with {trainer.world_size} processes, but the "
+            "LightningModule's parameters are plain tensors: each process would train its own copy. Call "
+            "torch.distributed.fsdp.fully_shard on the module's layers and on the module in configure_model "
+            "(gradientmail supports FSDP2 on a 1-D mesh; tensor parallelism is not supported)"
         )
 
 
@@ -81,7 +104,7 @@ class GradientMailCallback(Callback):
 
     @property
     def session(self) -> gm.Session | None:
-        """The live session, on rank 0 while training (None elsewhere)."""
+        """The live session while training: on rank 0 (on every rank of an FSDP2 node)."""
         return self.driver.session
 
     @override
@@ -91,6 +114,7 @@ class GradientMailCallback(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        check_sharded_module(trainer, pl_module)
         self.driver.start(pl_module)
         self._last_global_step = trainer.global_step
         self._pending_samples = 0

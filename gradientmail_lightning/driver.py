@@ -1,5 +1,7 @@
 """What the Lightning callback and the Accelerate hook share: a ``gm.Session`` driven from a
-trainer's hooks, on rank 0 of the node, mirrored to the node's other ranks.
+trainer's hooks. A data-parallel node runs it on rank 0 and mirrors it to the other ranks
+(``replicas.py``); a node whose parameters are FSDP2 DTensors runs it on every rank, under one
+learner id, and the session keeps the ranks in step (``shards.py``).
 
 The integrations only translate their framework's hooks into four calls: ``start`` (join the
 run), ``step`` (after each real optimizer step), ``close`` (end of training) and ``abort``
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -19,10 +22,12 @@ import torch
 
 import gradientmail_core as gm
 from gradientmail_core import events as ev
+from gradientmail_core.adapters.torch_sharded import find_sharded
 from gradientmail_core.session import default_learner_id
 
 from .options import SessionOptions
 from .replicas import Replicas
+from .shards import Shards
 
 _log = logging.getLogger(__name__)
 _STATE_FORMAT = 1
@@ -64,10 +69,12 @@ class Metrics:
 class SessionDriver:
     """Runs one ``gm.Session`` per training run for an integration.
 
-    ``options`` (see :class:`SessionOptions`) say which run to join and how: the session is
-    built from them on rank 0; the other ranks never build a session and never touch the
-    mailbox. ``wait_for_learners`` makes ``start`` block until that many learners are live,
-    so the nodes of a run start training together. ``owner`` names the integration in errors.
+    ``options`` (see :class:`SessionOptions`) say which run to join and how. A data-parallel
+    node builds the session on rank 0 only; its other ranks never build one and never touch the
+    mailbox. A sharded node (FSDP2 DTensor parameters) builds one on every rank, under rank 0's
+    learner id, and every rank steps and closes it. ``wait_for_learners`` makes ``start`` block
+    until that many learners are live, so the nodes of a run start training together. ``owner``
+    names the integration in errors.
     """
 
     def __init__(self, options: SessionOptions, *, owner: str) -> None:
@@ -83,22 +90,32 @@ class SessionDriver:
         # Per training run.
         self.session: gm.Session | None = None
         self.replicas: Replicas | None = None
+        self.shards: Shards | None = None
         self.metrics = Metrics()
+        # What builds a session (tests replace it to watch the calls each rank makes).
+        self.session_factory: Callable[..., gm.Session] = gm.Session
 
     # ---- lifecycle ----------------------------------------------------------------------
 
     @property
     def started(self) -> bool:
-        return self.replicas is not None
+        return self.replicas is not None or self.shards is not None
 
     @property
     def leader(self) -> bool:
-        return self.replicas is None or self.replicas.leader
+        group = self.replicas or self.shards
+        return group is None or group.leader
 
     def start(self, module: torch.nn.Module) -> None:
-        """Join the run on rank 0 and give every rank the newest committed parameters."""
-        if self.replicas is not None:
+        """Join the run and give every rank the newest committed parameters (a data-parallel
+        node joins on rank 0 and mirrors; a sharded node joins on every rank)."""
+        if self.started:
             raise RuntimeError(f"{self.owner}: the session was already started; close it before starting again")
+        # FSDP2 parameters are DTensors; a node that never loaded torch.distributed.tensor has none.
+        sharded = find_sharded(module) if "torch.distributed.tensor" in sys.modules else None
+        if sharded is not None:  # (find_sharded: ShardingUnsupported for a layout it cannot cut)
+            self._start_sharded(module, Shards(sharded))
+            return
         replicas = Replicas([(n, p) for n, p in module.named_parameters() if p.requires_grad])
         self.replicas = replicas
         if replicas.leader:
@@ -114,7 +131,32 @@ class SessionDriver:
             self.abort(e)
             raise
 
-    def _open(self, module: torch.nn.Module) -> None:
+    def _start_sharded(self, module: torch.nn.Module, shards: Shards) -> None:
+        """Every rank opens a session under rank 0's learner id (opening is collective inside
+        the session); rank 0 alone waits for the other learners, and every rank then agrees on
+        whether that worked."""
+        leader_id = (self.learner_id or default_learner_id()) if shards.leader else None
+        self.learner_id = shards.same_id(leader_id)
+        self.shards = shards
+        try:
+            self._open(module, wait=False, callbacks=shards.leader)
+        except BaseException:
+            self.shards = None
+            raise
+        session = self._session()
+        error: BaseException | None = None
+        if shards.leader:
+            try:
+                self._wait_for_learners(session)
+                self.round = session.progress.round
+            except BaseException as e:
+                error = e
+        if shards.agree(error is not None):
+            failure = error or shards.failed_elsewhere("waiting for the other learners")
+            self.abort(failure)
+            raise failure
+
+    def _open(self, module: torch.nn.Module, *, wait: bool = True, callbacks: bool = True) -> None:
         if self.learner_id is None:
             self.learner_id = default_learner_id()
         opts = self.options
@@ -123,24 +165,36 @@ class SessionDriver:
         session_kwargs = {
             **opts.session_kwargs(),
             "learner_id": self.learner_id,
-            "callbacks": (*opts.callbacks, self.metrics),
+            # A sharded node's ranks > 0 keep only the metrics: the user's callbacks (by default
+            # the event log) hear each event once, from rank 0.
+            "callbacks": (*opts.callbacks, self.metrics) if callbacks else (self.metrics,),
         }
-        session = gm.Session(module, algorithm=opts.algorithm, mailbox=mailbox, **session_kwargs)
+        session = self.session_factory(module, algorithm=opts.algorithm, mailbox=mailbox, **session_kwargs)
         session.open()
         self.session = session
+        if not wait:
+            return
         try:
-            if opts.wait_for_learners is not None:
-                session.wait_for(opts.wait_for_learners, timeout=opts.wait_timeout)
+            self._wait_for_learners(session)
         except BaseException as e:
             session.__exit__(type(e), e, e.__traceback__)
             self.session = None
             raise
         self.round = session.progress.round
+
+    def _wait_for_learners(self, session: gm.Session) -> None:
+        opts = self.options
+        if opts.wait_for_learners is not None:
+            session.wait_for(opts.wait_for_learners, timeout=opts.wait_timeout)
         self.metrics.changed_fragments.clear()
 
     def step(self, samples: int, steps: int = 1) -> None:
         """After ``steps`` real optimizer steps (on every rank) that processed ``samples``
-        samples on this rank: step the session on rank 0, mirror alignments to the others."""
+        samples on this rank: step the session on rank 0, mirror alignments to the others
+        (a sharded node: step the session on every rank)."""
+        if self.shards is not None:
+            self._step_sharded(self.shards, samples, steps)
+            return
         replicas = self._replicas()
         total = replicas.total(int(samples))
         changed: set[str] | None = None
@@ -158,6 +212,17 @@ class SessionDriver:
         self.steps += steps
         self.samples += total
 
+    def _step_sharded(self, shards: Shards, samples: int, steps: int) -> None:
+        # Every rank makes the same calls: session.step is a collective of the node's ranks.
+        total = shards.total(int(samples))
+        session = self._session()
+        for i in range(steps):
+            session.step(samples=total if i == 0 else 0)
+        if shards.leader:
+            self.round = session.progress.round
+        self.steps += steps
+        self.samples += total
+
     def _changed_names(self, session: gm.Session) -> set[str]:
         fragments = self.metrics.changed_fragments
         if not fragments:
@@ -170,7 +235,16 @@ class SessionDriver:
 
     def close(self) -> None:
         """Wait for this node's rounds in flight, then give every rank the newest committed
-        parameters (the session's ``close``)."""
+        parameters (the session's ``close``). Collective: every rank calls it."""
+        if self.shards is not None:
+            shards, session = self.shards, self._session()
+            try:
+                session.close()  # collective on a sharded node
+                if shards.leader:
+                    self.round = session.progress.round
+            finally:
+                self._reset()
+            return
         replicas = self._replicas()
         if replicas.leader:
             session = self._session()
@@ -197,6 +271,7 @@ class SessionDriver:
     def _reset(self) -> None:
         self.session = None
         self.replicas = None
+        self.shards = None
 
     def _replicas(self) -> Replicas:
         if self.replicas is None:
@@ -204,7 +279,7 @@ class SessionDriver:
         return self.replicas
 
     def _session(self) -> gm.Session:
-        assert self.session is not None, "rank 0 holds the session once started"
+        assert self.session is not None, "rank 0 (every rank of a sharded node) holds the session once started"
         return self.session
 
     # ---- checkpoints --------------------------------------------------------------------
@@ -246,7 +321,7 @@ class SessionDriver:
     def values(self) -> dict[str, float]:
         """The metrics to log, on rank 0 (``{}`` on the other ranks and before the start)."""
         session = self.session
-        if session is None:
+        if session is None or not self.leader:
             return {}
         p = session.progress
         m = self.metrics
