@@ -34,6 +34,11 @@ class Contribution(Protocol):
         node uploads this: no joined copy of the payload is held)."""
         ...
 
+    def quantized(self, dtypes: Mapping[str, str]) -> dict[str, quant.QTensor]:
+        """Background thread: the delta's tensors quantized to their dtypes, what ``stream``
+        encodes (the node cuts them into the chunks of a chunked run's payload)."""
+        ...
+
 
 class Incoming(Protocol):
     """A commit's parameters of one fragment, on their way into the model."""
@@ -59,12 +64,14 @@ class _HostContribution:
         return self.stream(dtypes, compression=compression).read()
 
     def stream(self, dtypes: Mapping[str, str], *, compression: str) -> PayloadStream:
+        # quantized once (F32: the delta itself), read by the stream's hash pass and its upload
+        return stream_quantized(self.quantized(dtypes), kind="delta", compression=compression)
+
+    def quantized(self, dtypes: Mapping[str, str]) -> dict[str, quant.QTensor]:
         delta = self._delta()
         if self.fed is not None:
-            quantized = self.fed.quantize(lambda residual: quantize_with_residual(delta, residual, dtypes))
-        else:  # quantized once (F32: the delta itself), read by the stream's hash pass and its upload
-            quantized = {n: quant.quantize(v, dtypes[n]) for n, v in delta.items()}
-        return stream_quantized(quantized, kind="delta", compression=compression)
+            return self.fed.quantize(lambda residual: quantize_with_residual(delta, residual, dtypes))
+        return {n: quant.quantize(v, dtypes[n]) for n, v in delta.items()}
 
     def _delta(self) -> dict[str, np.ndarray]:
         if self.delta is not None:  # encoded before (a failed upload is retried): the delta is kept
@@ -93,11 +100,12 @@ class _DeviceContribution:
         return self.stream(dtypes, compression=compression).read()
 
     def stream(self, dtypes: Mapping[str, str], *, compression: str) -> PayloadStream:
+        return stream_quantized(self.quantized(dtypes), kind="delta", compression=compression)
+
+    def quantized(self, dtypes: Mapping[str, str]) -> dict[str, quant.QTensor]:
         if self.fed is not None:
-            quantized = self.fed.quantize(lambda residual: self.captured.encode_with_residual(dtypes, residual))
-        else:
-            quantized = self.captured.encode(dtypes)
-        return stream_quantized(quantized, kind="delta", compression=compression)
+            return self.fed.quantize(lambda residual: self.captured.encode_with_residual(dtypes, residual))
+        return self.captured.encode(dtypes)
 
 
 class _HostIncoming:

@@ -14,11 +14,11 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from ..codec.chunked import fragment_streams
 from ..codec.quant import dequantize, quantize
-from ..codec.stream import stream_payload
 from ..errors import ProtocolError
 from . import keys
-from .records import RoundRecord
+from .records import RoundRecord, digest_of
 from .run import RunInfo, payload_cap
 from .schedule import round_of
 from .store import RunStore
@@ -48,10 +48,28 @@ def rebuild_theta(
 
 
 def theta_digest(run: RunInfo, f: int, theta: Mapping[str, np.ndarray]) -> str:
-    """The sha256 of the plain theta payload of ``theta`` (``encode_payload``'s bytes), hashed
-    piece by piece by the stream's first pass: a fragment's payload is never joined to be hashed."""
-    with stream_payload(theta, run.fragment_dtypes(f), kind="theta", compression="") as s:
-        return s.sha256
+    """The digest of the plain (uncompressed) theta payload of ``theta``: the sha256 of its bytes
+    (``encode_payload``'s) for one chunk, else ``records.digest_of`` its chunks' (``ref_digest``
+    of the ref naming them), each hashed piece by piece by the stream's first pass: a fragment's
+    payload is never joined to be hashed."""
+    return payload_digest(theta, run.shapes[f], run.fragment_dtypes(f), run.chunk_elements, kind="theta")
+
+
+def payload_digest(
+    values: Mapping[str, np.ndarray],
+    shapes: Mapping[str, tuple[int, ...]],
+    dtypes: Mapping[str, str] | str,
+    chunk_elements: int | None,
+    *,
+    kind: str,
+) -> str:
+    """``ref_digest`` of the plain (uncompressed) payload of ``values``, chunked by the plan of
+    ``shapes`` (in that order), computed without writing it."""
+    shas = []
+    for _, s in fragment_streams(values, shapes, dtypes, chunk_elements, kind=kind, compression=""):
+        with s:
+            shas.append(s.sha256)
+    return digest_of(shas)
 
 
 def checkpoint_record(store: RunStore, run: RunInfo, f: int, v: int) -> RoundRecord | None:
@@ -90,12 +108,12 @@ def chain_theta(store: RunStore, run: RunInfo, rec: RoundRecord) -> dict[str, np
     base = checkpoint_record(store, run, f, rec.checkpoint)
     ref = run.manifest.init[f] if base is None else base.theta
     assert ref is not None
-    theta = store.get_payload(ref, run.shapes[f], max_bytes=cap)
+    theta = store.get_payload(ref, run.shapes[f], max_bytes=cap, chunk_elements=run.chunk_elements)
     for link in chain_records(store, run, rec, rec.checkpoint):
         if theta is None:
             return None
         assert link.change is not None
-        change = store.get_payload(link.change, run.shapes[f], max_bytes=cap)
+        change = store.get_payload(link.change, run.shapes[f], max_bytes=cap, chunk_elements=run.chunk_elements)
         if change is None:
             return None
         theta = rebuild_theta(run, f, theta, change)

@@ -15,9 +15,20 @@ from ..config import DiLoCo
 from ..errors import ProtocolError, SchemaMismatch
 from ..mailbox import CreateOutcome
 from . import keys
+from .chunks import Piece, fragment_plan
 from .partition import plan
-from .records import Manifest, PayloadRef, TensorSpec
+from .records import MAX_RECORD_BYTES, Manifest, PayloadRef, TensorSpec, canonical_json, chunk_refs, to_dict
+from .schedule import is_checkpoint
 from .store import RunStore
+
+# The JSON of one chunk's ref in a round record, at its longest (a compressed round payload of the
+# highest round, the largest size), and how many a round record may carry beside everything else
+# (participants, rejections, estimates: a quarter of the record's cap is left to them).
+_LONGEST_REF = PayloadRef(
+    key=keys.round_blob_key(keys.MAX_ROUND, "change", "f" * 64, "zstd"), sha256="f" * 64, size=2**62
+)
+REF_BYTES = len(canonical_json(to_dict(_LONGEST_REF))) + 1  # and a comma
+RECORD_REFS = (MAX_RECORD_BYTES - MAX_RECORD_BYTES // 4) // REF_BYTES
 
 
 @dataclass
@@ -78,6 +89,29 @@ class RunInfo:
 
     def fragment_bytes(self, f: int) -> int:
         return sum(int(np.prod(s, dtype=np.int64)) * 4 for s in self.shapes[f].values())
+
+    @property
+    def chunk_elements(self) -> int | None:
+        """The run's chunk size (None: one chunk per fragment; docs/protocol.md, "Chunked payloads")."""
+        return self.cfg.chunk_elements
+
+    def plan(self, f: int) -> list[list[Piece]]:
+        """The chunks of fragment ``f``'s parameters, deltas and changes (``protocol/chunks.py``)."""
+        return fragment_plan(self.shapes[f], self.chunk_elements)
+
+    def outer_plan(self, f: int) -> list[list[Piece]]:
+        """The chunks of fragment ``f``'s outer-state payload (``outer_shapes``' order)."""
+        return fragment_plan(self.outer_shapes(f), self.chunk_elements)
+
+    def checkpoint_due(self, f: int, version: int, *, final: bool, participants: int) -> bool:
+        """Does the commit of fragment ``f``'s ``version`` write the full parameters and outer
+        state? ``schedule.is_checkpoint``, and also a round between checkpoints whose record would
+        list more chunk refs (the change, and every participant's contribution) than a record holds
+        (``RECORD_REFS``): it writes a checkpoint instead, which is always valid."""
+        if is_checkpoint(version, final=final, every=self.cfg.checkpoint_every):
+            return True
+        n = len(self.plan(f))
+        return n * (participants + 1) > RECORD_REFS
 
     @classmethod
     def from_manifest(cls, m: Manifest) -> RunInfo:
@@ -145,11 +179,28 @@ def _create(
     schema = adapter.schema()
     fragments = plan(schema, cfg.fragments, cfg.partition)
     dtypes = {s.name: s.dtype for s in schema}
+    by_name = {s.name: tuple(int(d) for d in s.shape) for s in schema}
+    check_record_size([{n: by_name[n] for n in names} for names in fragments], cfg)
     refs: list[PayloadRef] = []
     for f, names in enumerate(fragments):
         values = adapter.read(names)
-        data = encode_payload(values, {n: dtypes[n] for n in names}, kind="init", compression=compression)
-        refs.append(store.put_payload(functools.partial(keys.init_blob_key, f, compression=compression), data))
+        key_for_sha = functools.partial(keys.init_blob_key, f, compression=compression)
+        shapes = {n: by_name[n] for n in names}
+        if RunStore.one_payload(shapes, cfg.chunk_elements):
+            data = encode_payload(values, {n: dtypes[n] for n in names}, kind="init", compression=compression)
+            refs.append(store.put_payload(key_for_sha, data))
+        else:
+            refs.append(
+                store.put_fragment(
+                    key_for_sha,
+                    values,
+                    shapes=shapes,
+                    dtypes={n: dtypes[n] for n in names},
+                    chunk_elements=cfg.chunk_elements,
+                    kind="init",
+                    compression=compression,
+                )
+            )
     manifest = Manifest(
         run_id=f"{rng.getrandbits(64):016x}",
         created_by=learner,
@@ -164,10 +215,36 @@ def _create(
         # Another node created the run first: join theirs and drop our initial payloads,
         # except those that are theirs too (same bytes, same content-addressed key).
         theirs = store.decode_record(existing, Manifest, keys.MANIFEST)
-        keep = {r.key for r in theirs.init}
-        store.delete([r.key for r in refs if r.key not in keep])
+        keep = {c.key for r in theirs.init for c in chunk_refs(r)}
+        store.delete([c.key for r in refs for c in chunk_refs(r) if c.key not in keep])
         return theirs, False
     return manifest, True
+
+
+def check_record_size(shapes: list[dict[str, tuple[int, ...]]], cfg: DiLoCo) -> None:
+    """Refuse (``ValueError``) a run whose checkpoint records would not fit ``MAX_RECORD_BYTES``: a
+    round record names every chunk of a fragment's parameters, outer state (momentum, and the
+    master unless the parameters are it) and change, one ref of about ``REF_BYTES`` each."""
+    c = cfg.chunk_elements
+    if c is None:
+        return
+    for f, frag in enumerate(shapes):
+        n = len(fragment_plan(frag, c))
+        # The outer state: momentum and master of every tensor (the master may be theta itself; the
+        # bound counts it, so the check does not depend on the parameters' dtypes).
+        outer = len(
+            fragment_plan(
+                {**{f"momentum/{k}": v for k, v in frag.items()}, **{f"master/{k}": v for k, v in frag.items()}}, c
+            )
+        )
+        refs = n + outer + (n if cfg.commit_dtype is not None else 0)
+        if refs > RECORD_REFS:
+            elements = sum(int(np.prod(s, dtype=np.int64)) for s in frag.values())
+            raise ValueError(
+                f"fragment {f} ({elements} elements) is {n} chunks of chunk_elements={c}: its round records would "
+                f"name {refs} chunk payloads, more than the {RECORD_REFS} a record of {MAX_RECORD_BYTES} bytes "
+                "holds; raise chunk_elements or fragments"
+            )
 
 
 def payload_cap(run: RunInfo, f: int) -> int:

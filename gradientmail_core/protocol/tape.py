@@ -77,7 +77,7 @@ def fetch_theta(store: RunStore, run: RunInfo, f: int, record: RoundRecord | Non
         return chain_theta(store, run, record)
     ref = run.manifest.init[f] if record is None else record.theta
     assert ref is not None
-    return store.get_payload(ref, run.shapes[f], max_bytes=payload_cap(run, f))
+    return store.get_payload(ref, run.shapes[f], max_bytes=payload_cap(run, f), chunk_elements=run.chunk_elements)
 
 
 def read_newest(

@@ -4,10 +4,10 @@ through the ``RunStore`` handed in; the node orchestrates when each step happens
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -15,16 +15,27 @@ from ..aggregators.acceptance import PayloadStatus, judge, outlier_mask
 from ..aggregators.fused import memo_norms, sq_norms
 from ..aggregators.merge import contribution_weight, mean_pairwise_cosine, merge_with_cosine
 from ..aggregators.outer import final_step_tensor, outer_step_tensor
-from ..codec.stream import PayloadStream, stream_payload
+from ..codec.chunked import fragment_streams
+from ..codec.stream import PayloadStream
 from ..errors import MissingExtra, PayloadCorrupt, PayloadLayoutMismatch, RecordInvalid
 from ..protocol import keys
 from ..protocol.members import SignatureInvalid
 from ..protocol.rebuild import cast
 from ..protocol.rebuild import rebuild_theta as rebuild_theta  # (these two lived here; still imported from here)
 from ..protocol.rebuild import theta_digest as theta_digest
-from ..protocol.records import Participant, PayloadRef, Rejection, RoundRecord, Snapshot
+from ..protocol.records import (
+    Participant,
+    PayloadRef,
+    Rejection,
+    RoundRecord,
+    Snapshot,
+    chunk_refs,
+    digest_of,
+    join_refs,
+    ref_digest,
+)
 from ..protocol.run import RunInfo, payload_cap
-from ..protocol.schedule import fragment_of, is_checkpoint, nominal_step, version_before
+from ..protocol.schedule import fragment_of, nominal_step, version_before
 from ..protocol.store import RunStore
 from .timing import ema, grace_seconds
 
@@ -137,7 +148,9 @@ class Collector:
                     if own is not None:
                         payload = own[1]  # decoded with these shapes, dtypes and cap (``publishing``)
                     else:
-                        payload = store.get_payload(snap.payload, expected, max_bytes=cap, dtypes=dtypes)
+                        payload = store.get_payload(
+                            snap.payload, expected, max_bytes=cap, dtypes=dtypes, chunk_elements=self.run.chunk_elements
+                        )
                     status = "ok" if payload is not None else "missing"
                 except PayloadLayoutMismatch:
                     status = "schema"
@@ -288,50 +301,57 @@ def compute_commit(
     master = {n: new_master[n] for n in st.master}
     momentum = st.momentum if final else {n: new_momentum[n] for n in st.master}
     dtypes = run.fragment_dtypes(f)
-    checkpoint = is_checkpoint(st.version + 1, final=final, every=cfg.checkpoint_every)
+    checkpoint = run.checkpoint_due(f, st.version + 1, final=final, participants=len(accepted))
+    shapes, chunk_elements = run.shapes[f], run.chunk_elements
     # Each payload's hash pass is a job on a worker thread (sha256 and zstd overlap each other and
-    # the writes, which release the GIL); written in a fixed order.
+    # the writes, which release the GIL); written in a fixed order. A payload is the chunks of its
+    # plan (one, for a fragment of at most ``chunk_elements``: the whole payload), each a stream.
     with _Jobs(threaded=threaded) as jobs:
+
+        def chunks(values: dict[str, np.ndarray], shp: Mapping[str, tuple[int, ...]], dt: Any, kind: str, zip: str):
+            return jobs.payload(
+                lambda: [s for _, s in fragment_streams(values, shp, dt, chunk_elements, kind=kind, compression=zip)]
+            )
+
         change_job = None
         if cfg.commit_dtype is not None:
-            commit_dtype = cfg.commit_dtype
             diff = {n: np.subtract(master[n], st.theta[n], dtype=np.float32) for n in master}
-            change_job = jobs.payload(
-                lambda: stream_payload(diff, commit_dtype, kind="change", compression=compression)
-            )
+            change_job = chunks(diff, shapes, cfg.commit_dtype, "change", compression)
             # Publish exactly what a learner rebuilds from the change; the fp32 master keeps the
             # rounding error, so it is fed back into the next round's change.
             theta = rebuild_theta(run, f, st.theta, cast(diff, dict.fromkeys(diff, cfg.commit_dtype)))
         else:
             theta = cast(master, dtypes)
-        plain_job = jobs.payload(lambda: stream_payload(theta, dtypes, kind="theta", compression=""))
+        plain_job = chunks(theta, shapes, dtypes, "theta", "")
         theta_job = (
             None
             if not checkpoint
             else plain_job
             if compression == ""
-            else jobs.payload(lambda: stream_payload(theta, dtypes, kind="theta", compression=compression))
+            else chunks(theta, shapes, dtypes, "theta", compression)
         )
         outer = {f"momentum/{n}": v for n, v in momentum.items()}
         if not run.master_is_theta(f):  # else theta is the master, byte for byte: not written twice
             outer.update({f"master/{n}": v for n, v in master.items()})
         # Between checkpoints the outer payload is only hashed (uncompressed), for ``outer_digest``.
         outer_zip = compression if checkpoint else ""
-        outer_job = jobs.payload(lambda: stream_payload(outer, "F32", kind="outer", compression=outer_zip))
+        outer_job = chunks(outer, run.outer_shapes(f), "F32", "outer", outer_zip)
         cosine_job = jobs.submit(lambda: _cosine(known, deltas)) if threaded else None
         payloads: dict[str, bytes | PayloadStream] = {}
         refs = {}
         for kind, job in (("theta", theta_job), ("outer", outer_job if checkpoint else None), ("change", change_job)):
             if job is None:
                 continue
-            data, sha = job()
-            k = keys.round_blob_key(c.round, kind, sha, compression)
-            refs[kind] = PayloadRef(key=k, sha256=sha, size=len(data))
-            if write is not None:
-                write(k, data)
-            payloads[k] = data if write is not None else data.read()
-        theta_digest = plain_job()[1]
-        outer_digest = None if checkpoint else outer_job()[1]
+            parts = []
+            for data in job():
+                k = keys.round_blob_key(c.round, kind, data.sha256, compression)
+                parts.append(PayloadRef(key=k, sha256=data.sha256, size=len(data)))
+                if write is not None:
+                    write(k, data)
+                payloads[k] = data if write is not None else data.read()
+            refs[kind] = join_refs(parts)
+        theta_digest = digest_of([s.sha256 for s in plain_job()])
+        outer_digest = None if checkpoint else digest_of([s.sha256 for s in outer_job()])
         if cosine_job is not None:
             cosine = cosine_job()
     e = c.estimates
@@ -354,7 +374,7 @@ def compute_commit(
                 weight=j.weight,
                 steps=j.snapshot.steps,
                 tokens=j.snapshot.tokens,
-                payload_sha256=j.snapshot.payload.sha256,
+                payload_sha256=ref_digest(j.snapshot.payload),
                 final=j.snapshot.final,
             )
             for j in accepted
@@ -413,14 +433,10 @@ class _Jobs:
             return lambda: done
         return self._pool.submit(fn).result
 
-    def payload(self, encode: Callable[[], PayloadStream]) -> Callable[[], tuple[PayloadStream, str]]:
-        """Start ``encode`` (its hash pass); returns a function waiting for ``(stream, sha256)``."""
-
-        def job() -> tuple[PayloadStream, str]:
-            stream = encode()
-            return stream, stream.sha256
-
-        return self.submit(job)
+    def payload(self, encode: Callable[[], list[PayloadStream]]) -> Callable[[], list[PayloadStream]]:
+        """Start ``encode`` (the hash pass of each of a payload's chunks); returns a function
+        waiting for the chunks' streams (their ``sha256`` known)."""
+        return self.submit(encode)
 
 
 def _cosine(known: list[tuple[np.ndarray, float]], deltas: list[dict[str, np.ndarray]]) -> float | None:
@@ -431,5 +447,9 @@ def _cosine(known: list[tuple[np.ndarray, float]], deltas: list[dict[str, np.nda
 def _in_snapshot_blobs(snap: Snapshot, r: int, learner: str) -> bool:
     """A snapshot may only point into its own blob folder (so GC can find it, and nobody can
     make a closer read another learner's or a round's payload)."""
-    parsed = keys.parse_blob_key(snap.payload.key)
-    return parsed is not None and parsed.kind == "snapshot" and parsed.round == r and parsed.learner == learner
+    for ref in chunk_refs(snap.payload):
+        parsed = keys.parse_blob_key(ref.key)
+        ok = parsed is not None and parsed.kind == "snapshot" and parsed.round == r and parsed.learner == learner
+        if not ok or parsed is None or parsed.sha != ref.sha256:
+            return False
+    return True

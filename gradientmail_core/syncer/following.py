@@ -8,7 +8,7 @@ import numpy as np
 from .. import events as ev
 from ..errors import PayloadCorrupt
 from ..protocol import keys
-from ..protocol.records import RoundRecord
+from ..protocol.records import RoundRecord, ref_size
 from ..protocol.run import payload_cap
 from ..protocol.tape import fetch_theta, schedule_problem
 from .bridge import CommitNotice
@@ -65,7 +65,9 @@ class Following(NodeState):
         prev = self.thetas.get(f)
         cap = payload_cap(self.run, f)
         if rec.change is not None and prev is not None and prev[0] == rec.version - 1:
-            change = self.store.get_payload(rec.change, self.run.shapes[f], max_bytes=cap)
+            change = self.store.get_payload(
+                rec.change, self.run.shapes[f], max_bytes=cap, chunk_elements=self.run.chunk_elements
+            )
             if change is not None:
                 theta = rebuild_theta(self.run, f, prev[1], change)
                 if theta_digest(self.run, f, theta) == rec.theta_digest:
@@ -103,7 +105,7 @@ class Following(NodeState):
                 f,
                 rec.version,
                 theta,
-                rec.theta.size if rec.theta else 0,
+                ref_size(rec.theta) if rec.theta else 0,
                 tuple(p.learner for p in rec.participants),
                 rec.cosine,
                 incoming=stage(theta) if stage is not None else None,

@@ -1,15 +1,26 @@
 """Contributing: upload what the training thread handed over (a delta payload, then the
-snapshot record that names it)."""
+snapshot record that names it).
+
+In a chunked run (``docs/protocol.md``, "Chunked payloads") a fragment larger than one chunk is
+uploaded as the chunks of its plan, cut from the quantized delta (``Contribution.quantized``). A
+contribution that uploads itself (``upload(store, run, fragment, round, learner, compression) ->
+PayloadRef``: a sharded node, whose ranks each upload their chunks) is asked to, and the node
+writes the snapshot record naming the ref it returns.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 
 from .. import events as ev
+from ..codec.chunked import ChunkSpec, decode_chunk
 from ..codec.stream import PayloadStream, decode_stream
 from ..errors import PayloadCorrupt, PayloadLayoutMismatch
 from ..mailbox import CreateOutcome
 from ..protocol import keys
+from ..protocol.chunks import assemble
 from ..protocol.records import PayloadRef, Snapshot
 from ..protocol.run import payload_cap
 from .bridge import Publish
@@ -32,11 +43,23 @@ class Publishing(NodeState):
             self.emit(ev.Skipped(self.me, pub.round, "round already committed"))
             return
         compression = self.opts.compression
-        with pub.delta.stream(self.run.delta_dtypes(pub.fragment), compression=compression) as data:
-            ref = self.store.put_payload(lambda sha: keys.snapshot_blob_key(pub.round, self.me, sha, compression), data)
-            # Only a node closing rounds judges its own snapshot from memory (``closing``): a node
-            # closing nothing keeps nothing of it.
-            own = self._own_delta(pub, data, ref) if self.collector is not None else None
+        f, dtypes = pub.fragment, self.run.delta_dtypes(pub.fragment)
+
+        def key_for_sha(sha: str) -> str:
+            return keys.snapshot_blob_key(pub.round, self.me, sha, compression)
+
+        own: dict[str, np.ndarray] | None = None
+        upload = getattr(pub.delta, "upload", None)
+        if upload is not None:
+            ref = upload(self.store, self.run, f, pub.round, self.me, compression)
+        elif self.store.one_payload(self.run.shapes[f], self.run.chunk_elements):
+            with pub.delta.stream(dtypes, compression=compression) as data:
+                ref = self.store.put_payload(key_for_sha, data)
+                # Only a node closing rounds judges its own snapshot from memory (``closing``): a
+                # node closing nothing keeps nothing of it.
+                own = self._own_delta(pub, data, ref) if self.collector is not None else None
+        else:
+            ref, own = self._put_chunks(pub, key_for_sha, compression)
         snap = Snapshot(
             learner=self.me,
             round=pub.round,
@@ -59,6 +82,51 @@ class Publishing(NodeState):
             self.own_snapshots[pub.round] = (snap, own)
         self.snapshot_keys.setdefault(pub.round, set()).add(self.me)
         self.emit(ev.Published(self.me, pub.round, pub.fragment, pub.steps, pub.tokens, ref.size, pub.final))
+
+    def _put_chunks(
+        self, pub: Publish, key_for_sha: Callable[[str], str], compression: str
+    ) -> tuple[PayloadRef, dict[str, np.ndarray] | None]:
+        """The delta as the chunks of its fragment's plan, and (for a node closing rounds) each
+        decoded as uploaded and assembled, as ``_own_delta`` does for a whole payload."""
+        f = pub.fragment
+        shapes, dtypes = self.run.shapes[f], self.run.delta_dtypes(f)
+        keep = self.collector is not None
+        parts: list[dict[str, np.ndarray]] = []
+
+        def decode_back(s: ChunkSpec, data: PayloadStream, ref: PayloadRef) -> None:
+            if keep:
+                try:
+                    parts.append(
+                        decode_chunk(
+                            data.chunks(),
+                            s,
+                            size=data.size,
+                            sha256=data.sha256,
+                            compression=keys.compression_of(ref.key),
+                            dtypes=dtypes,
+                            key=ref.key,
+                        )
+                    )
+                except (PayloadCorrupt, PayloadLayoutMismatch):
+                    pass  # not kept: read back like any contribution
+
+        ref = self.store.put_fragment(
+            key_for_sha,
+            pub.delta.quantized(dtypes),
+            shapes=shapes,
+            dtypes=dtypes,
+            chunk_elements=self.run.chunk_elements,
+            kind="delta",
+            compression=compression,
+            on_chunk=decode_back,
+        )
+        plan = self.run.plan(f)
+        if not keep or len(parts) != len(plan):
+            return ref, None
+        try:
+            return ref, assemble(plan, parts, shapes)
+        except PayloadCorrupt:
+            return ref, None
 
     def _own_delta(self, pub: Publish, data: PayloadStream, ref: PayloadRef) -> dict[str, np.ndarray] | None:
         """The payload just uploaded, decoded as the closer's judge decodes a snapshot's (same

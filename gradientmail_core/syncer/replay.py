@@ -19,7 +19,7 @@ from ..aggregators.fused import sq_norms
 from ..errors import MailboxUnavailable, ProtocolError
 from ..protocol import keys
 from ..protocol.rebuild import chain_records, checkpoint_record
-from ..protocol.records import Participant, PayloadRef, RoundRecord, Snapshot
+from ..protocol.records import Participant, PayloadRef, RoundRecord, Snapshot, chunk_refs, ref_digest
 from ..protocol.run import RunInfo, payload_cap
 from ..protocol.schedule import version_before
 from ..protocol.store import RunStore
@@ -70,7 +70,9 @@ def _checkpoint_state(
     if rec is None:
         return FragmentState.initial(theta)
     assert rec.outer is not None
-    outer = store.get_payload(rec.outer, run.outer_shapes(f), max_bytes=3 * payload_cap(run, f))
+    outer = store.get_payload(
+        rec.outer, run.outer_shapes(f), max_bytes=3 * payload_cap(run, f), chunk_elements=run.chunk_elements
+    )
     if outer is None:
         raise MailboxUnavailable(f"fragment {f}: the outer state of round {rec.round} is gone; newer commits exist")
     return FragmentState(version, theta, *run.split_outer(f, outer, theta), checkpoint=version)
@@ -96,7 +98,7 @@ def replay_round(store: RunStore, run: RunInfo, state: FragmentState, rec: Round
             final=p.final,
         )
         c.judged[p.learner] = Judged(p.learner, None, snap, delta, p.weight, sq_norms(delta))
-    compression = keys.compression_of(rec.change.key)
+    compression = keys.compression_of(rec.change.key)  # (every chunk's: the closer writes them alike)
     commit = compute_commit(
         c, closer=rec.closer, live=rec.live, compression=compression, sync_seconds=None, now=0.0, outliers=False
     )
@@ -118,12 +120,15 @@ def _contributions(
     expected, dtypes, cap = run.shapes[f], run.delta_dtypes(f), payload_cap(run, f)
     out = []
     for p, ref in zip(rec.participants, rec.contributions, strict=True):
-        b = keys.parse_blob_key(ref.key)
-        if b is None or (b.kind, b.round, b.learner, b.sha) != ("snapshot", r, p.learner, p.payload_sha256):
+        parsed = [keys.parse_blob_key(c.key) for c in chunk_refs(ref)]
+        if ref_digest(ref) != p.payload_sha256 or not all(
+            b is not None and (b.kind, b.round, b.learner, b.sha) == ("snapshot", r, p.learner, c.sha256)
+            for b, c in zip(parsed, chunk_refs(ref), strict=True)
+        ):
             raise ProtocolError(
                 f"{keys.round_key(r)}: contribution {ref.key} is not {p.learner}'s payload of round {r}"
             )
-        delta = store.get_payload(ref, expected, max_bytes=cap, dtypes=dtypes)
+        delta = store.get_payload(ref, expected, max_bytes=cap, dtypes=dtypes, chunk_elements=run.chunk_elements)
         if delta is None:
             raise MailboxUnavailable(
                 f"fragment {f}: contribution {ref.key} to round {r}, needed to rebuild version {rec.version} from "
@@ -140,7 +145,7 @@ def _same(mine: RoundRecord, rec: RoundRecord) -> bool:
     return (
         mine.change is not None
         and rec.change is not None
-        and mine.change.sha256 == rec.change.sha256
+        and [c.sha256 for c in chunk_refs(mine.change)] == [c.sha256 for c in chunk_refs(rec.change)]
         and mine.theta_digest == rec.theta_digest
         and mine.outer_digest == rec.outer_digest
         and (mine.checkpoint, mine.final) == (rec.checkpoint, rec.final)
