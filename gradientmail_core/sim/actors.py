@@ -22,7 +22,7 @@ from ..mailbox.faults import InjectedCrash
 from ..protocol.store import RunStore
 from ..syncer.join import join_run
 from .checks import Checks
-from .scenario import SIZE, _views
+from .scenario import _views
 from .state import SimNode, _Abort
 
 
@@ -79,7 +79,7 @@ class NodeActions(Checks):
         self.clock_started[sn.name] = sn.clock.now()  # a fresh process has seen no lease before now
         sn.faulty.pending_crash = None
         sn.flat = self._init_params(sn.index, sn.incarnation)
-        sn.params = _views(sn.flat)  # the model's tensors are views of one buffer: one op trains all
+        sn.params = _views(sn.flat, self.draw.shapes)  # the model's tensors are views of one buffer: one op trains all
         sn.nprng = np.random.default_rng([self.config.seed, sn.index, sn.incarnation, 2])
         adapter = NumpyAdapter(sn.params)
         emit = self._emit(sn)
@@ -163,7 +163,7 @@ class NodeActions(Checks):
         assert sn.learner is not None and sn.flat is not None and sn.nprng is not None and sn.node is not None
         flat = sn.flat
         flat -= np.float32(0.1) * (flat - self.target_flat)
-        flat += np.float32(0.02) * sn.nprng.standard_normal(SIZE, np.float32)
+        flat += np.float32(0.02) * sn.nprng.standard_normal(self.draw.size, np.float32)
         sn.learner.step(sn.samples)
         if sn.node.bridge.outbox:  # a contribution is ready: the session wakes its background thread
             at = self.T + 0.01 / sn.drift

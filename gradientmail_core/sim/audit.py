@@ -31,12 +31,12 @@ import numpy as np
 
 from ..aggregators.merge import contribution_weight, merge
 from ..aggregators.outer import final_step, outer_step
-from ..codec.payload import encode_payload, sha256_hex
 from ..config import RDA
 from ..errors import GradientMailError
 from ..mailbox import ForwardingMailbox, Mailbox
 from ..protocol import keys
-from ..protocol.records import Claim, Manifest, RoundRecord, Snapshot, decode
+from ..protocol.rebuild import payload_digest
+from ..protocol.records import Claim, Manifest, RoundRecord, Snapshot, chunk_refs, decode, ref_digest
 from ..protocol.run import RunInfo
 from ..protocol.schedule import fragment_of, slot, version_before
 from ..syncer.closer import cast, rebuild_theta, theta_digest
@@ -135,8 +135,8 @@ class Auditor(Captured):
         for rec in self.newest().values():
             for pref in (rec.theta, rec.outer, rec.change):
                 if pref is not None:
-                    live[pref.key] = rec.round
-        init = {r.key for r in self.run.manifest.init}
+                    live.update(dict.fromkeys((c.key for c in chunk_refs(pref)), rec.round))
+        init = {c.key for r in self.run.manifest.init for c in chunk_refs(r)}
         head = self.head
         chains = self._chains()
         for k in doomed:
@@ -215,8 +215,9 @@ class Auditor(Captured):
         if out:
             return out
         for pref in (rec.theta, rec.outer, rec.change, *(rec.contributions or [])):
-            if pref is not None and (pref.key not in self.blobs or not self.store.list(pref.key)):
-                out.append(f"names payload {pref.key}, which was not written before the record")
+            for part in chunk_refs(pref) if pref is not None else []:
+                if part.key not in self.blobs or not self.store.list(part.key):
+                    out.append(f"names payload {part.key}, which was not written before the record")
         if out:
             return out
 
@@ -251,10 +252,10 @@ class Auditor(Captured):
             w = contribution_weight(snap.tokens, snap.steps)
             if p.weight != w or abs(ref.weights_of(snap.tokens, snap.steps) - p.weight) > 1e-9 * max(w, 1.0):
                 out.append(f"participant {p.learner} weighted {p.weight}, expected {w}")
-            if snap.payload.sha256 != p.payload_sha256:
+            if ref_digest(snap.payload) != p.payload_sha256:
                 out.append(
                     f"participant {p.learner}: record names payload {p.payload_sha256[:12]}, "
-                    f"snapshot names {snap.payload.sha256[:12]}"
+                    f"snapshot names {ref_digest(snap.payload)[:12]}"
                 )
             if p.learner in contributed and contributed[p.learner] != snap.payload:
                 out.append(f"participant {p.learner}: the record names contribution {contributed[p.learner].key}")
@@ -312,7 +313,10 @@ class Auditor(Captured):
         else:  # between checkpoints: the state is the recomputed one if it hashes to outer_digest
             e_outer = {f"momentum/{n}": v for n, v in e_momentum.items()}
             e_outer.update({f"master/{n}": v for n, v in e_master.items()})
-            if sha256_hex(encode_payload(e_outer, "F32", kind="outer", compression="")) != rec.outer_digest:
+            if (
+                payload_digest(e_outer, run.outer_shapes(f), "F32", run.chunk_elements, kind="outer")
+                != rec.outer_digest
+            ):
                 out.append("its outer state differs from the recomputed one (engine functions, exact; outer_digest)")
             change = self._payload(rec.change, run.shapes[f]) if rec.change is not None else None
             if change is None:

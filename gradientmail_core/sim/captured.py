@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..codec.chunked import chunk_specs
 from ..codec.payload import decode_payload, sha256_hex
 from ..errors import GradientMailError
 from ..protocol import keys
-from ..protocol.records import PayloadRef, RoundRecord
+from ..protocol.chunks import assemble
+from ..protocol.records import PayloadRef, RoundRecord, chunk_refs, ref_digest
 from ..protocol.run import RunInfo
-from ..protocol.schedule import fragment_of, is_checkpoint, round_of
+from ..protocol.schedule import fragment_of, round_of
 
 State = tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]]  # master, momentum, theta
 
@@ -38,17 +40,33 @@ class Captured:
         return self.run.P
 
     def _payload(self, pref: PayloadRef, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray] | None:
-        hit = self._decoded.get((pref.key, pref.sha256))
+        """The payload ``pref`` names, decoded from what was written: every chunk intact (size,
+        sha256, its place in the run's chunk plan of ``shapes``, in that order) and assembled; None
+        if any is not."""
+        hit = self._decoded.get((pref.key, ref_digest(pref)))
         if hit is not None:
             return hit
-        data = self.blobs.get(pref.key)
-        if data is None or sha256_hex(data) != pref.sha256 or len(data) != pref.size:
+        specs = chunk_specs(shapes, self.run.chunk_elements if self.run is not None else None)
+        refs = chunk_refs(pref)
+        if len(refs) != len(specs):
             return None
-        try:
-            out = decode_payload(data, shapes, compression=keys.compression_of(pref.key))
-        except GradientMailError:
-            return None
-        self._decoded[(pref.key, pref.sha256)] = out
+        parts = []
+        for ref, s in zip(refs, specs, strict=True):
+            data = self.blobs.get(ref.key)
+            if data is None or sha256_hex(data) != ref.sha256 or len(data) != ref.size:
+                return None
+            try:
+                parts.append(decode_payload(data, s.expected, compression=keys.compression_of(ref.key), meta=s.meta))
+            except GradientMailError:
+                return None
+        if len(parts) == 1 and not specs[0].meta:
+            out = parts[0]  # one chunk of whole tensors: the whole payload, as decoded
+        else:
+            try:
+                out = assemble([list(s.pieces) for s in specs], parts, shapes)
+            except GradientMailError:
+                return None
+        self._decoded[(pref.key, ref_digest(pref))] = out
         return out
 
     def theta_of(self, rec: RoundRecord) -> dict[str, np.ndarray] | None:
@@ -72,7 +90,7 @@ class Captured:
                 if link is None:
                     continue
                 refs = [link.theta, link.outer] if v == rec.checkpoint else [link.change, *(link.contributions or [])]
-                out.update({ref.key: f for ref in refs if ref is not None})
+                out.update({c.key: f for ref in refs if ref is not None for c in chunk_refs(ref)})
         return out
 
     def _state_before(
@@ -102,11 +120,12 @@ class Captured:
         return (*run.split_outer(f, outer, theta), theta)
 
     def _check_checkpoint(self, r: int, rec: RoundRecord) -> list[str]:
-        """A record is a checkpoint exactly when ``schedule.is_checkpoint`` says so; one between
+        """A record is a checkpoint exactly when ``RunInfo.checkpoint_due`` says so; one between
         checkpoints names its change, its fragment's newest checkpoint and what replays it."""
         assert self.run is not None
-        cfg, P = self.run.cfg, self.P
-        due = is_checkpoint(rec.version, final=rec.final, every=cfg.checkpoint_every)
+        P = self.P
+        f = fragment_of(r, P)
+        due = self.run.checkpoint_due(f, rec.version, final=rec.final, participants=len(rec.participants))
         if due:
             ok = rec.checkpoint is None and rec.theta is not None and rec.outer is not None
             return [] if ok else ["a checkpoint's record names no theta or outer state"]

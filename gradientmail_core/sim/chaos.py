@@ -16,10 +16,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..codec.payload import encode_payload, sha256_hex
+from ..codec.chunked import fragment_streams
+from ..codec.payload import sha256_hex
 from ..mailbox.faults import Fault, Op, Phase
 from ..protocol import keys
-from ..protocol.records import PayloadRef, Snapshot, encode
+from ..protocol.records import PayloadRef, Snapshot, encode, join_refs
 from ..protocol.schedule import fragment_of, version_before
 from .actors import NodeActions
 from .audit import AuditMailbox
@@ -170,13 +171,19 @@ class Chaos(NodeActions):
         delta = {n: np.asarray(0.01 * g.standard_normal(s), np.float32) for n, s in run.shapes[f].items()}
         if kind == "nonfinite":
             next(iter(delta.values())).flat[0] = np.nan
-        data = encode_payload(delta, run.delta_dtypes(f), kind="delta")
-        sha = sha256_hex(data)
-        if kind == "corrupt":
-            sha = sha256_hex(data + b"x")  # the reference does not match the bytes stored under it
         mb = AuditMailbox(self.store, self.auditor, GHOST)
-        pkey = keys.snapshot_blob_key(r, GHOST, sha)
-        mb.put_if_absent(pkey, data)
+        refs = []
+        chunks = [
+            s.read()
+            for _, s in fragment_streams(delta, run.shapes[f], run.delta_dtypes(f), run.chunk_elements, kind="delta")
+        ]
+        for i, data in enumerate(chunks):
+            sha = sha256_hex(data)
+            if kind == "corrupt" and i == len(chunks) - 1:
+                sha = sha256_hex(data + b"x")  # the reference does not match the bytes stored under it
+            pkey = keys.snapshot_blob_key(r, GHOST, sha)
+            mb.put_if_absent(pkey, data)
+            refs.append(PayloadRef(key=pkey, sha256=sha, size=len(data)))
         snap = Snapshot(
             learner=GHOST,
             round=r,
@@ -186,7 +193,7 @@ class Chaos(NodeActions):
             base_version=base - 1 if kind == "stale" else base,
             step_seconds=0.1,
             schema_digest=("0" * 64) if kind == "schema" else run.digest,
-            payload=PayloadRef(key=pkey, sha256=sha, size=len(data)),
+            payload=join_refs(refs),
         )
         mb.put_if_absent(key, encode(snap))
         self._trace(f"{self.T:.6f} ghost writes a {kind} snapshot into round {r}")

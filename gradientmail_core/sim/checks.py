@@ -15,7 +15,6 @@ import numpy as np
 
 from .. import events as ev
 from ..protocol import keys
-from .scenario import SHAPES
 from .state import SimNode, SimState, _Abort
 
 
@@ -113,7 +112,7 @@ class Checks(SimState):
         return out
 
     def _loss(self, params: dict[str, np.ndarray]) -> float:
-        return float(sum(((params[n].astype(np.float64) - self.target[n]) ** 2).sum() for n in SHAPES))
+        return float(sum(((params[n].astype(np.float64) - self.target[n]) ** 2).sum() for n in self.draw.shapes))
 
     def _check_end(self) -> None:
         survivors = [sn for sn in self.nodes.values() if sn.state == "up"]
@@ -128,7 +127,7 @@ class Checks(SimState):
             assert sn.learner is not None and sn.params is not None
             sn.learner.drain()
             sn.learner.write_newest()
-            for n in SHAPES:
+            for n in self.draw.shapes:
                 if not np.array_equal(sn.params[n], newest[n]):
                     self.violations.append(f"{sn.name} ends with {n} different from the newest commit")
                     break

@@ -2,8 +2,9 @@
 everything its seed decides about the run's shape (``draw_scenario``): the number of nodes,
 the DiLoCo configuration, the node options and the fault rates.
 
-Also the tiny model every node trains (``SHAPES``: a few tensors, ``SIZE`` floats in all) and
-the store faults the chaos timer picks from.
+Also the tiny model every node trains (``SHAPES``: a few tensors, ``SIZE`` floats in all; a run
+with chunked payloads trains ``WIDE_SHAPES``, whose larger tensors its small chunks cut) and the
+store faults the chaos timer picks from.
 """
 
 from __future__ import annotations
@@ -34,12 +35,21 @@ CRASH_TARGETS: list[tuple[tuple[Op, ...] | None, str]] = [
     (("delete",), ""),
     (("put",), keys.LEASES),
 ]
-SIZE = sum(int(np.prod(s)) for s in SHAPES.values())
+# Chunked seeds: tensors of more than 32 elements, so that chunks of 32 or 64 cut them, and a chunk
+# holds the end of one tensor and the start of the next.
+WIDE_SHAPES = {"embed.weight": (8, 9), "layers.0.w": (3, 3), "layers.1.w": (5, 8), "head.b": (3,)}
 
 
-def _views(flat: np.ndarray) -> dict[str, np.ndarray]:
+def size_of(shapes: dict[str, tuple[int, ...]]) -> int:
+    return sum(int(np.prod(s)) for s in shapes.values())
+
+
+SIZE = size_of(SHAPES)
+
+
+def _views(flat: np.ndarray, shapes: dict[str, tuple[int, ...]] = SHAPES) -> dict[str, np.ndarray]:
     out, at = {}, 0
-    for n, s in SHAPES.items():
+    for n, s in shapes.items():
         size = int(np.prod(s))
         out[n] = flat[at : at + size].reshape(s)
         at += size
@@ -109,6 +119,11 @@ class _Draw:
     p_preempt_contested: float
     p_pause: float
     p_pause_contested: float
+    shapes: dict[str, tuple[int, ...]]  # the model every node trains
+
+    @property
+    def size(self) -> int:
+        return size_of(self.shapes)
 
 
 def draw_scenario(r: random.Random, nodes: int | None) -> _Draw:
@@ -117,10 +132,14 @@ def draw_scenario(r: random.Random, nodes: int | None) -> _Draw:
     n = nodes or r.choice([3, 3, 3, 4, 4, 5, 6])
     P = r.choice([1, 2, 2, 3])
     H = P * r.choice([2, 3, 4])
+    in_flight = r.randint(1, P)
+    # Chunked payloads (chunks of 32 or 64 elements, over the wider model) in about a third of the
+    # seeds; derived from the draws above (no draw of its own), so every other seed keeps its run.
+    chunk = (32, 64)[in_flight % 2] if (n + H) % 3 == 0 else None
     cfg = DiLoCo(
         sync_every=H,
         fragments=P,
-        in_flight=r.randint(1, P),
+        in_flight=in_flight,
         quorum_size=r.choice([1, 1, 2]),
         merge=RDA() if r.random() < 0.5 else WeightedMean(),
         # DiLoCo's Nesterov (0.7, 0.9), a gentler one, and local SGD (1, 0)
@@ -134,6 +153,7 @@ def draw_scenario(r: random.Random, nodes: int | None) -> _Draw:
         # from the draws above (no draw of their own), so every other seed keeps its run.
         delta_dtype=commit,
         error_feedback=commit is not None and (H // P) % 2 == 0,
+        chunk_elements=chunk,
     )
     opts = NodeOptions(poll_interval=0.5, lease_timeout=3.0, round_timeout=2.0)
     return _Draw(
@@ -151,4 +171,5 @@ def draw_scenario(r: random.Random, nodes: int | None) -> _Draw:
         p_preempt_contested=r.uniform(0.05, 0.5),
         p_pause=r.uniform(0.0, 0.0015),
         p_pause_contested=r.uniform(0.0, 0.06),
+        shapes=dict(WIDE_SHAPES if chunk is not None else SHAPES),
     )

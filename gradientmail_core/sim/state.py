@@ -29,7 +29,7 @@ from ..mailbox.memory import MemoryMailbox
 from ..syncer.learner import Learner
 from ..syncer.node import Node
 from .audit import Auditor
-from .scenario import SIZE, SimConfig, _views, draw_scenario
+from .scenario import SimConfig, _views, draw_scenario
 
 # The trace of a verbose run (``python -m gradientmail_core.sim --seed N -v`` shows it on stdout).
 _trace_log = logging.getLogger("gradientmail.sim.trace")
@@ -90,13 +90,14 @@ class SimState:
         self.final_from = float("inf")
         self.preempting = False
         self.pending_recovery: set[int] = set()
-        self.target_flat = np.asarray(np.random.default_rng([config.seed, 99]).standard_normal(SIZE), np.float32)
-        self.target = _views(self.target_flat)
+        size = self.draw.size
+        self.target_flat = np.asarray(np.random.default_rng([config.seed, 99]).standard_normal(size), np.float32)
+        self.target = _views(self.target_flat, self.draw.shapes)
         self.nodes: dict[str, SimNode] = {}
 
     def _init_params(self, index: int, incarnation: int) -> np.ndarray:
         g = np.random.default_rng([self.config.seed, index, incarnation, 1])
-        return np.asarray(g.standard_normal(SIZE), np.float32)
+        return np.asarray(g.standard_normal(self.draw.size), np.float32)
 
     def _push(self, at: float, name: str, kind: str, gen: int) -> None:
         self.qseq += 1
