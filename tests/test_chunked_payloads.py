@@ -24,6 +24,7 @@ from gradientmail_core.errors import PayloadCorrupt, PayloadLayoutMismatch, Reco
 from gradientmail_core.mailbox.memory import MemoryMailbox
 from gradientmail_core.protocol import chunks, keys
 from gradientmail_core.protocol.records import (
+    Manifest,
     Participant,
     PayloadRef,
     RoundRecord,
@@ -308,3 +309,194 @@ def test_a_run_whose_records_would_not_fit_is_refused_at_creation():
     )
     assert not ck.checkpoint_due(0, 1, final=False, participants=1)
     assert ck.checkpoint_due(0, 1, final=False, participants=RECORD_REFS // n + 1)
+
+
+# ---- runs: one chunk is today's bytes; many chunks end bit-identical ----------------------------
+
+
+def _objects(mailbox) -> dict[str, bytes]:
+    return {k: mailbox.get(k) for k in mailbox.list("")}
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(), dict(delta_dtype="F4", commit_dtype="F8_E4M3", checkpoint_every=3, error_feedback=True)],
+    ids=["plain", "quantized-checkpoints"],
+)
+def test_a_run_of_one_chunk_fragments_stores_the_bytes_of_whole_payloads(kw):
+    from harness import Cluster
+    from test_engine_rounds import finish
+
+    def run(c):
+        cluster = Cluster(gm.DiLoCo(sync_every=4, fragments=2, quorum_size=2, chunk_elements=c, **kw))
+        cluster.join_all("ab")
+        cluster.run(24)
+        finish(cluster)
+        return _objects(cluster.mailbox)
+
+    # every payload of this model fits 128 elements (the largest, an outer state, is 112 on the line)
+    whole, default, small = run(None), run(1 << 24), run(128)
+    for chunked_run in (default, small):
+        assert sorted(chunked_run) == sorted(whole)
+        assert [k for k in whole if whole[k] != chunked_run[k]] == [keys.MANIFEST]  # its config names C
+    assert len([k for k in whole if k.startswith(keys.ROUNDS)]) >= 8
+
+
+def _same_params(xs, ys) -> None:
+    for x, y in zip(xs, ys, strict=True):
+        assert x.params.keys() == y.params.keys()
+        for n in x.params:
+            assert np.array_equal(x.params[n], y.params[n]), (x.name, n)
+
+
+def _chunk_counts(mailbox) -> set[int]:
+    out = set()
+    for k in mailbox.list(keys.ROUNDS):
+        rec = decode(mailbox.get(k), RoundRecord, key=k)
+        out |= {len(chunk_refs(r)) for r in (rec.theta, rec.outer, rec.change, *(rec.contributions or [])) if r}
+    return out
+
+
+@pytest.mark.parametrize("compression", ["", "zstd"])
+def test_a_chunked_run_ends_bit_identical_to_the_same_run_with_whole_payloads(compression):
+    if compression:
+        pytest.importorskip("zstandard")
+    from harness import Cluster
+    from test_engine_rounds import assert_identical, finish
+
+    cfg = gm.DiLoCo(sync_every=4, fragments=2, quorum_size=3, delta_dtype="F4", commit_dtype="I2",
+                    error_feedback=True, clip_norm=5.0)  # fmt: skip
+
+    def run(c):
+        cluster = Cluster(dataclasses.replace(cfg, chunk_elements=c), shapes=dict(WIDE), compression=compression)
+        ms = cluster.join_all("abc")
+        cluster.run(40)
+        finish(cluster)
+        assert_identical(ms)
+        return cluster, ms
+
+    (whole, a), (split, b) = run(None), run(32)
+    _same_params(a, b)
+    assert _chunk_counts(whole.mailbox) == {1} and max(_chunk_counts(split.mailbox)) >= 3
+
+
+def test_a_takeover_between_checkpoints_replays_a_chunked_run_bit_for_bit(monkeypatch):
+    import harness
+    from test_checkpoint_every import Lockstep, between_checkpoints, cfg
+    from test_engine_rounds import records
+
+    from gradientmail_core.syncer import replay
+
+    monkeypatch.setattr(harness, "SHAPES", dict(WIDE))  # tensors the chunks of 64 cut
+    replayed: list[int] = []
+    orig = replay.replay_round
+    monkeypatch.setattr(replay, "replay_round", lambda *a: replayed.append(a[3].round) or orig(*a))
+
+    def run(c: int | None, kill_at: int | None) -> Lockstep:
+        ls = Lockstep(cfg(in_flight=1, chunk_elements=c))
+        for step in range(36):
+            if step == kill_at:
+                assert between_checkpoints(ls.c, 0) and between_checkpoints(ls.c, 1)
+                ls.down.add("s1")
+                ls.quiet(120)  # past the lease timeout: s2 takes the open round over and replays
+            ls.step()
+        ls.quiet(60)
+        return ls
+
+    whole, split = run(None, None), run(64, kill_at=20)
+    assert replayed and "s2" in {r.closer for r in records(split.c)}
+    assert _chunk_counts(whole.c.mailbox) == {1} and max(_chunk_counts(split.c.mailbox)) >= 2
+    _same_params(whole.learners, split.learners)
+    for f in range(2):  # the outer state the new closer rebuilt is the whole-payload run's
+        a, b = whole.syncers["s1"].closer_states[f], split.syncers["s2"].closer_states[f]
+        assert a.version == b.version
+        for n in a.master:
+            assert np.array_equal(a.master[n], b.master[n]) and np.array_equal(a.momentum[n], b.momentum[n])
+
+
+def test_a_contribution_that_uploads_itself_is_asked_to(monkeypatch):
+    from harness import Cluster
+    from test_engine_rounds import finish
+
+    from gradientmail_core.adapters import handles
+
+    calls: list[tuple[int, int, str]] = []
+
+    def upload(self, store, run, fragment, round, learner, compression):
+        calls.append((fragment, round, learner))
+        dtypes = run.delta_dtypes(fragment)
+        return store.put_fragment(
+            functools.partial(keys.snapshot_blob_key, round, learner, compression=compression),
+            self.quantized(dtypes),
+            shapes=run.shapes[fragment],
+            dtypes=dtypes,
+            chunk_elements=run.chunk_elements,
+            kind="delta",
+            compression=compression,
+        )
+
+    def run():
+        cluster = Cluster(gm.DiLoCo(sync_every=4, fragments=2, quorum_size=2, chunk_elements=32), shapes=dict(WIDE))
+        ms = cluster.join_all("ab")
+        cluster.run(24)
+        finish(cluster)
+        return ms
+
+    plain = run()
+    monkeypatch.setattr(handles._HostContribution, "upload", upload, raising=False)
+    hooked = run()
+    assert len(calls) >= 10 and {c[2] for c in calls} == {"a", "b"}
+    _same_params(plain, hooked)
+
+
+def test_torch_nodes_on_the_host_and_device_paths_store_the_same_chunks():
+    pytest.importorskip("torch")
+    import torch
+    from test_torch_pipeline import run_cluster
+
+    cfg = gm.DiLoCo(sync_every=4, fragments=2, delta_dtype="F8_E4M3", commit_dtype="F4", chunk_elements=32)
+    host_objects, host_params = run_cluster(cfg, pipeline=False)
+    dev_objects, dev_params = run_cluster(cfg, pipeline=True)
+    assert sorted(dev_objects) == sorted(host_objects) and all(dev_objects[k] == host_objects[k] for k in host_objects)
+    _, whole_params = run_cluster(dataclasses.replace(cfg, chunk_elements=None), pipeline=True)
+    for a, b in zip(host_params, whole_params, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    manifest = decode(host_objects[keys.MANIFEST], Manifest, key=keys.MANIFEST)
+    assert any(r.more for r in manifest.init)  # the bf16 block of 40 elements is cut
+
+
+def test_nodes_over_s3_move_chunked_payloads(s3_server: str, s3_bucket: str) -> None:
+    pytest.importorskip("boto3")
+    from gradientmail_core.adapters import adapter_for
+    from gradientmail_core.syncer.join import join_run
+    from gradientmail_core.syncer.node import NodeOptions
+
+    cfg = gm.DiLoCo(sync_every=2, fragments=1, quorum_size=2, delta_dtype="BF16", chunk_elements=64)
+    clock = gm.FakeClock()
+    members = []
+    for i, name in enumerate("ab"):
+        params = {n: np.random.default_rng(0).standard_normal(s).astype(np.float32) for n, s in WIDE.items()}
+        node, learner = join_run(RunStore(gm.S3Mailbox(s3_bucket, "run", endpoint_url=s3_server)), adapter_for(params),
+                                 cfg, clock, learner=name, nonce=f"{i + 1:08x}", emit=lambda e: None,
+                                 options=NodeOptions(poll_interval=1.0, lease_timeout=120.0, round_timeout=60.0),
+                                 rng=random.Random(i), node_rng=random.Random(i))  # fmt: skip
+        members.append((params, node, learner))
+    for _, node, _ in members:
+        node._list_leases()
+    rng = np.random.default_rng(1)
+    for step in range(4 * cfg.sync_every + 5):
+        for params, _, learner in members:
+            if step < 4 * cfg.sync_every:  # then only settle: both align with the last commit
+                for v in params.values():
+                    v -= (1e-2 * rng.standard_normal(v.shape)).astype(np.float32)
+                learner.step(8)
+        for _ in range(3):
+            for _, node, learner in members:
+                node.tick()
+                learner.drain()
+        clock.advance(1.0)
+    assert min(node.head for _, node, _ in members) >= 2
+    (a, *_), (b, *_) = members
+    assert all(a[n].tobytes() == b[n].tobytes() for n in WIDE)
+    mailbox = members[0][1].store.mailbox
+    assert max(_chunk_counts(mailbox)) >= 3

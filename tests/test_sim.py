@@ -102,13 +102,17 @@ def test_every_fault_kind_and_critical_path_is_reached(sweep):
     assert not [k for k in MUST_RESOLVE if not resolved[k]], "never resolved"
 
 
-def test_the_sweep_mixes_checkpoints_and_error_feedback():
+def test_the_sweep_mixes_checkpoints_error_feedback_and_chunks():
     # The invariants above hold over seeds that quantize deltas with and without error feedback
     # and checkpoint only every k-th version (the scenario is drawn from random.Random(seed)).
     draws = [draw_scenario(random.Random(seed), None).cfg for seed in range(SEEDS)]
     assert sum(c.error_feedback and c.delta_dtype is not None for c in draws) >= SEEDS // 10
     assert sum(c.delta_dtype is not None and not c.error_feedback for c in draws) >= SEEDS // 10
     assert sum(c.checkpoint_every > 1 and c.error_feedback for c in draws) >= SEEDS // 20
+    # chunked payloads (chunks that cut the wider model's tensors), with and without quantization
+    assert sum(c.chunk_elements is not None for c in draws) >= SEEDS // 4
+    assert sum(c.chunk_elements is not None and c.checkpoint_every > 1 for c in draws) >= SEEDS // 20
+    assert sum(c.chunk_elements is not None and c.delta_dtype is None for c in draws) >= SEEDS // 10
 
 
 def test_the_loss_falls_in_every_run(sweep):
