@@ -378,6 +378,17 @@ def test_a_chunked_run_ends_bit_identical_to_the_same_run_with_whole_payloads(co
     (whole, a), (split, b) = run(None), run(32)
     _same_params(a, b)
     assert _chunk_counts(whole.mailbox) == {1} and max(_chunk_counts(split.mailbox)) >= 3
+    # GC collects chunks as any payload: none of a snapshot, none of a round older than 2P
+    head, P = split.head(), cfg.fragments
+    blobs = [keys.parse_blob_key(k) for k in split.mailbox.list(keys.BLOBS)]
+    assert not [b for b in blobs if b is not None and b.kind == "snapshot" and b.round <= head - 1]
+    assert not [b for b in blobs if b is not None and b.kind != "snapshot" and b.round is not None
+                and b.round <= head - 2 * P]  # fmt: skip
+    newest = {
+        r.fragment: r for r in (decode(split.mailbox.get(k), RoundRecord) for k in split.mailbox.list(keys.ROUNDS))
+    }
+    live = {c.key for r in newest.values() for ref in (r.theta, r.outer, r.change) if ref for c in chunk_refs(ref)}
+    assert live <= set(split.mailbox.list(keys.BLOBS))
 
 
 def test_a_takeover_between_checkpoints_replays_a_chunked_run_bit_for_bit(monkeypatch):
