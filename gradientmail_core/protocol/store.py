@@ -39,6 +39,9 @@ PUT_PIECE = 8 << 20
 # A stream smaller than this is joined and written as one create-once PUT, as every other object:
 # its copy is small, and a PUT of it costs what one part would.
 JOIN_BELOW = 1 << 20
+# What a chunked payload may weigh beyond a whole one's cap, per chunk after the first: a header
+# of its own (the fixed metadata, and the entries of the tensors it shares with its neighbours).
+CHUNK_HEADER_ALLOWANCE = 4096
 
 
 class RunStore:
@@ -160,10 +163,11 @@ class RunStore:
         ``chunk_elements``: the run's (``RunInfo.chunk_elements``). The payload is then the chunks
         of ``expected`` (in this order) its ref lists, each read, verified against its place in
         the plan and decoded, and the fragment is returned assembled; a ref listing another number
-        of chunks is ``PayloadCorrupt``, chunks out of order ``PayloadLayoutMismatch``, and
-        if any chunk is gone the result is None. ``max_bytes`` then bounds the chunks' total (each
-        is also held to its own cap). A fragment that is one chunk of whole tensors (always, with
-        ``chunk_elements`` None) is read exactly as a whole payload always was."""
+        of chunks is ``PayloadCorrupt``, chunks out of order ``PayloadLayoutMismatch``, and if any
+        chunk is gone the result is None. ``max_bytes`` then bounds the chunks' total (plus
+        ``CHUNK_HEADER_ALLOWANCE`` per chunk after the first); each chunk is also held to its own
+        cap. A fragment that is one chunk of whole tensors (always, with ``chunk_elements`` None)
+        is read exactly as a whole payload always was."""
         specs = chunked.chunk_specs(expected, chunk_elements)
         if len(specs) == 1 and not specs[0].meta:
             if ref.more:
@@ -186,6 +190,9 @@ class RunStore:
         if len(refs) != len(specs):
             raise PayloadCorrupt(f"{ref.key}: the ref lists {len(refs)} chunks, the plan {len(specs)}")
         total = sum(r.size for r in refs)
+        if max_bytes is not None:
+            # Each chunk beyond the first repeats a header (metadata, the split tensor's entry).
+            max_bytes += CHUNK_HEADER_ALLOWANCE * (len(refs) - 1)
         if max_bytes is not None and total > max_bytes:
             raise PayloadCorrupt(
                 f"{ref.key}: declared size {total} of {len(refs)} chunks exceeds the cap of {max_bytes}"
