@@ -34,10 +34,10 @@ class Contribution(Protocol):
         node uploads this: no joined copy of the payload is held)."""
         ...
 
-    def quantized(self, dtypes: Mapping[str, str]) -> dict[str, quant.QTensor]:
-        """Background thread: the delta's tensors quantized to their dtypes, what ``stream``
-        encodes (the node cuts them into the chunks of a chunked run's payload)."""
-        ...
+    # The two handles below also offer ``quantized(dtypes) -> dict[str, QTensor]`` (the delta's
+    # tensors quantized, what ``stream`` encodes), which the node cuts into the chunks of a chunked
+    # run's payload; a contribution that uploads itself offers ``upload`` instead
+    # (``syncer/publishing.py``).
 
 
 class Incoming(Protocol):

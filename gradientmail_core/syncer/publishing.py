@@ -110,9 +110,12 @@ class Publishing(NodeState):
                 except (PayloadCorrupt, PayloadLayoutMismatch):
                     pass  # not kept: read back like any contribution
 
+        quantized = getattr(pub.delta, "quantized", None)
+        if quantized is None:
+            raise TypeError(f"{type(pub.delta).__name__} offers neither quantized() nor upload(): cannot chunk it")
         ref = self.store.put_fragment(
             key_for_sha,
-            pub.delta.quantized(dtypes),
+            quantized(dtypes),
             shapes=shapes,
             dtypes=dtypes,
             chunk_elements=self.run.chunk_elements,
