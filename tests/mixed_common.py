@@ -9,6 +9,7 @@ its own order.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -35,9 +36,19 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--out", required=True, help="write the final parameters to OUT.npz")
     ap.add_argument("--data-seed", type=int, default=7)
     ap.add_argument("--learners", type=int, default=2, help="wait for this many learners before training")
+    ap.add_argument("--chunk-elements", type=int, default=None, help="store fragments in chunks of this many elements")
+    ap.add_argument("--delta-dtype", default=None)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     return args
+
+
+def algorithm(args: argparse.Namespace) -> gm.DiLoCo:
+    """``ALGORITHM`` with the run's payload layout and delta dtype from the flags."""
+    extra: dict = {"delta_dtype": args.delta_dtype}
+    if args.chunk_elements is not None:
+        extra["chunk_elements"] = args.chunk_elements
+    return dataclasses.replace(ALGORITHM, **extra)
 
 
 def dataset(seed: int, n: int = 512) -> tuple[np.ndarray, np.ndarray]:

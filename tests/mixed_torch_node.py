@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from mixed_common import ALGORITHM, DIMS, LR, batches, dataset, finish, parse_args
+from mixed_common import DIMS, LR, algorithm, batches, dataset, finish, parse_args
 
 import gradientmail_core as gm
 
@@ -31,7 +31,7 @@ def main() -> None:
     losses = []
     with gm.Session(
         model,
-        algorithm=ALGORITHM,
+        algorithm=algorithm(args),
         mailbox=gm.open_mailbox(args.mailbox),
         learner_id=args.learner_id,
         poll_interval=0.05,

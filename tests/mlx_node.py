@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mixed_common import ALGORITHM, DIMS, LR, batches, dataset, finish, parse_args
+from mixed_common import DIMS, LR, algorithm, batches, dataset, finish, parse_args
 from mlx.utils import tree_flatten
 
 import gradientmail_core as gm
@@ -42,7 +42,7 @@ def main() -> None:
     losses = []
     with gm.Session(
         model,
-        algorithm=ALGORITHM,
+        algorithm=algorithm(args),
         mailbox=gm.open_mailbox(args.mailbox),
         learner_id=args.learner_id,
         poll_interval=0.05,

@@ -102,6 +102,22 @@ def test_torch_and_mlx_processes_train_one_run(tmp_path):
         assert last_loss < 0.5 * first_loss, res
 
 
+def test_torch_and_mlx_processes_train_a_chunked_run(tmp_path):
+    # Chunks of 32 elements cut the 8x16 weight over four payloads per delta and per commit: the
+    # MLX node reads and writes the same chunk lists as the torch node, and both end bit-identical.
+    pytest.importorskip("torch")
+    nodes = [(HERE / "mlx_node.py", "mlx-a"), (HERE / "mixed_torch_node.py", "torch-b")]
+    args = [*NODE_ARGS, "--chunk-elements", "32", "--delta-dtype", "F4"]
+    results = _run_pair(tmp_path, nodes, args, rounds_expected=8)
+    rounds = [json.loads(p.read_text()) for p in sorted((tmp_path / "mailbox" / "rounds").glob("*.json"))]
+    assert all(r["theta"].get("more") for r in rounds if r["fragment"] == 0) or all(
+        r["theta"].get("more") for r in rounds if r["fragment"] == 1
+    ), "a fragment of the run is stored in several chunks"
+    for res in results.values():
+        first_loss, last_loss = res["losses"]
+        assert last_loss < 0.5 * first_loss, res
+
+
 def test_two_mlx_processes_train_one_run(tmp_path):
     nodes = [(HERE / "mlx_node.py", "mlx-a"), (HERE / "mlx_node.py", "mlx-b")]
     results = _run_pair(tmp_path, nodes, NODE_ARGS, rounds_expected=8)
