@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import events as ev
 from .adapters import adapter_for
@@ -32,6 +32,9 @@ from .syncer.join import join_run
 from .syncer.learner import Learner
 from .syncer.marker import RestartMarker
 from .syncer.node import Node, NodeOptions
+
+if TYPE_CHECKING:
+    from .sharded.runtime import ShardedRuntime
 
 _log = logging.getLogger(__name__)
 
@@ -62,7 +65,7 @@ class Session:
         algorithm: DiLoCo,
         mailbox: Mailbox,
         learner_id: str | None = None,
-        role: str = "both",
+        role: str | None = None,
         poll_interval: float = 1.0,
         lease_timeout: float = 120.0,
         lease_every: float | None = None,
@@ -80,12 +83,11 @@ class Session:
         self.learner_id = keys.validate_learner_id(learner_id if learner_id is not None else default_learner_id())
         if not isinstance(algorithm, DiLoCo):
             raise TypeError(f"algorithm must be a gm.DiLoCo(...), found {type(algorithm).__name__}")
-        if role not in ("both", "learner"):
+        if role not in (None, "both", "learner"):
             raise ValueError(
                 f"role={role!r}: expected 'both' (train and close rounds) or 'learner' (train only); "
                 "a node that only closes rounds is gm.Syncer (`gradientmail syncer URL --id NAME`)"
             )
-        self.role = role
         self.options = NodeOptions.from_user(
             poll_interval=poll_interval,
             lease_timeout=lease_timeout,
@@ -100,6 +102,21 @@ class Session:
         self.model = model
         self.adapter = adapter_for(model)
         self.algorithm = algorithm
+        # A model whose parameters are FSDP2 DTensors: every rank opens this session, and the
+        # sharded runtime keeps them in step (gradientmail_core/sharded, docs/sharding.md).
+        sharded = (
+            getattr(self.adapter, "sharded", None) if type(self.adapter).__name__ == "ShardedTorchAdapter" else None
+        )
+        if sharded is not None and role == "both":
+            from .adapters.torch_sharded import ShardingUnsupported
+
+            raise ShardingUnsupported(
+                "role='both': a sharded node does not close rounds in this version (a closer holds whole "
+                "fragments); leave role unset (a sharded node is a learner) and let a plain node (role='both') "
+                "or gm.Syncer (`gradientmail syncer URL --id NAME`) close the rounds"
+            )
+        # role None: "both" (train and close rounds), or "learner" for a sharded node
+        self.role = role if role is not None else ("learner" if sharded is not None else "both")
         self.mailbox = mailbox
         self.clock = clock or SystemClock()
         self.callbacks = list(callbacks)
@@ -115,6 +132,11 @@ class Session:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._closed = False
+        self._sharded: ShardedRuntime | None = None
+        if sharded is not None:
+            from .sharded.runtime import ShardedRuntime
+
+            self._sharded = ShardedRuntime(self, sharded)
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -131,17 +153,26 @@ class Session:
     def emit(self, event: ev.Event) -> None:
         ev.deliver(self.callbacks, event)
 
-    def open(self) -> None:
-        """Join the run (creating it if the mailbox is empty) and start the background work."""
-        if self.node is not None:
-            return
+    def _store(self) -> RunStore:
+        """The run's store as this session reads it: guarded, authenticated as the run is."""
 
         def ignored(key: str, why: str) -> None:
             self.emit(ev.IgnoredObject(self.learner_id, key, why))
 
         guard = GuardedMailbox(self.mailbox, auth=self.auth, on_ignored=ignored)
+        return RunStore(guard, auth=self.auth, on_ignored=ignored)
+
+    def open(self) -> None:
+        """Join the run (creating it if the mailbox is empty) and start the background work.
+        On a sharded model, collective: every rank opens (``docs/sharding.md``)."""
+        if self._sharded is not None:
+            if self._sharded.exchange is None:
+                self._sharded.open()
+            return
+        if self.node is not None:
+            return
         node, learner = join_run(
-            RunStore(guard, auth=self.auth, on_ignored=ignored),
+            self._store(),
             self.adapter,
             self.algorithm,
             self.clock,
@@ -187,12 +218,18 @@ class Session:
     # ---- the training loop ------------------------------------------------------------
 
     def step(self, samples: int = 1) -> None:
-        """Call once per optimizer step, with the samples (or tokens) that step processed."""
+        """Call once per optimizer step, with the samples (or tokens) that step processed. On a
+        sharded model every rank calls it (a collective), with the node's samples."""
+        if self._sharded is not None:
+            self._sharded.step(samples)
+            return
         self._check()
         assert self.learner is not None
         self.learner.step(int(samples), wait=self._wait_commit)
 
     def _wait_commit(self, timeout: float | None = None) -> CommitNotice | None:
+        if self._sharded is not None:
+            self._sharded.before_wait()  # what the learner did goes to every rank before it blocks
         self._check()
         try:
             return self.bridge.inbox.get(timeout=timeout or self.options.poll_interval)
@@ -212,12 +249,13 @@ class Session:
     def progress(self) -> Progress:
         v = self.bridge.view
         lr = self.learner
+        rt = self._sharded  # ranks > 0 of a sharded node: no learner, rank 0's view
         return Progress(
             round=v.head,
             versions=tuple(lr.versions[f] for f in sorted(lr.versions)) if lr else (),
             live_learners=v.live,
-            local_step=lr.local_step if lr else 0,
-            tokens=lr.tokens if lr else 0,
+            local_step=lr.local_step if lr else rt.steps if rt else 0,
+            tokens=lr.tokens if lr else rt.tokens if rt else 0,
             rounds_seen=v.rounds_seen,
             closing_round=v.closer_of,
         )
@@ -226,7 +264,10 @@ class Session:
         """Block until ``learners`` distinct learners (this one included) have been seen since
         the wait began: live at a listing of the leases, or contributing. A learner that joined
         and left again between two looks still counts, so two learners waiting for each other
-        cannot miss one another."""
+        cannot miss one another. On a sharded model it waits on rank 0 only (the other ranks
+        return at once, and wait in their next ``step`` for rank 0)."""
+        if self._sharded is not None and not self._sharded.leader:
+            return
         self._check()
         deadline = None if timeout is None else self.clock.now() + timeout
         view = self.bridge.view
@@ -242,7 +283,12 @@ class Session:
     # ---- leaving ----------------------------------------------------------------------
 
     def close(self) -> None:
-        """Wait for this node's rounds in flight, then load the newest committed parameters."""
+        """Wait for this node's rounds in flight, then load the newest committed parameters.
+        On a sharded model, collective: every rank closes."""
+        if self._sharded is not None:
+            if self._sharded.exchange is not None:
+                self._sharded.close()
+            return
         if self._closed or self.learner is None:
             return
         try:
@@ -301,6 +347,9 @@ class Session:
                 return False
 
     def _shutdown(self) -> None:
+        if self._sharded is not None:
+            self._sharded._teardown()  # after a failure: stop here without waiting on the other ranks
+            return
         if self._closed:
             return
         self._closed = True

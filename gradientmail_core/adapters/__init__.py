@@ -10,7 +10,8 @@ from .base import Adapter, NumpyAdapter
 
 
 def adapter_for(model: Any) -> Adapter:
-    """Pick the adapter for ``model``: torch, MLX, or an object that is already an adapter."""
+    """Pick the adapter for ``model``: torch (FSDP2-sharded or not), MLX, or an object that is
+    already an adapter."""
     if isinstance(model, dict) and not _is_mlx_module(model):  # an mlx.nn.Module is a dict too
         return NumpyAdapter(model)
     if all(hasattr(model, a) for a in ("schema", "read", "write")):
@@ -18,6 +19,13 @@ def adapter_for(model: Any) -> Adapter:
     module = type(model).__module__ or ""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(model, torch.nn.Module):
+        # FSDP2 parameters are DTensors; without torch.distributed.tensor loaded there are none.
+        if sys.modules.get("torch.distributed.tensor") is not None:
+            from .torch_sharded import ShardedTorchAdapter, find_sharded
+
+            sharded = find_sharded(model)  # ShardingUnsupported for a layout it cannot cut
+            if sharded is not None:
+                return ShardedTorchAdapter(model, sharded)
         from .torch import TorchAdapter
 
         return TorchAdapter(model)

@@ -180,3 +180,21 @@ class FragmentIO:
 
 
 Stage = Callable[[Mapping[str, np.ndarray]], Incoming]
+
+
+class Mover(Protocol):
+    """What the learner moves fragments through: ``FragmentIO``, or a sharded node's recording IO
+    (``sharded/runtime.py``), whose ranks each move their own part."""
+
+    def capture(
+        self,
+        names: Sequence[str],
+        anchor: Mapping[str, np.ndarray],
+        *,
+        keep: bool = True,
+        slot: tuple[int, int] | None = None,
+    ) -> Contribution: ...
+
+    def settle(self, fragment: int, round: int, *, merged: bool) -> None: ...
+
+    def stage(self, theta: Mapping[str, np.ndarray]) -> Incoming: ...

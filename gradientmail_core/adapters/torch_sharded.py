@@ -20,13 +20,12 @@ are pure and take no tensors; the rest moves torch tensors through ``torch.distr
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import MissingExtra
+from ..errors import GradientMailError, MissingExtra
 
 try:
     import torch
@@ -34,134 +33,52 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without torch
     raise MissingExtra("torch") from e
 
-BLOCK = 32  # the F4 and I2 quantizer blocks (quant.F4_BLOCK, quant_i2.I2_BLOCK)
+from ..protocol.chunks import (  # noqa: E402 (the plan is pure: it lives with the protocol)
+    BLOCK,
+    Piece,
+    Shapes,
+    Transfer,
+    check_chunk,
+    chunk_owner,
+    chunk_plan,
+    holder,
+    numel,
+    offsets,
+    owned_chunks,
+    shard_range,
+    transfers,
+)
 
-Shapes = Sequence[tuple[str, Sequence[int]]]
-"""A fragment's tensors in payload order: (name, full shape)."""
-
-
-class ShardingUnsupported(ValueError):
-    """The model is sharded in a way gradientmail cannot cut into chunks (yet)."""
-
-
-# ---------------------------------------------------------------------------------------------
-# The chunk plan (pure)
-
-
-@dataclass(frozen=True, order=True)
-class Piece:
-    """Elements ``[start, stop)`` of tensor ``name``, flattened in C order."""
-
-    name: str
-    start: int
-    stop: int
-
-    @property
-    def size(self) -> int:
-        return self.stop - self.start
-
-
-def numel(shape: Sequence[int]) -> int:
-    return math.prod(int(d) for d in shape)
-
-
-def check_chunk(chunk: int) -> int:
-    if chunk <= 0 or chunk % BLOCK:
-        raise ValueError(f"chunk size must be a positive multiple of {BLOCK} elements, found {chunk}")
-    return chunk
-
-
-def offsets(shapes: Shapes) -> list[int]:
-    """Where each tensor starts on the fragment's padded line: the previous one's end, rounded up
-    to a multiple of ``BLOCK`` (so every tensor starts on a quantizer block)."""
-    out, at = [], 0
-    for _, shape in shapes:
-        out.append(at)
-        at += -(-numel(shape) // BLOCK) * BLOCK
-    return out
+__all__ = [
+    "BLOCK",
+    "Chunk",
+    "Meter",
+    "Piece",
+    "ShardedParams",
+    "ShardedTorchAdapter",
+    "ShardingUnsupported",
+    "Shapes",
+    "Transfer",
+    "apply_local",
+    "check_chunk",
+    "chunk_owner",
+    "chunk_plan",
+    "find_sharded",
+    "gather_chunks",
+    "gather_refs",
+    "holder",
+    "numel",
+    "offsets",
+    "owned_chunks",
+    "scatter_chunks",
+    "shard_range",
+    "transfers",
+]
 
 
-def chunk_plan(shapes: Shapes, chunk: int) -> list[list[Piece]]:
-    """Chunk index -> its pieces, in line order. At least one chunk; a tensor with no elements is
-    a zero-length piece of chunk 0 (so a fragment that fits one chunk is a chunk of every tensor)."""
-    check_chunk(chunk)
-    starts = offsets(shapes)
-    end = max((s + numel(shape) for s, (_, shape) in zip(starts, shapes)), default=0)
-    plan: list[list[Piece]] = [[] for _ in range(max(1, -(-end // chunk)))]
-    for at, (name, shape) in zip(starts, shapes):
-        n = numel(shape)
-        if n == 0:
-            plan[0].append(Piece(name, 0, 0))
-            continue
-        for k in range(at // chunk, (at + n - 1) // chunk + 1):
-            lo, hi = max(k * chunk, at), min((k + 1) * chunk, at + n)
-            plan[k].append(Piece(name, lo - at, hi - at))
-    return plan
-
-
-def shard_range(shape: Sequence[int], world: int, coord: int) -> tuple[int, int]:
-    """The flat elements ``[start, stop)`` of a tensor that mesh coordinate ``coord`` holds under
-    ``Shard(0)``: ``torch.chunk``'s ``ceil(rows / world)`` rows per rank, clipped to the tensor."""
-    if not shape:  # 0-d: one element, on coordinate 0 (FSDP2 never shards these)
-        return (0, 1) if coord == 0 else (1, 1)
-    rows, inner = int(shape[0]), numel(shape[1:])
-    per = -(-rows // world)
-    lo, hi = min(coord * per, rows), min((coord + 1) * per, rows)
-    return lo * inner, hi * inner
-
-
-def holder(shape: Sequence[int], world: int, element: int) -> int:
-    """The mesh coordinate holding flat ``element`` of a ``Shard(0)`` tensor."""
-    if not shape:
-        return 0
-    rows, inner = int(shape[0]), numel(shape[1:])
-    return (element // inner) // -(-rows // world)
-
-
-def chunk_owner(pieces: Sequence[Piece], shapes: Mapping[str, Sequence[int]], world: int) -> int:
-    """The rank that builds (and uploads, and downloads) a chunk: the holder of its first element."""
-    for p in pieces:
-        if p.size:
-            return holder(shapes[p.name], world, p.start)
-    return 0
-
-
-def owned_chunks(
-    plan: Sequence[Sequence[Piece]], shapes: Mapping[str, Sequence[int]], world: int, coord: int
-) -> list[int]:
-    return [k for k, pieces in enumerate(plan) if chunk_owner(pieces, shapes, world) == coord]
-
-
-@dataclass(frozen=True, order=True)
-class Transfer:
-    """Elements of ``piece`` (a sub-range of a piece of ``chunk``) that ``src`` holds and
-    ``dst``, the chunk's owner, lacks. ``scatter_chunks`` runs the same list backwards."""
-
-    src: int
-    dst: int
-    chunk: int
-    index: int  # of the plan piece (in ``plan[chunk]``) that ``piece`` lies in
-    piece: Piece
-
-
-def transfers(plan: Sequence[Sequence[Piece]], shapes: Mapping[str, Sequence[int]], world: int) -> list[Transfer]:
-    """Every element a chunk's owner must receive, in (chunk, piece, element) order: the same
-    list on every rank, so sender and receiver agree on sizes and order without talking."""
-    out = []
-    for k, pieces in enumerate(plan):
-        owner = chunk_owner(pieces, shapes, world)
-        for i, p in enumerate(pieces):
-            if not p.size:
-                continue
-            shape = shapes[p.name]
-            at = p.start
-            while at < p.stop:
-                h = holder(shape, world, at)
-                stop = min(p.stop, shard_range(shape, world, h)[1])
-                if h != owner:
-                    out.append(Transfer(h, owner, k, i, Piece(p.name, at, stop)))
-                at = stop
-    return out
+class ShardingUnsupported(GradientMailError, ValueError):
+    """The model is sharded in a way gradientmail cannot cut into chunks, or the run or session
+    asks what a sharded node does not do (yet). The message says what to do instead."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,15 +86,32 @@ def transfers(plan: Sequence[Sequence[Piece]], shapes: Mapping[str, Sequence[int
 
 
 class Meter:
-    """The largest tensor the functions below allocated, in bytes (``peak``): the check that no
-    rank ever materialises a full fragment."""
+    """What the functions below (and a sharded node, ``gradientmail_core/sharded``) allocated, in
+    bytes: the largest single tensor or array (``peak``) and the sum of everything allocated
+    (``total``). A sharded node meters each publish and each commit with a fresh ``Meter`` and
+    folds it into the rank's with ``fold``: ``op_peak`` is then the most one fragment operation
+    allocated in all. The check that no rank ever materialises a full fragment."""
 
     def __init__(self) -> None:
         self.peak = 0
+        self.total = 0
+        self.op_peak = 0
+
+    def note(self, nbytes: int, *, transient: bool = False) -> None:
+        """Count an allocation made elsewhere (a host copy, a decoded array). ``transient``: freed
+        before the operation allocates anything else (a temporary of one tensor): not in ``total``."""
+        self.peak = max(self.peak, int(nbytes))
+        if not transient:
+            self.total += int(nbytes)
 
     def empty(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        self.peak = max(self.peak, n * dtype.itemsize)
+        self.note(n * dtype.itemsize)
         return torch.empty(n, dtype=dtype, device=device)
+
+    def fold(self, op: Meter) -> None:
+        """Take in one operation's meter: its largest allocation, and its total as one operation."""
+        self.peak = max(self.peak, op.peak)
+        self.op_peak = max(self.op_peak, op.total, op.op_peak)
 
 
 @dataclass
@@ -242,6 +176,47 @@ def find_sharded(model: Any) -> ShardedParams | None:
                 f"(torch.chunk rows over {world} ranks): a sharding gradientmail does not know"
             )
     return out
+
+
+class ShardedTorchAdapter:
+    """The adapter of a model whose trainable parameters are FSDP2 DTensors (``find_sharded``).
+
+    It states the schema (full shapes, the parameters' dtypes), which the run checks as for any
+    node. A sharded node never moves a whole fragment: its session (``gradientmail_core/sharded``)
+    publishes and aligns chunk by chunk on every rank, so ``read`` refuses and ``write`` accepts
+    only nothing (``Learner.write_newest`` of a sharded node, whose ranks write their own parts)."""
+
+    def __init__(self, model: Any, sharded: ShardedParams) -> None:
+        from .torch import _DTYPES
+
+        self.model, self.sharded = model, sharded
+        for name, p in sharded.params.items():
+            if p.dtype not in _DTYPES:
+                raise TypeError(
+                    f"parameter {name!r} has dtype {p.dtype}; gradientmail trains float32, bfloat16 and "
+                    "float16 parameters (cast the model, or freeze this parameter)"
+                )
+        self._dtypes = {n: _DTYPES[p.dtype] for n, p in sharded.params.items()}
+
+    def schema(self) -> list[Any]:
+        from ..protocol.records import TensorSpec
+
+        return [
+            TensorSpec(name=n, dtype=self._dtypes[n], shape=list(self.sharded.shapes[n])) for n in self.sharded.params
+        ]
+
+    def read(self, names: Sequence[str]) -> Mapping[str, Any]:
+        raise ShardingUnsupported(
+            "the parameters are FSDP2 DTensors: no rank reads a whole fragment (a gm.Session over the "
+            "sharded model publishes chunk by chunk; for a whole copy, gather the model with full_tensor())"
+        )
+
+    def write(self, values: Mapping[str, Any], mixing: float = 0.0) -> None:
+        if values:
+            raise ShardingUnsupported(
+                "the parameters are FSDP2 DTensors: no rank writes a whole fragment (gm.align does not "
+                "load into a sharded model; open a gm.Session on every rank, or load into an unsharded copy)"
+            )
 
 
 # ---------------------------------------------------------------------------------------------

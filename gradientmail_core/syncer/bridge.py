@@ -9,12 +9,13 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..adapters.handles import Contribution, Incoming, Stage
+from ..protocol.records import RoundRecord
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,10 @@ class Bridge:
         # How a commit is staged for writing (set by the learner from its adapter): the node
         # stages each commit with it, off the training thread.
         self.stage: Stage | None = None
+        # A sharded node (``sharded/runtime.py``): the node reads no parameters; each commit's
+        # record (None: the initial parameters) of fragment f goes here instead, and the ranks
+        # fetch their own chunks. Returns the commit's ``Incoming``.
+        self.follow: Callable[[int, RoundRecord | None], Incoming] | None = None
 
     def publish(self, p: Publish) -> None:
         with self.lock:

@@ -45,6 +45,9 @@ class Following(NodeState):
                     self.emit(ev.IgnoredObject(self.me, keys.round_key(r), problem))
                 return False
             assert rec is not None
+            if self.bridge.follow is not None:  # a sharded node: its ranks fetch their own chunks
+                self._on_record(rec, {})
+                continue
             try:
                 theta = self._fetch_commit(rec)
             except PayloadCorrupt as e:
@@ -99,6 +102,7 @@ class Following(NodeState):
         if self.role == "syncer":
             return  # no training thread: nothing would ever drain the inbox
         stage = self.bridge.stage  # e.g. moves the theta to the device here, off the training thread
+        follow = self.bridge.follow
         self.bridge.inbox.put(
             CommitNotice(
                 rec.round,
@@ -108,6 +112,6 @@ class Following(NodeState):
                 ref_size(rec.theta) if rec.theta else 0,
                 tuple(p.learner for p in rec.participants),
                 rec.cosine,
-                incoming=stage(theta) if stage is not None else None,
+                incoming=follow(f, rec) if follow is not None else stage(theta) if stage is not None else None,
             )
         )

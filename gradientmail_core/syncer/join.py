@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from .. import events as ev
 from ..adapters.base import Adapter
+from ..adapters.handles import Mover
 from ..clock import Clock
 from ..config import DiLoCo
 from ..protocol.run import max_payload_bytes, open_run
@@ -37,6 +38,7 @@ def join_run(
     bridge: Bridge | None = None,
     marker: RestartMarker | None = None,
     role: str = "both",
+    io: Mover | None = None,
 ) -> tuple[Node, Learner]:
     """Join (or create) the run in ``store`` as ``learner``; return its node and learner.
 
@@ -51,6 +53,10 @@ def join_run(
 
     ``role``: "both" (trains and may close rounds) or "learner" (trains, never closes). A node that
     only closes rounds joins through ``syncer.standalone.Syncer`` instead.
+
+    ``io``: how the learner moves fragments (default ``FragmentIO`` over ``adapter``). With
+    ``bridge.follow`` set (a sharded node), the node reads no parameters: each fragment's newest
+    commit (or its initial parameters) is handed to ``bridge.follow`` and loaded from there.
     """
     if role not in ("both", "learner"):
         raise ValueError(f"role={role!r}: a training node's role is 'both' or 'learner' (a syncer is gm.Syncer)")
@@ -79,6 +85,8 @@ def join_run(
         raise
     if marker is not None:
         marker.hold(nonce)
-    trainer = Learner(adapter, run, node.bridge, clock, learner=learner, emit=emit)
-    trainer.start(node.head, thetas, {f: v for f, (v, _) in node.thetas.items()})
+    trainer = Learner(adapter, run, node.bridge, clock, learner=learner, emit=emit, io=io)
+    follow = node.bridge.follow
+    incoming = {f: follow(f, node.newest.get(f)) for f in thetas} if follow is not None else None
+    trainer.start(node.head, thetas, {f: v for f, (v, _) in node.thetas.items()}, incoming)
     return node, trainer

@@ -18,7 +18,7 @@ import numpy as np
 
 from .. import events as ev
 from ..adapters.base import Adapter
-from ..adapters.handles import Contribution, FragmentIO
+from ..adapters.handles import Contribution, FragmentIO, Incoming, Mover
 from ..clock import Clock
 from ..config import Adaptive, Carry
 from ..protocol.run import RunInfo
@@ -42,10 +42,12 @@ class Learner:
         *,
         learner: str,
         emit: Callable[[ev.Event], None],
+        io: Mover | None = None,
     ) -> None:
         self.adapter, self.run, self.bridge, self.clock, self.me, self.emit = adapter, run, bridge, clock, learner, emit
-        # Error feedback only where deltas are quantized (``adapters/feedback.py``).
-        self.io = FragmentIO(adapter, feedback=run.cfg.error_feedback and run.cfg.delta_dtype is not None)
+        # Error feedback only where deltas are quantized (``adapters/feedback.py``). ``io``: another
+        # way to move fragments (a sharded node's, ``sharded/runtime.py``: every rank its part).
+        self.io: Mover = io or FragmentIO(adapter, feedback=run.cfg.error_feedback and run.cfg.delta_dtype is not None)
         bridge.stage = self.io.stage
         self.cfg = run.cfg
         self.local_step = 0
@@ -69,10 +71,17 @@ class Learner:
 
     # ---- start and align ----------------------------------------------------------------
 
-    def start(self, head: int, thetas: Mapping[int, Mapping[str, np.ndarray]], versions: Mapping[int, int]) -> None:
-        """Load the newest committed parameters into the model before the first step."""
+    def start(
+        self,
+        head: int,
+        thetas: Mapping[int, Mapping[str, np.ndarray]],
+        versions: Mapping[int, int],
+        incoming: Mapping[int, Incoming] | None = None,
+    ) -> None:
+        """Load the newest committed parameters into the model before the first step.
+        ``incoming``: each fragment's parameters already on their way (``Bridge.follow``)."""
         for f, theta in thetas.items():
-            self.io.stage(theta).write()
+            (incoming[f] if incoming is not None else self.io.stage(theta)).write()
             self.anchors[f] = theta
             self.versions[f] = versions[f]
         self.aligned = head

@@ -18,7 +18,7 @@ import numpy as np
 from .. import events as ev
 from ..errors import MailboxUnavailable, PayloadCorrupt
 from ..protocol import keys
-from ..protocol.tape import read_newest
+from ..protocol.tape import newest_records, read_newest, round_keys
 from .bridge import View
 from .election import Election
 from .publishing import Publishing
@@ -43,7 +43,11 @@ class Node(Publishing, Election):
     def _join(self, created: bool, predecessor: str | None) -> dict[int, dict[str, np.ndarray]]:
         self.lease.acquire(poll=self.opts.poll_interval, predecessor=predecessor)
         self._list_leases()
-        recs, thetas = read_newest(self.store, self.run)
+        if self.bridge.follow is not None:  # a sharded node: its ranks read their own chunks (join_run)
+            recs = newest_records(self.store, self.run, round_keys(self.store))
+            thetas: dict[int, dict[str, np.ndarray]] = {f: {} for f in range(self.run.P)}
+        else:
+            recs, thetas = read_newest(self.store, self.run)
         for f, theta in thetas.items():
             version = recs[f].version if f in recs else 0
             self.thetas[f] = (version, theta)

@@ -1,0 +1,590 @@
+"""A ``gm.Session`` over an FSDP2-sharded model: every rank of the node runs one, under one learner
+id, and this keeps them in step (``docs/sharding.md``, section 6).
+
+Rank 0 runs the engine as any node does (``join_run``, the ``Node`` thread, the ``Learner``), with
+``RecordingIO`` in place of ``FragmentIO``: what its learner does to the model (capture fragment f
+for round r, write commit (f, v) with ``mixing``) is recorded, not done. The records go to every
+rank in one ``Exchange`` on the training threads, and every rank (rank 0 too) then performs them
+on its shards, in the same order, at the same step: ``RankIO.publish``/``write`` are collectives.
+Rank 0 exchanges at the end of each step, and before its learner blocks for a commit (lockstep),
+so the publish a commit waits for has gone out. The other ranks run no protocol thread: in
+``step`` they take part in exchanges until rank 0's step is done.
+
+Payloads never pass through the training threads: each rank uploads the chunks it owns from its
+own background thread and sends the refs to rank 0 (``up``), whose contribution
+(``ShardContribution.upload``, the node's upload hook) uploads rank 0's chunks, collects the
+others' refs and returns the joined ref; rank 0's follower hands each commit's record to
+``follow`` (``bridge.follow``: nothing whole is fetched), which sends the theta's chunk refs to
+every rank (``down``), whose downloader fetches the chunks it owns.
+
+A failure on any rank becomes ``SessionFailed`` on every rank at the same exchange: rank 0's
+own (its node thread's, or an error in its step) is sent as a failed exchange; another rank's is
+a flag in the next exchange. ``close`` is collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch.distributed as dist
+
+from .. import events as ev
+from ..adapters.handles import Contribution, Incoming
+from ..adapters.torch_sharded import ShardedParams, ShardingUnsupported
+from ..codec.quant import QTensor
+from ..codec.stream import PayloadStream
+from ..config import Adaptive, Carry, DiLoCo
+from ..errors import SessionFailed
+from ..protocol.records import PayloadRef, RoundRecord, chunk_refs, join_refs
+from ..protocol.run import RunInfo, max_payload_bytes, read_manifest
+from ..protocol.store import RunStore
+from ..syncer.bridge import View
+from ..syncer.join import join_run
+from .rank import Captured, RankIO, chunk_elements
+from .wire import Channel, Exchange, new_group
+
+if TYPE_CHECKING:
+    from ..session import Session
+
+_log = logging.getLogger(__name__)
+
+
+class _Together(SessionFailed):
+    """A failure every rank learned at the same exchange: nothing more to tell the others."""
+
+
+def check_config(cfg: DiLoCo) -> None:
+    """What a sharded node does not do in this version, refused before any I/O (on every rank)."""
+    if getattr(cfg, "chunk_elements", None) is None:
+        raise ShardingUnsupported(
+            "chunk_elements=None stores whole fragments, which no rank of a sharded node holds: keep the "
+            "default chunk size (gm.DiLoCo(chunk_elements=...))"
+        )
+    if cfg.checkpoint_every > 1:
+        raise ShardingUnsupported(
+            f"checkpoint_every={cfg.checkpoint_every}: a sharded node reads each commit's parameters chunk by "
+            "chunk, and rounds between checkpoints name none (only changes from a checkpoint); run with "
+            "checkpoint_every=1 (the default)"
+        )
+    if isinstance(cfg.alignment, Carry | Adaptive):
+        raise ShardingUnsupported(
+            f"alignment={cfg.alignment!r} is not supported by sharded nodes yet: use gm.Overwrite() (the default) "
+            "or gm.Blend(mixing)"
+        )
+    if cfg.error_feedback:
+        raise ShardingUnsupported(
+            "error_feedback=True is not supported by sharded nodes yet (each rank would keep the residuals of "
+            "the chunks it owns): run without it"
+        )
+
+
+def _mesh_matches(sharded: ShardedParams) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        raise ShardingUnsupported(
+            "the parameters are FSDP2 DTensors but no default process group is initialised: open the "
+            "gm.Session on every rank after torch.distributed.init_process_group (torchrun does it)"
+        )
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if sharded.world != world or sharded.coord != rank:
+        raise ShardingUnsupported(
+            f"the parameters are sharded over a mesh of {sharded.world} ranks (this rank at {sharded.coord}), "
+            f"the job has {world} processes (this one rank {rank}): gradientmail needs one FSDP2 mesh of every "
+            "process, in rank order (fully_shard's default mesh)"
+        )
+    return rank, world
+
+
+class ShardIncoming:
+    """A commit of fragment ``f`` on its way in: writing it records the action for every rank."""
+
+    def __init__(self, rt: ShardedRuntime, f: int, v: int) -> None:
+        self.rt, self.f, self.v = rt, f, v
+
+    def write(self, mixing: float = 0.0) -> None:
+        self.rt.record({"a": "write", "f": self.f, "v": self.v, "m": float(mixing)})
+
+    def carry(self, since: Contribution | None, anchor: Mapping[str, np.ndarray]) -> None:
+        raise ShardingUnsupported("a sharded node does not carry local steps across commits yet")
+
+
+class ShardContribution:
+    """Rank 0's handle on one publish: ``upload`` (the node's hook, on its thread) uploads rank 0's
+    chunks once every rank captured them, adds the other ranks' refs and returns the joined ref."""
+
+    def __init__(self, rt: ShardedRuntime, f: int, r: int, seq: int) -> None:
+        self.rt, self.fragment, self.round, self.seq = rt, f, r, seq
+        self.captured: Captured | None = None
+        self.ready = threading.Event()
+        self.ref: PayloadRef | None = None
+
+    def upload(self, store: Any, run: Any, fragment: int, round: int, learner: str, compression: str) -> PayloadRef:
+        if self.ref is not None:  # a retry after the snapshot record's write failed
+            return self.ref
+        io = self.rt.io
+        assert io is not None and fragment == self.fragment and round == self.round
+        while not self.ready.wait(0.2):
+            if io.stopping.is_set() or io.failure is not None:
+                raise SessionFailed(f"round {round}: the node stopped before its ranks captured fragment {fragment}")
+        assert self.captured is not None
+        mine = io.upload_owned(self.captured)
+        refs = {**mine, **io.others_refs(self.seq)}
+        n = len(io.plans[fragment])
+        if sorted(refs) != list(range(n)):
+            raise SessionFailed(f"round {round}: the ranks uploaded chunks {sorted(refs)} of fragment {fragment}'s {n}")
+        self.ref = join_refs([refs[k] for k in range(n)])
+        self.captured = None
+        return self.ref
+
+    def encode(self, dtypes: Mapping[str, str], *, compression: str) -> bytes:
+        raise AssertionError("a sharded contribution is uploaded by its ranks (upload), never encoded whole")
+
+    def quantized(self, dtypes: Mapping[str, str]) -> dict[str, QTensor]:
+        raise AssertionError("a sharded contribution is uploaded by its ranks (upload), never quantized whole")
+
+    def stream(self, dtypes: Mapping[str, str], *, compression: str) -> PayloadStream:
+        raise AssertionError("a sharded contribution is uploaded by its ranks (upload), never streamed whole")
+
+
+class RecordingIO:
+    """Rank 0's ``FragmentIO``: the learner's captures are recorded for every rank to perform."""
+
+    def __init__(self, rt: ShardedRuntime) -> None:
+        self.rt = rt
+
+    def capture(
+        self,
+        names: Sequence[str],
+        anchor: Mapping[str, np.ndarray],
+        *,
+        keep: bool = True,
+        slot: tuple[int, int] | None = None,
+    ) -> Contribution:
+        assert slot is not None
+        return self.rt.record_publish(*slot)
+
+    def settle(self, fragment: int, round: int, *, merged: bool) -> None:
+        pass
+
+    def stage(self, theta: Mapping[str, np.ndarray]) -> Incoming:
+        raise AssertionError("a sharded node's follower hands records to bridge.follow, never whole parameters")
+
+
+class ShardedRuntime:
+    """The sharded part of one rank's ``Session`` (see the module docstring)."""
+
+    def __init__(self, session: Session, sharded: ShardedParams) -> None:
+        self.s, self.sharded = session, sharded
+        self.rank, self.world = _mesh_matches(sharded)
+        check_config(session.algorithm)
+        self.exchange: Exchange | None = None
+        self.up: Channel | None = None
+        self.down: Channel | None = None
+        self.io: RankIO | None = None
+        self.pending: list[tuple[dict[str, Any], ShardContribution | None]] = []
+        self.seq = 0
+        self.steps = 0
+        self.tokens = 0
+        self.closed = False
+        self.failure: BaseException | None = None  # ranks > 0: a background failure of this rank
+        self._sent_view: list[Any] | None = None
+        self._early: list[Mapping[str, Any]] = []  # ranks > 0: commits announced before the run was known
+        self._lock = threading.Lock()
+        self._receiver: threading.Thread | None = None
+        self.exchange_seconds = 0.0  # training-thread time spent in exchanges (not in the actions)
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    # ---- opening ------------------------------------------------------------------------
+
+    def open(self) -> None:
+        # Collective, in the same order on every rank: the groups of the exchange and the channels.
+        self.exchange, self.up, self.down = (
+            Exchange(new_group(), self.rank, self.world),
+            Channel(new_group()),
+            Channel(new_group()),
+        )
+        if self.leader:
+            self._open_leader()
+        else:
+            self._receiver = threading.Thread(
+                target=self._down_receiver, name=f"gradientmail-r{self.rank}-refs", daemon=True
+            )
+            self._receiver.start()
+            self._guard(self._follow)
+
+    def _open_leader(self) -> None:
+        s = self.s
+        try:
+            store = s._store()
+            run = RunInfo.from_manifest(self._wait_manifest(store))
+            chunk_elements(run)  # ShardingUnsupported for a run of whole fragments, before any lease
+            check_config(run.cfg)
+            store.limit_payloads(max_payload_bytes(run))
+            self.io = RankIO(
+                self.sharded,
+                run,
+                store,
+                learner=s.learner_id,
+                compression=s.options.compression,
+                exchange=self._x,
+                up=self._up,
+                down=self._down,
+            )
+            self.io.start()
+            s.bridge.follow = self.follow
+            s.node, s.learner = join_run(
+                store,
+                s.adapter,
+                s.algorithm,
+                s.clock,
+                learner=s.learner_id,
+                nonce=s.nonce,
+                emit=s.emit,
+                options=s.options,
+                rng=s._rng,
+                bridge=s.bridge,
+                marker=s._marker,
+                role=s.role,
+                io=RecordingIO(self),
+            )
+            s._thread = threading.Thread(target=s._background, name=f"gradientmail-{s.learner_id}", daemon=True)
+            s._thread.start()
+            opening = {"learner": s.learner_id, "compression": s.options.compression, "run": run.manifest.run_id}
+            self.flush(done=True, extra={"open": opening})
+        except _Together:
+            self._teardown()
+            raise
+        except BaseException as e:
+            self.fail(e)
+            raise
+
+    def _wait_manifest(self, store: RunStore) -> Any:
+        """The run's manifest. A sharded node does not create runs (in this version): it waits for
+        one, up to ``close_timeout``, saying so once."""
+        s = self.s
+        deadline = s.clock.now() + s.close_timeout
+        said = False
+        while True:
+            manifest = read_manifest(store)
+            if manifest is not None:
+                return manifest
+            if s.clock.now() >= deadline:
+                raise ShardingUnsupported(
+                    f"no run in this mailbox after {s.close_timeout:.0f} s: a sharded node joins runs but does not "
+                    "create them (in this version); start a plain node (a gm.Session on an unsharded model) first "
+                    "to create the run"
+                )
+            if not said:
+                said = True
+                s.emit(
+                    ev.WaitingForRun(
+                        s.learner_id, "no manifest yet: a sharded node waits for a plain node to create the run"
+                    )
+                )
+            time.sleep(min(s.options.poll_interval, 1.0))
+
+    def _build(self, opening: Mapping[str, Any]) -> None:
+        """Ranks > 0, at the opening exchange: the run rank 0 joined, read from the store."""
+        s = self.s
+        s.learner_id = str(opening["learner"])
+        store = s._store()
+        manifest = read_manifest(store)
+        if manifest is None or manifest.run_id != opening["run"]:
+            raise SessionFailed(f"rank {self.rank} does not see the run {opening['run']} that rank 0 joined")
+        run = RunInfo.from_manifest(manifest)
+        store.limit_payloads(max_payload_bytes(run))
+        io = RankIO(
+            self.sharded,
+            run,
+            store,
+            learner=s.learner_id,
+            compression=str(opening["compression"]),
+            exchange=self._x,
+            up=self._up,
+            down=self._down,
+        )
+        io.start()
+        with self._lock:
+            self.io = io
+            early, self._early = self._early, []
+        for message in early:
+            io.down_message(message)
+
+    def _down_receiver(self) -> None:  # ranks > 0
+        try:
+            while True:
+                _, message = self._down.recv(0)
+                if message.get("stop"):
+                    return
+                with self._lock:
+                    io = self.io
+                    if io is None:
+                        self._early.append(message)
+                        continue
+                io.down_message(message)
+        except BaseException as e:
+            if self.io is None or not self.io.stopping.is_set():
+                self._local_failure(e)
+
+    def _local_failure(self, e: BaseException) -> None:
+        if self.failure is None:
+            self.failure = e
+            self.s.emit(ev.BackgroundFailed(self.s.learner_id, f"rank {self.rank}: {type(e).__name__}: {e}"))
+
+    # ---- the engine's hooks (rank 0) ----------------------------------------------------
+
+    def record(self, action: dict[str, Any], handle: ShardContribution | None = None) -> None:
+        self.pending.append((action, handle))
+
+    def record_publish(self, f: int, r: int) -> ShardContribution:
+        self.seq += 1
+        c = ShardContribution(self, f, r, self.seq)
+        self.record({"a": "publish", "f": f, "r": r, "seq": self.seq}, c)
+        return c
+
+    def follow(self, f: int, rec: RoundRecord | None) -> Incoming:
+        """Rank 0's node thread: a commit of fragment ``f`` (None: the initial parameters) is on the
+        tape; every rank starts fetching its chunks of the theta."""
+        io = self.io
+        assert io is not None
+        if rec is None:
+            ref, v = io.run.manifest.init[f], 0
+        else:
+            if rec.theta is None:
+                raise SessionFailed(
+                    f"round {rec.round} names no parameters (between checkpoints): not for sharded nodes"
+                )
+            ref, v = rec.theta, rec.version
+        io.announce(f, v, chunk_refs(ref))
+        return ShardIncoming(self, f, v)
+
+    # ---- the exchange -------------------------------------------------------------------
+
+    @property
+    def _x(self) -> Exchange:
+        assert self.exchange is not None
+        return self.exchange
+
+    @property
+    def _up(self) -> Channel:
+        assert self.up is not None
+        return self.up
+
+    @property
+    def _down(self) -> Channel:
+        assert self.down is not None
+        return self.down
+
+    def _view(self) -> list[Any] | None:
+        v = self.s.bridge.view
+        now = [v.head, v.live, v.rounds_seen, v.closer_of]
+        if now == self._sent_view:
+            return None
+        self._sent_view = now
+        return now
+
+    def flush(self, *, done: bool, extra: Mapping[str, Any] | None = None) -> None:
+        """Rank 0: tell every rank what the learner did since the last exchange, and do it here too."""
+        batch, self.pending = self.pending, []
+        message: dict[str, Any] = dict(extra or {})
+        if batch:
+            message["actions"] = [a for a, _ in batch]
+        view = self._view()
+        if view is not None:
+            message["view"] = view
+        t0 = time.perf_counter()
+        _, _, failed = self._x(message or None, done=done, failed=False)
+        self.exchange_seconds += time.perf_counter() - t0
+        if failed:
+            raise _Together(f"rank(s) {failed} of this node failed (their logs say why)")
+        if "open" in message and not self._x.agree(True):
+            raise _Together("a rank of this node could not open the run (its log says why)")
+        self._execute([a for a, _ in batch], [h for _, h in batch])
+
+    def before_wait(self) -> None:
+        """Rank 0's learner is about to wait for a commit: what it recorded goes out first."""
+        if self.pending:
+            self.flush(done=False)
+
+    def _follow(self) -> bool:
+        """Ranks > 0: take part in exchanges until rank 0's step is done; True when it closed."""
+        while True:
+            t0 = time.perf_counter()
+            message, done, failed = self._x(None, done=False, failed=self._failed())
+            self.exchange_seconds += time.perf_counter() - t0
+            if failed:
+                why = message.get("error") if isinstance(message, dict) and 0 in failed else None
+                raise _Together(why or f"rank(s) {failed} of this node failed (their logs say why)")
+            if message:
+                if "open" in message:
+                    ok = True
+                    try:
+                        self._build(message["open"])
+                    except BaseException as e:
+                        self._local_failure(e)
+                        ok = False
+                    if not self._x.agree(ok):
+                        raise _Together(f"a rank of this node could not open the run: {self.failure or 'see its log'}")
+                if "view" in message:
+                    head, live, seen, closer = message["view"]
+                    self.s.bridge.view = View(head=head, live=live, rounds_seen=seen, closer_of=closer)
+                self._execute(message.get("actions", []), [None] * len(message.get("actions", [])))
+                if message.get("close"):
+                    return True
+            if done:
+                return False
+
+    def _failed(self) -> bool:
+        io = self.io
+        return self.failure is not None or (io is not None and io.failure is not None)
+
+    def _execute(self, actions: Sequence[Mapping[str, Any]], handles: Sequence[ShardContribution | None]) -> None:
+        io = self.io
+        assert io is not None or not actions
+        for a, h in zip(actions, handles):
+            assert io is not None
+            kind = a["a"]
+            if kind == "publish":
+                cap = io.publish(int(a["f"]), int(a["r"]), int(a["seq"]))
+                if h is not None:
+                    h.captured = cap
+                    h.ready.set()
+                else:
+                    io.queue_upload(cap)
+            elif kind == "write":
+                try:
+                    io.write(int(a["f"]), int(a["v"]), float(a["m"]))
+                except SessionFailed as e:  # every rank agreed it failed (RankIO.write)
+                    raise _Together(str(e)) from e
+            elif kind == "newest":
+                io.newest()
+            else:
+                raise AssertionError(f"unknown action {kind!r}")
+
+    # ---- stepping -----------------------------------------------------------------------
+
+    def _guard(self, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except _Together:
+            self._teardown()
+            raise
+        except BaseException as e:
+            if self.leader:
+                self.fail(e)
+            else:
+                self._teardown()
+            raise
+
+    def step(self, samples: int) -> None:
+        if self.closed:
+            raise RuntimeError("the session is closed")
+        self.steps += 1
+        self.tokens += int(samples)
+        if self.leader:
+            self._guard(self._lead_step, samples)
+        else:
+            self._guard(self._follow)
+
+    def _lead_step(self, samples: int) -> None:
+        s = self.s
+        s._check()
+        assert s.learner is not None
+        s.learner.step(int(samples), wait=s._wait_commit)
+        self.flush(done=True)
+
+    # ---- leaving ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        if self.leader:
+            self._guard(self._lead_close)
+        else:
+            self._guard(self._follow_close)
+        self.closed = True
+
+    def _lead_close(self) -> None:
+        s = self.s
+        assert s.learner is not None and self.io is not None
+        s._check()
+        if s.algorithm.flush_on_close:
+            s._flush()
+        s._wait_in_flight()
+        self.flush(done=False)  # every capture done: the node thread's uploads can finish
+        s._stop.set()
+        s.bridge.wake.set()
+        if s._thread is not None:
+            s._thread.join()
+        s._check()
+        s.learner.drain()
+        self.record({"a": "newest"})
+        self.flush(done=True, extra={"close": True})
+        # The other ranks finish their uploads and say so (the refs receiver ends); then they stop listening.
+        for t in self.io.threads:
+            if t.name.endswith("refs-in"):
+                t.join()
+        for r in range(1, self.world):
+            self._down.send(r, {"stop": True})
+        self.io.stopping.set()
+        self.io.stop_downloads()
+        self._leave()
+
+    def _follow_close(self) -> None:
+        while not self._follow():
+            pass
+        io = self.io
+        assert io is not None
+        io.stop_uploads()
+        for t in io.threads:
+            if t.name.endswith("upload"):
+                t.join()
+        if self._receiver is not None:
+            self._receiver.join()
+        io.stopping.set()
+        io.stop_downloads()
+        self.s._closed = True
+
+    def _leave(self) -> None:
+        s = self.s
+        s._closed = True
+        if s.node is not None:
+            try:
+                s.node.leave()
+            except Exception as e:  # the lease runs out on its own
+                s.emit(ev.StoreFailure(s.learner_id, f"could not release the lease: {e}"))
+        s._marker.close()
+
+    def fail(self, e: BaseException) -> None:
+        """Rank 0 failed (in its step, its close, its node thread): every other rank is waiting in
+        an exchange; tell them, then stop here."""
+        try:
+            self._x({"error": f"rank 0: {type(e).__name__}: {e}"}, done=True, failed=True)
+        except Exception as sent:  # pragma: no cover - the group itself is gone
+            _log.warning("could not tell the other ranks that rank 0 failed: %s", sent)
+        self._teardown()
+
+    def _teardown(self) -> None:
+        """Stop this rank's work without waiting on any other rank (after a failure)."""
+        if self.closed:
+            return
+        self.closed = True
+        io = self.io
+        if io is not None:
+            io.stopping.set()
+            io.stop_downloads()
+        s = self.s
+        if self.leader:
+            s._stop.set()
+            s.bridge.wake.set()
+            if s._thread is not None:
+                s._thread.join(timeout=30)
+            self._leave()
+        s._closed = True

@@ -1,0 +1,171 @@
+"""Node processes for tests/test_sharded_*.py: a sharded node (FSDP2, every rank a process under
+``torchrun``, gloo on CPU) and a plain node, training one tiny MLP in one run.
+
+``python sharded_node.py plain --mailbox DIR --id NAME --out OUT`` runs a plain node (it creates
+the run and closes its rounds); ``torchrun --nproc_per_node 2 sharded_node.py sharded ...`` runs a
+sharded node (a learner). Each writes its final parameters (``OUT.npz``, gathered with
+``full_tensor()`` on a sharded node) and a report (``OUT.json``: rounds seen, the participants of
+every commit it aligned with, and on a sharded node each rank's metered allocations).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import gradientmail_core as gm
+
+DIMS = (16, 64, 32, 2)
+LR = 0.05
+BATCH = 8
+
+
+def algorithm(args: argparse.Namespace) -> gm.DiLoCo:
+    # Standard DiLoCo's barrier (overlap_steps=0) with a quorum of every node: every round waits
+    # for every contribution. Small chunks: many straddle the two ranks' shards.
+    return gm.DiLoCo(
+        sync_every=args.sync_every,
+        fragments=2,
+        in_flight=1,
+        overlap_steps=0,
+        quorum_size=args.quorum,
+        merge=gm.WeightedMean(),
+        chunk_elements=args.chunk,
+        delta_dtype=args.delta_dtype,
+    )
+
+
+def model() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for a, b in zip(DIMS, DIMS[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def batches(learner: str, rank: int):
+    rng = np.random.default_rng(sum(learner.encode()) * 7 + rank)
+    w = np.random.default_rng(3).standard_normal((DIMS[0], 1)).astype(np.float32)
+    while True:
+        x = rng.standard_normal((BATCH, DIMS[0])).astype(np.float32)
+        yield torch.from_numpy(x), torch.from_numpy(np.tanh(x @ w))
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("kind", choices=("plain", "sharded"))
+    ap.add_argument("--mailbox", required=True)
+    ap.add_argument("--id", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--sync-every", type=int, default=8)
+    ap.add_argument("--quorum", type=int, default=2)
+    ap.add_argument("--learners", type=int, default=2)
+    ap.add_argument("--chunk", type=int, default=64)
+    ap.add_argument("--delta-dtype", default=None)
+    ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--lease-timeout", type=float, default=3.0)
+    ap.add_argument("--stop-after", type=int, default=None, help="sharded: hang (to be killed) after this step")
+    ap.add_argument("--until", default=None, help="stop training (and close) once this file exists")
+    ap.add_argument("--touch", default=None, help="create this file after training, before closing")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    return args
+
+
+def run(args: argparse.Namespace, net: torch.nn.Module, rank: int, world: int) -> tuple[gm.Session, dict]:
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    data = batches(args.id, rank)
+    aligned: list[list] = []
+    events: list[str] = []
+
+    def watch(e: gm.events.Event) -> None:
+        events.append(type(e).__name__)
+        if isinstance(e, gm.events.Aligned):
+            aligned.append([e.round, e.fragment, e.version, sorted(e.participants)])
+
+    session = gm.Session(
+        net,
+        algorithm=algorithm(args),
+        mailbox=gm.FileMailbox(args.mailbox),
+        learner_id=args.id,
+        poll_interval=0.05,
+        lease_timeout=args.lease_timeout,
+        close_timeout=60.0,
+        callbacks=[gm.log_events, watch],
+    )
+    with session:
+        session.wait_for(learners=args.learners, timeout=60)
+        for step in range(args.steps):
+            if args.until and os.path.exists(args.until):
+                break
+            x, y = next(data)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            opt.step()
+            session.step(samples=len(x) * world)
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
+            if args.stop_after is not None and step + 1 >= args.stop_after:
+                Path(args.out + f".stopped{rank}").write_text(str(session.progress.round))
+                time.sleep(3600)  # killed here
+        if args.touch and rank == 0:
+            Path(args.touch).write_text("done")
+    progress = session.progress
+    report = {"aligned": aligned, "rounds_seen": session.rounds_seen, "round": progress.round}
+    return session, {**report, "versions": list(progress.versions), "events": events}
+
+
+def main() -> None:
+    args = parse()
+    torch.set_num_threads(1)
+    if args.kind == "plain":
+        net = model()
+        session, report = run(args, net, 0, 1)
+        np.savez(args.out + ".npz", **{n: p.detach().numpy() for n, p in net.named_parameters()})
+        Path(args.out + ".json").write_text(json.dumps(report))
+        return
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    net = model()
+    for layer in net:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer)
+    fully_shard(net)
+    session, report = run(args, net, rank, world)
+    rt = session._sharded
+    assert rt is not None and rt.io is not None
+    report.update(
+        rank=rank,
+        peak=[m.peak for m in rt.io.meters],
+        op_peak=[m.op_peak for m in rt.io.meters],
+        exchanges=rt.exchange.calls if rt.exchange else 0,
+        exchange_seconds=rt.exchange_seconds,
+        steps=rt.steps,
+        bytes_up=rt.io.bytes_up,
+        bytes_down=rt.io.bytes_down,
+        owned=[len(o) for o in rt.io.owned],
+        chunks=[len(p) for p in rt.io.plans],
+        fragment_bytes=[rt.io.run.fragment_bytes(f) for f in range(rt.io.run.P)],
+    )
+    full = {n: p.full_tensor().detach().numpy() for n, p in net.named_parameters()}
+    Path(args.out + f".r{rank}.json").write_text(json.dumps(report))
+    if rank == 0:
+        np.savez(args.out + ".npz", **full)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

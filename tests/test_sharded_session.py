@@ -1,0 +1,120 @@
+"""A sharded node (FSDP2, issue 13) in a run with a plain node: real processes, gloo on CPU.
+
+A 2-rank FSDP2 ``gm.Session`` node (``torchrun``, ``tests/sharded_node.py sharded``) and a plain
+node (``sharded_node.py plain``: it creates the run and closes the rounds) train one tiny MLP in
+lockstep (quorum 2, ``overlap_steps=0``) with 64-element chunks, so most chunks straddle the two
+ranks' shards. Every round commits with both contributions, and at the end both nodes hold the
+newest commit: their full parameters are bit-identical (the sharded node's gathered with
+``full_tensor()``). No rank ever allocated a fragment's bytes (``Meter``: the largest allocation,
+and the most one publish or one commit allocated in all), and the same meter does report a
+fragment when a chunk is the whole fragment (the check can fail).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+HERE = Path(__file__).resolve().parent
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+pytestmark = pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available() and TORCHRUN.exists()),
+    reason="torch.distributed with gloo (and torchrun) is unavailable",
+)
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
+    return env
+
+
+def _start(cmd: list[str], log: Path, **kw: object) -> subprocess.Popen[bytes]:
+    # Output to a file, not a pipe: a node that logs more than a pipe holds would block on it.
+    with open(log, "wb") as sink:
+        p = subprocess.Popen(cmd, env=_env(), stdout=sink, stderr=subprocess.STDOUT, **kw)  # type: ignore[call-overload]
+    p.log = log  # type: ignore[attr-defined]
+    return p
+
+
+def plain(mailbox: Path, out: Path, *extra: str) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, str(HERE / "sharded_node.py"), "plain", "--mailbox", str(mailbox), "--id", "plain"]
+    return _start([*cmd, "--out", str(out), *extra], out.with_suffix(".log"))
+
+
+def sharded(mailbox: Path, out: Path, *extra: str, ranks: int = 2, name: str = "shard") -> subprocess.Popen[bytes]:
+    cmd = [str(TORCHRUN), "--standalone", f"--nproc_per_node={ranks}", str(HERE / "sharded_node.py"), "sharded"]
+    cmd += ["--mailbox", str(mailbox), "--id", name, "--out", str(out), *extra]
+    # start_new_session: its own process group, so the test can kill torchrun and every rank
+    return _start(cmd, out.with_suffix(".log"), start_new_session=True)
+
+
+def finish(*procs: subprocess.Popen[bytes], timeout: float = 150) -> None:
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(deadline - time.monotonic(), 1))
+    except subprocess.TimeoutExpired:
+        for q in procs:
+            if q.poll() is None:
+                os.killpg(q.pid, signal.SIGKILL) if os.getpgid(q.pid) == q.pid else q.kill()
+                q.wait()
+    outs = [f"--- {p.args[2:6]} rc={p.returncode}\n" + p.log.read_text(errors="replace")[-8000:] for p in procs]  # type: ignore[attr-defined]
+    assert all(p.returncode == 0 for p in procs), "\n\n".join(outs)
+
+
+def run_pair(tmp_path: Path, *extra: str) -> tuple[dict, list[dict]]:
+    mailbox = tmp_path / "mailbox"
+    mailbox.mkdir()
+    a = plain(mailbox, tmp_path / "plain", *extra)
+    b = sharded(mailbox, tmp_path / "shard", *extra)
+    finish(a, b)
+    want, got = np.load(tmp_path / "plain.npz"), np.load(tmp_path / "shard.npz")
+    assert sorted(want) == sorted(got)
+    for n in want:
+        assert want[n].dtype == got[n].dtype and want[n].tobytes() == got[n].tobytes(), f"{n} differs"
+    ranks = [json.loads((tmp_path / f"shard.r{r}.json").read_text()) for r in range(2)]
+    return json.loads((tmp_path / "plain.json").read_text()), ranks
+
+
+def test_a_two_rank_fsdp2_node_and_a_plain_node_train_in_lockstep_and_end_bit_identical(tmp_path):
+    report, ranks = run_pair(tmp_path, "--steps", "32")
+    # 32 steps, a round every 4 (P=2, H=8): 8 rounds, each merged from both nodes' contributions.
+    assert [a[0] for a in report["aligned"]] == list(range(8))
+    assert all(a[3] == ["plain", "shard"] for a in report["aligned"]), report["aligned"]
+    lead, other = ranks
+    assert lead["aligned"] == report["aligned"]  # rank 0 aligned with every commit
+    assert lead["rounds_seen"] == other["rounds_seen"] == 8 and other["round"] == 7  # rank 0's view, mirrored
+    for r in ranks:
+        assert r["steps"] == 32
+        assert all(o > 0 for o in r["owned"]), "a rank owns no chunk: the test exercises too little"
+        assert r["bytes_up"] > 0 and r["bytes_down"] > 0
+        # Neither the largest allocation nor one publish's or commit's total reaches the
+        # fragment's bytes (float32, what a plain node holds of it).
+        for peak, op_peak, fragment in zip(r["peak"], r["op_peak"], r["fragment_bytes"]):
+            assert 0 < peak <= op_peak < fragment, r
+    # One collective per step (two when rank 0's learner acted), the same count on every rank.
+    assert lead["exchanges"] == other["exchanges"] <= 3 * 32 + 20
+
+
+def test_quantized_deltas_f4(tmp_path):
+    report, _ = run_pair(tmp_path, "--steps", "16", "--delta-dtype", "F4")
+    assert len(report["aligned"]) == 4 and all(a[3] == ["plain", "shard"] for a in report["aligned"])
+
+
+def test_the_meter_reports_a_fragment_when_a_chunk_is_the_whole_fragment(tmp_path):
+    # One chunk per fragment (4096 elements > every fragment): the chunk's owner gathers all of
+    # it, and the meter says so. (The lockstep run still ends bit-identical.)
+    _, ranks = run_pair(tmp_path, "--steps", "8", "--chunk", "4096")
+    assert any(op >= fragment for r in ranks for op, fragment in zip(r["op_peak"], r["fragment_bytes"])), ranks
