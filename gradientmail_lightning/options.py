@@ -36,8 +36,9 @@ class SessionOptions:
     wait_timeout: float | None = None
     #: this node's learner id (None: one restored from a checkpoint, else a fresh one).
     learner_id: str | None = None
-    #: ``"both"`` (train and close rounds) or ``"learner"`` (train only, never close: e.g. a laptop on a home link).
-    role: str = "both"
+    #: ``"both"`` (train and close rounds) or ``"learner"`` (train only, never close: e.g. a laptop on a home link);
+    #: None: ``gm.Session``'s default (``"both"``, or ``"learner"`` for a sharded node, which cannot close rounds).
+    role: str | None = None
     #: seconds between polls of the mailbox.
     poll_interval: float = 1.0
     #: seconds without a lease renewal after which a learner counts as gone.
@@ -99,8 +100,12 @@ class SessionOptions:
             keys.validate_learner_id(self.learner_id)
 
     def session_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments for ``gm.Session`` besides ``algorithm`` and ``mailbox``."""
-        return {name: getattr(self, name) for name in self.names() if name not in _NOT_FOR_SESSION}
+        """The keyword arguments for ``gm.Session`` besides ``algorithm`` and ``mailbox`` (an
+        option left at None where the session's own default depends on the model is left out)."""
+        out = {name: getattr(self, name) for name in self.names() if name not in _NOT_FOR_SESSION}
+        if out["role"] is None:
+            del out["role"]
+        return out
 
 
 _NOT_FOR_SESSION = frozenset({"algorithm", "mailbox", "wait_for_learners", "wait_timeout"})

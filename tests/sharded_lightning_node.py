@@ -1,15 +1,15 @@
-"""Nodes of the sharded tests (run as scripts by tests/test_sharded_lightning.py).
+"""A Lightning node of the sharded tests (run as a script by tests/test_sharded_lightning.py).
 
-``lightning``: a Lightning node of two CPU ranks, ``Trainer(strategy=ModelParallelStrategy(),
-accelerator="cpu", devices=2)`` with ``fully_shard`` in ``configure_model`` and
-``GradientMailCallback`` (Lightning re-runs this script for rank 1). ``--fake-session`` replaces
-``gm.Session`` with ``LockstepSession``, which checks at every call that both ranks make the same
-call with the same arguments (the Lightning plumbing, without the sharded runtime).
+Two CPU ranks, ``Trainer(strategy=ModelParallelStrategy(), accelerator="cpu", devices=2)`` with
+``fully_shard`` in ``configure_model`` and ``GradientMailCallback`` (Lightning re-runs this
+script for rank 1). The network and the run's ``gm.DiLoCo`` are those of ``tests/sharded_node.py``
+(the plain and the torchrun Session nodes of the same run), with the same parameter names.
+``--fake-session`` replaces ``gm.Session`` with ``LockstepSession``, which checks at every call
+that both ranks make the same call with the same arguments (the Lightning plumbing, without the
+sharded runtime).
 
-``plain``: one process, ``gm.Session`` over the same network, unsharded, in a plain loop.
-
-Each node writes into ``--out``: ``result-rank{r}.json`` per rank and, from rank 0, ``params.npz``
-(the final full parameters; ``full_tensor()`` on the sharded node).
+Writes into ``--out``: ``result-rank{r}.json`` per rank and, from rank 0, ``params.npz`` (the
+final full parameters, gathered with ``full_tensor()``).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import argparse
 import json
 import logging
 import os
+import sys
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
@@ -31,39 +32,14 @@ import gradientmail_core as gm
 from gradientmail_core.adapters.torch_sharded import find_sharded
 from gradientmail_core.session import Progress
 
-FEATURES = 8
-HIDDEN = 24  # net.0.weight is 24 x 8 = 192 elements: 96 per rank, so 64-element chunks straddle the ranks
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import sharded_node  # noqa: E402  (the other nodes of the run: its network and its gm.DiLoCo)
 
 
-def make_net() -> torch.nn.Sequential:
-    torch.manual_seed(0)  # the same initial parameters on every node and rank
-    return torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 3))
-
-
-class PlainNet(torch.nn.Module):
-    """The same parameter names as the Lightning module (``net.0.weight``, ...)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = make_net()
-
-
-def make_data(seed: int, n: int) -> TensorDataset:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, FEATURES, generator=g)
-    w = torch.linspace(-1.0, 1.0, FEATURES * 3, dtype=torch.float32).reshape(FEATURES, 3)
-    return TensorDataset(x, x @ w)
-
-
-def algorithm(args: argparse.Namespace) -> gm.DiLoCo:
-    extra: dict[str, Any] = {} if args.chunk is None else {"chunk_elements": args.chunk}
-    return gm.DiLoCo(sync_every=4, fragments=2, overlap_steps=0, quorum_size=args.quorum, **extra)
-
-
-def session_options(args: argparse.Namespace) -> dict[str, Any]:
-    # A clean leave releases the lease at once: a long lease_timeout costs nothing, and a node
-    # starved of CPU on a busy test machine is not mistaken for a dead one.
-    return {"learner_id": args.learner_id, "poll_interval": 0.05, "lease_timeout": 20.0, "role": args.role}
+def make_data(learner: str, n: int) -> TensorDataset:
+    draws = sharded_node.batches(learner, 0)
+    xs, ys = zip(*(next(draws) for _ in range(-(-n // sharded_node.BATCH))))
+    return TensorDataset(torch.cat(xs)[:n], torch.cat(ys)[:n])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,31 +101,42 @@ def lightning_node(args: argparse.Namespace) -> None:
     from gradientmail_lightning import GradientMailCallback
 
     class Module(LightningModule):
+        """``sharded_node.model()``'s layers as this module's own children ``0`` .. ``4``: the
+        parameter names of the run's other nodes (``0.weight``, ...)."""
+
         def __init__(self) -> None:
             super().__init__()
-            self.net = make_net()
+            self.layers = len(sharded_node.model())
+            for i, layer in enumerate(sharded_node.model()):
+                self.add_module(str(i), layer)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for i in range(self.layers):
+                x = self.get_submodule(str(i))(x)
+            return x
 
         def configure_model(self) -> None:
             from torch.distributed.fsdp import fully_shard
 
-            for layer in self.net:
+            for layer in self.children():
                 if any(True for _ in layer.parameters()):
                     fully_shard(layer)
-            fully_shard(self.net)
+            fully_shard(self)  # the root: every parameter is a DTensor
 
         def training_step(self, batch: Sequence[torch.Tensor], batch_idx: int) -> torch.Tensor:
             x, y = batch
-            return torch.nn.functional.mse_loss(self.net(x), y)
+            return torch.nn.functional.mse_loss(self(x), y)
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.05)
+            return torch.optim.SGD(self.parameters(), lr=sharded_node.LR)
 
-    mailbox = gm.open_mailbox(args.mailbox)
-    options = {k: v for k, v in session_options(args).items() if v is not None}
+    options: dict[str, Any] = {"poll_interval": 0.05, "lease_timeout": args.lease_timeout, "close_timeout": 60.0}
+    if args.id:
+        options["learner_id"] = args.id
     callback = GradientMailCallback(
-        algorithm=algorithm(args),
-        mailbox=mailbox,
-        wait_for_learners=args.wait,
+        algorithm=sharded_node.algorithm(args),
+        mailbox=gm.FileMailbox(args.mailbox),
+        wait_for_learners=args.learners,
         wait_timeout=60,
         log_metrics=False,
         **options,
@@ -170,8 +157,8 @@ def lightning_node(args: argparse.Namespace) -> None:
         default_root_dir=args.out,
     )
     module = Module()
-    batches = args.steps * args.accumulate * 2
-    loader = DataLoader(make_data(args.seed, 8 * batches), batch_size=8, shuffle=False)
+    samples = args.steps * args.accumulate * 2 * sharded_node.BATCH  # Lightning splits them over the ranks
+    loader = DataLoader(make_data(args.id or "lightning", samples), batch_size=sharded_node.BATCH, shuffle=False)
     trainer.fit(module, loader, ckpt_path=args.resume)
     if args.save:
         trainer.save_checkpoint(args.save)
@@ -193,24 +180,6 @@ def lightning_node(args: argparse.Namespace) -> None:
     write(args.out, rank, result, full)
 
 
-def plain_node(args: argparse.Namespace) -> None:
-    model = PlainNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    data = make_data(args.seed, 8 * args.steps)
-    mailbox = gm.open_mailbox(args.mailbox)
-    with gm.Session(model, algorithm=algorithm(args), mailbox=mailbox, **session_options(args)) as session:
-        if args.wait:
-            session.wait_for(args.wait, timeout=60)
-        for x, y in DataLoader(data, batch_size=8, shuffle=False):
-            loss = torch.nn.functional.mse_loss(model.net(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            session.step(samples=len(x))
-    result = {"rank": 0, "learner_id": session.learner_id, "steps": args.steps, "rounds_seen": session.rounds_seen}
-    write(args.out, 0, result, {n: p.detach().numpy() for n, p in model.named_parameters()})
-
-
 def write(out: str, rank: int, result: dict[str, Any], params: dict[str, np.ndarray]) -> None:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"result-rank{rank}.json"), "w") as f:
@@ -221,16 +190,17 @@ def write(out: str, rank: int, result: dict[str, Any], params: dict[str, np.ndar
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("kind", choices=["lightning", "plain"])
-    ap.add_argument("--mailbox", required=True)
+    ap.add_argument("--mailbox", required=True, help="a FileMailbox directory")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--id", help="the learner id (default: a fresh one, or the checkpoint's)")
     ap.add_argument("--steps", type=int, required=True)
-    ap.add_argument("--learner-id")
-    ap.add_argument("--role", default="both")
-    ap.add_argument("--wait", type=int)
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--quorum", type=int, default=1)
-    ap.add_argument("--chunk", type=int, help="chunk_elements of the run")
+    ap.add_argument("--learners", type=int, help="wait for this many learners")
+    # The run's gm.DiLoCo, as tests/sharded_node.py makes it:
+    ap.add_argument("--sync-every", type=int, default=8)
+    ap.add_argument("--quorum", type=int, default=2)
+    ap.add_argument("--chunk", type=int, default=64)
+    ap.add_argument("--delta-dtype", default=None)
+    ap.add_argument("--lease-timeout", type=float, default=20.0)
     ap.add_argument("--accumulate", type=int, default=1)
     ap.add_argument("--fake-session", action="store_true")
     ap.add_argument("--save", help="save a Lightning checkpoint here at the end")
@@ -239,10 +209,7 @@ def main() -> None:
     torch.set_num_threads(1)  # several test nodes share a few cores
     logging.basicConfig(level=logging.WARNING, format="%(relativeCreated)7d %(name)s %(message)s")
     logging.getLogger("gradientmail").setLevel(logging.INFO)
-    if args.kind == "lightning":
-        lightning_node(args)
-    else:
-        plain_node(args)
+    lightning_node(args)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 pytest.importorskip("lightning")
@@ -23,6 +24,7 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from node_procs import run_nodes  # noqa: E402
+from sharded_node import model  # noqa: E402
 
 from gradientmail_lightning.callback import check_sharded_module  # noqa: E402
 
@@ -35,7 +37,7 @@ OPEN, STEP, CLOSE, WAIT, EXIT = 1, 2, 3, 4, 9
 
 
 def lightning(mailbox: Path, out: Path, *extra: str) -> list[str]:
-    return ["python", NODE, "lightning", "--mailbox", f"file://{mailbox}", "--out", str(out), *extra]
+    return ["python", NODE, "--mailbox", str(mailbox), "--out", str(out), *extra]
 
 
 def results(out: Path, ranks: int = 2) -> list[dict]:
@@ -45,7 +47,7 @@ def results(out: Path, ranks: int = 2) -> list[dict]:
 @pytest.mark.timeout(120)
 def test_model_parallel_ranks_make_the_same_session_calls_and_resume_as_one_learner(tmp_path: Path) -> None:
     mb = tmp_path / "mailbox"
-    first = ("--steps", "4", "--accumulate", "2", "--wait", "1", "--fake-session")
+    first = ("--steps", "4", "--accumulate", "2", "--learners", "1", "--fake-session")
     run_nodes([lightning(mb, tmp_path / "a", *first, "--save", str(tmp_path / "ckpt"))], logs=tmp_path / "logs-a")
     ranks = results(tmp_path / "a")
     for r in ranks:
@@ -75,3 +77,54 @@ def test_model_parallel_without_fully_shard_is_refused_when_training_starts() ->
     with pytest.raises(ValueError, match="fully_shard"):
         check_sharded_module(trainer, plain)  # type: ignore[arg-type]
     check_sharded_module(SimpleNamespace(strategy=ModelParallelStrategy(), world_size=1), plain)  # type: ignore[arg-type]
+
+
+STEPS = 12  # sync_every=4, fragments=2: a round every 2 steps
+RUN = ("--steps", str(STEPS), "--sync-every", "4", "--quorum", "3", "--learners", "3", "--chunk", "64")
+RUN += ("--lease-timeout", "20")
+SESSION_NODE = "tests/sharded_node.py"  # the torchrun Session node (and the plain node) of test_sharded_session
+
+
+@pytest.mark.timeout(180)
+def test_a_session_node_a_lightning_node_and_a_plain_node_in_lockstep_end_bit_identical(tmp_path: Path) -> None:
+    mb = tmp_path / "mailbox"
+    mb.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    torchrun = ["python", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+
+    def session_node(kind: str, name: str) -> list[str]:
+        return [SESSION_NODE, kind, "--mailbox", str(mb), "--id", name, "--out", str(out / name), *RUN]
+
+    run_nodes(
+        [
+            ["python", *session_node("plain", "plain")],  # creates the run and closes every round
+            [*torchrun, *session_node("sharded", "shard")],  # 2 ranks, gm.Session on each
+            lightning(mb, out / "lightning", "--id", "lightning", *RUN),  # 2 ranks, ModelParallelStrategy
+        ],
+        logs=tmp_path / "logs",
+        timeout=160,
+    )
+    finals = {}
+    for name, path in [("plain", "plain.npz"), ("shard", "shard.npz"), ("lightning", "lightning/params.npz")]:
+        with np.load(out / path, allow_pickle=False) as z:
+            finals[name] = {k: z[k] for k in z.files}
+    names = sorted(n for n, _ in model().named_parameters())
+    assert all(sorted(f) == names for f in finals.values())
+    for n in names:  # bit for bit, the Session node's and the Lightning node's gathered with full_tensor()
+        assert finals["plain"][n].tobytes() == finals["shard"][n].tobytes() == finals["lightning"][n].tobytes(), n
+    initial = {n: p.detach().numpy() for n, p in model().named_parameters()}
+    assert any(initial[n].tobytes() != finals["plain"][n].tobytes() for n in names)
+
+    # Lockstep: every round committed with all three contributions, and the plain and the Session
+    # node aligned with each commit.
+    aligned = json.loads((out / "plain.json").read_text())["aligned"]
+    assert [a[0] for a in aligned] == list(range(STEPS // 2)), aligned
+    assert all(a[3] == ["lightning", "plain", "shard"] for a in aligned), aligned
+    shard = [json.loads((out / f"shard.r{r}.json").read_text()) for r in range(2)]
+    assert shard[0]["aligned"] == aligned
+    ranks = results(out / "lightning")
+    assert all(r["steps"] == STEPS and r["learner_id"] == "lightning" for r in ranks)
+    # 64-element chunks straddle the two ranks' shards: the Session node's ranks exchanged pieces
+    # (the Lightning node has the same plan, world size and chunks).
+    assert all(r["exchanges"] > 0 for r in shard), shard
