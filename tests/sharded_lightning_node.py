@@ -80,6 +80,8 @@ class LockstepSession:
 
     def wait_for(self, learners: int, timeout: float | None = None) -> None:
         LockstepSession.calls.append([4, learners, self.learner_id])  # rank 0 only
+        if learners > 1:  # nobody else is coming: as gm.Session's wait_for ends
+            raise TimeoutError(f"only 1 of {learners} learners seen after {timeout} s")
 
     @property
     def progress(self) -> Progress:
@@ -159,7 +161,14 @@ def lightning_node(args: argparse.Namespace) -> None:
     module = Module()
     samples = args.steps * args.accumulate * 2 * sharded_node.BATCH  # Lightning splits them over the ranks
     loader = DataLoader(make_data(args.id or "lightning", samples), batch_size=sharded_node.BATCH, shuffle=False)
-    trainer.fit(module, loader, ckpt_path=args.resume)
+    try:
+        trainer.fit(module, loader, ckpt_path=args.resume)
+    except Exception as e:
+        if not args.expect_failure:
+            raise
+        error = {"rank": trainer.global_rank, "error": type(e).__name__, "message": str(e)}
+        write(args.out, trainer.global_rank, {**error, "calls": LockstepSession.calls}, {})
+        return
     if args.save:
         trainer.save_checkpoint(args.save)
     rank = trainer.global_rank
@@ -184,7 +193,7 @@ def write(out: str, rank: int, result: dict[str, Any], params: dict[str, np.ndar
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"result-rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    if rank == 0:
+    if rank == 0 and params:
         np.savez(os.path.join(out, "params.npz"), **params)
 
 
@@ -203,6 +212,7 @@ def main() -> None:
     ap.add_argument("--lease-timeout", type=float, default=20.0)
     ap.add_argument("--accumulate", type=int, default=1)
     ap.add_argument("--fake-session", action="store_true")
+    ap.add_argument("--expect-failure", action="store_true", help="write the error of fit() instead of raising it")
     ap.add_argument("--save", help="save a Lightning checkpoint here at the end")
     ap.add_argument("--resume", help="resume from this Lightning checkpoint")
     args = ap.parse_args()

@@ -71,6 +71,19 @@ def test_model_parallel_ranks_make_the_same_session_calls_and_resume_as_one_lear
         assert r["calls"] == [[OPEN, 0, learner], *[step] * 2, [CLOSE, 0, learner]]
 
 
+@pytest.mark.timeout(120)
+def test_a_failed_wait_on_rank_0_raises_on_every_rank_instead_of_hanging(tmp_path: Path) -> None:
+    # Rank 0 alone waits for the other learners; the stand-in session's wait times out there.
+    args = ("--steps", "2", "--learners", "2", "--fake-session", "--expect-failure")
+    run_nodes([lightning(tmp_path / "mailbox", tmp_path / "a", *args)], logs=tmp_path / "logs", timeout=100)
+    r0, r1 = results(tmp_path / "a")
+    assert r0["error"] == "TimeoutError" and "learners seen" in r0["message"], r0
+    assert r1["error"] == "SessionFailed" and "another rank" in r1["message"], r1
+    learner = r0["calls"][0][2]
+    assert r0["calls"] == [[OPEN, 0, learner], [WAIT, 2, learner], [EXIT, 0, learner]]
+    assert r1["calls"] == [[OPEN, 0, learner], [EXIT, 0, learner]]  # no step: both left at once
+
+
 def test_model_parallel_without_fully_shard_is_refused_when_training_starts() -> None:
     plain = torch.nn.Linear(2, 2)
     trainer = SimpleNamespace(strategy=ModelParallelStrategy(), world_size=2)
