@@ -28,7 +28,9 @@ stops the checks after it.
 - ``accelerate-fsdp``: Accelerate's FSDP plugin at ``fsdp_version=2`` under torchrun, with
   ``accelerator.register_gradientmail``, beside a plain CUDA node: bit-identical.
 - ``dtensor-pipeline``: a sharded ``gm.Session`` on CUDA DTensor shards (FSDP2 under torchrun,
-  one bf16 layer), beside a plain CUDA node (the device pipeline): bit-identical.
+  one bf16 layer: deltas, the chunk exchange and alignment on the GPU; the sharded runtime
+  quantizes its chunks on the host in this version), beside a plain CUDA node (the device
+  pipeline): bit-identical.
 - ``overhead``: ``bench/overhead.py --device cuda --params 100M --dtype bf16 --pairs 2`` (its table printed).
 - ``tests``: the CUDA-parametrized cases of ``tests/test_torch_quant.py`` and
   ``tests/test_torch_pipeline.py`` (``pytest -k cuda``).
@@ -640,14 +642,15 @@ def worker_accelerate(w: argparse.Namespace) -> None:
     import gradientmail_lightning  # noqa: F401  (adds Accelerator.register_gradientmail)
     from gradientmail_core.adapters.torch_sharded import find_sharded
 
-    model = _node_net(w.device, w.bf16_head)
     if w.device == "cpu":
         accelerator = Accelerator(cpu=True)
+        model = _node_net("cpu", w.bf16_head)
         _shard(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)  # not prepared: every step counts
         how = "fully_shard by hand, Accelerator(cpu=True)"
-    else:
+    else:  # the model is built on the CPU; prepare shards it onto this process's GPU
         accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+        model = _node_net("cpu", w.bf16_head)
         model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05))
         how = f"FSDP plugin fsdp_version=2, distributed_type={accelerator.distributed_type.value}"
     if find_sharded(accelerator.unwrap_model(model)) is None:
@@ -659,7 +662,7 @@ def worker_accelerate(w: argparse.Namespace) -> None:
     rank = accelerator.process_index
     with handle:
         for step in range(NODE_STEPS):
-            x, y = _batch(w.seed, rank, step, w.device)
+            x, y = _batch(w.seed, rank, step, str(accelerator.device))
             loss = torch.nn.functional.mse_loss(model(x), y)
             accelerator.backward(loss)
             optimizer.step()
