@@ -22,8 +22,11 @@ import numpy as np
 import torch
 
 import gradientmail_core as gm
+from gradientmail_core.mailbox.forwarding import ForwardingMailbox
+from gradientmail_core.protocol import keys
+from gradientmail_core.protocol.chunks import transfers
 
-DIMS = (16, 64, 32, 2)
+DIMS = (12, 60, 36, 2)  # shard boundaries fall inside chunks of 64
 LR = 0.05
 BATCH = 8
 
@@ -43,6 +46,28 @@ def algorithm(args: argparse.Namespace) -> gm.DiLoCo:
     )
 
 
+class Breaking(ForwardingMailbox):
+    """Uploads of contribution payloads fail (not transiently) after ``after`` of them."""
+
+    def __init__(self, inner: gm.Mailbox, after: int) -> None:
+        super().__init__(inner)
+        self.left = after
+
+    def _count(self, key: str) -> None:
+        if key.startswith(keys.SNAPSHOT_BLOBS):
+            if self.left <= 0:
+                raise RuntimeError(f"injected: the upload of {key} fails")
+            self.left -= 1
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        self._count(key)
+        return super().put_if_absent(key, data)
+
+    def put_stream(self, key: str, chunks, *, create_once: bool = False) -> bool:  # type: ignore[no-untyped-def]
+        self._count(key)
+        return super().put_stream(key, chunks, create_once=create_once)
+
+
 def model() -> torch.nn.Sequential:
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = []
@@ -53,7 +78,7 @@ def model() -> torch.nn.Sequential:
 
 def batches(learner: str, rank: int):
     rng = np.random.default_rng(sum(learner.encode()) * 7 + rank)
-    w = np.random.default_rng(3).standard_normal((DIMS[0], 1)).astype(np.float32)
+    w = np.random.default_rng(3).standard_normal((DIMS[0], DIMS[-1])).astype(np.float32)
     while True:
         x = rng.standard_normal((BATCH, DIMS[0])).astype(np.float32)
         yield torch.from_numpy(x), torch.from_numpy(np.tanh(x @ w))
@@ -74,6 +99,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--lease-timeout", type=float, default=3.0)
     ap.add_argument("--stop-after", type=int, default=None, help="sharded: hang (to be killed) after this step")
+    ap.add_argument("--break-rank", type=int, default=None, help="sharded: this rank's chunk uploads fail...")
+    ap.add_argument("--break-after", type=int, default=0, help="...after this many")
     ap.add_argument("--until", default=None, help="stop training (and close) once this file exists")
     ap.add_argument("--touch", default=None, help="create this file after training, before closing")
     args = ap.parse_args()
@@ -92,10 +119,13 @@ def run(args: argparse.Namespace, net: torch.nn.Module, rank: int, world: int) -
         if isinstance(e, gm.events.Aligned):
             aligned.append([e.round, e.fragment, e.version, sorted(e.participants)])
 
+    mailbox: gm.Mailbox = gm.FileMailbox(args.mailbox)
+    if args.break_rank == rank and world > 1:
+        mailbox = Breaking(mailbox, args.break_after)
     session = gm.Session(
         net,
         algorithm=algorithm(args),
-        mailbox=gm.FileMailbox(args.mailbox),
+        mailbox=mailbox,
         learner_id=args.id,
         poll_interval=0.05,
         lease_timeout=args.lease_timeout,
@@ -143,7 +173,12 @@ def main() -> None:
         if any(True for _ in layer.parameters()):
             fully_shard(layer)
     fully_shard(net)
-    session, report = run(args, net, rank, world)
+    try:
+        session, report = run(args, net, rank, world)
+    except gm.SessionFailed as e:  # every rank together (the test checks both say so)
+        Path(args.out + f".r{rank}.json").write_text(json.dumps({"failed": str(e), "type": type(e).__name__}))
+        dist.destroy_process_group()
+        return
     rt = session._sharded
     assert rt is not None and rt.io is not None
     report.update(
@@ -157,6 +192,9 @@ def main() -> None:
         bytes_down=rt.io.bytes_down,
         owned=[len(o) for o in rt.io.owned],
         chunks=[len(p) for p in rt.io.plans],
+        straddling=[
+            len({t.chunk for t in transfers(p, rt.io.run.shapes[f], world)}) for f, p in enumerate(rt.io.plans)
+        ],
         fragment_bytes=[rt.io.run.fragment_bytes(f) for f in range(rt.io.run.P)],
     )
     full = {n: p.full_tensor().detach().numpy() for n, p in net.named_parameters()}

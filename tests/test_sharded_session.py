@@ -99,6 +99,7 @@ def test_a_two_rank_fsdp2_node_and_a_plain_node_train_in_lockstep_and_end_bit_id
     for r in ranks:
         assert r["steps"] == 32
         assert all(o > 0 for o in r["owned"]), "a rank owns no chunk: the test exercises too little"
+        assert all(n >= 1 for n in r["straddling"]) and sum(r["straddling"]) >= 4, "too few chunks straddle shards"
         assert r["bytes_up"] > 0 and r["bytes_down"] > 0
         # Neither the largest allocation nor one publish's or commit's total reaches the
         # fragment's bytes (float32, what a plain node holds of it).
@@ -118,3 +119,16 @@ def test_the_meter_reports_a_fragment_when_a_chunk_is_the_whole_fragment(tmp_pat
     # it, and the meter says so. (The lockstep run still ends bit-identical.)
     _, ranks = run_pair(tmp_path, "--steps", "8", "--chunk", "4096")
     assert any(op >= fragment for r in ranks for op, fragment in zip(r["op_peak"], r["fragment_bytes"])), ranks
+
+
+def test_a_rank_whose_uploads_fail_makes_every_rank_raise_session_failed_and_the_run_goes_on(tmp_path):
+    mailbox = tmp_path / "mailbox"
+    mailbox.mkdir()
+    a = plain(mailbox, tmp_path / "plain", "--steps", "40")
+    b = sharded(mailbox, tmp_path / "shard", "--steps", "40", "--break-rank", "1", "--break-after", "20")
+    finish(a, b)
+    ranks = [json.loads((tmp_path / f"shard.r{r}.json").read_text()) for r in range(2)]
+    assert all(r.get("type") == "SessionFailed" for r in ranks), ranks
+    assert "injected" in ranks[0]["failed"], ranks  # rank 0 says what failed on rank 1
+    report = json.loads((tmp_path / "plain.json").read_text())
+    assert ["plain"] in [a[3] for a in report["aligned"]], "the plain node did not go on alone"

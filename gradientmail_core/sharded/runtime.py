@@ -54,6 +54,9 @@ if TYPE_CHECKING:
 _log = logging.getLogger(__name__)
 
 
+LINGER = 10.0  # seconds a failing rank waits for its peers' threads to stop
+
+
 class _Together(SessionFailed):
     """A failure every rank learned at the same exchange: nothing more to tell the others."""
 
@@ -258,9 +261,9 @@ class ShardedRuntime:
             s._thread.start()
             opening = {"learner": s.learner_id, "compression": s.options.compression, "run": run.manifest.run_id}
             self.flush(done=True, extra={"open": opening})
-        except _Together:
+        except _Together as e:
             self._teardown()
-            raise
+            raise SessionFailed(str(e)) from e.__cause__
         except BaseException as e:
             self.fail(e)
             raise
@@ -473,9 +476,9 @@ class ShardedRuntime:
     def _guard(self, fn: Any, *args: Any) -> Any:
         try:
             return fn(*args)
-        except _Together:
+        except _Together as e:
             self._teardown()
-            raise
+            raise SessionFailed(str(e)) from e.__cause__
         except BaseException as e:
             if self.leader:
                 self.fail(e)
@@ -572,7 +575,9 @@ class ShardedRuntime:
         self._teardown()
 
     def _teardown(self) -> None:
-        """Stop this rank's work without waiting on any other rank (after a failure)."""
+        """After a failure (which every rank learned at the same exchange): stop this rank's work.
+        The ranks stop each other's receivers, as they do when closing, each wait bounded by
+        ``LINGER`` (a peer that is gone leaves a daemon thread behind, nothing more)."""
         if self.closed:
             return
         self.closed = True
@@ -585,6 +590,29 @@ class ShardedRuntime:
             s._stop.set()
             s.bridge.wake.set()
             if s._thread is not None:
-                s._thread.join(timeout=30)
+                s._thread.join(timeout=LINGER)
+            if self.down is not None and (s._thread is None or not s._thread.is_alive()):
+                for r in range(1, self.world):
+                    self._quietly(self.down.send, r, {"stop": True}, timeout=LINGER)
+            for t in io.threads if io is not None else []:
+                if t.name.endswith("refs-in"):
+                    t.join(timeout=LINGER)
             self._leave()
+        else:
+            if io is not None:
+                io.stop_uploads()  # its uploader tells rank 0 it is done
+                for t in io.threads:
+                    if t.name.endswith("upload"):
+                        t.join(timeout=LINGER)
+            elif self.up is not None:  # no uploader yet: rank 0's receiver still waits for this rank
+                self._quietly(self.up.send, 0, {"stop": True}, timeout=LINGER)
+            if self._receiver is not None:
+                self._receiver.join(timeout=LINGER)
         s._closed = True
+
+    @staticmethod
+    def _quietly(fn: Any, *args: Any, **kw: Any) -> None:
+        try:
+            fn(*args, **kw)
+        except Exception as e:  # the peer is gone: nothing left to tell it
+            _log.debug("could not reach a rank while stopping: %s", e)

@@ -83,11 +83,15 @@ class Channel:
     def __init__(self, group: Any) -> None:
         self.group = group
 
-    def send(self, dst: int, message: Any) -> None:
+    def send(self, dst: int, message: Any, *, timeout: float | None = None) -> None:
+        """Returns once ``dst`` received it (``timeout``: at most that many seconds, else raises)."""
         data = pack(message)
-        dist.send(torch.tensor([len(data)], dtype=torch.int64), group_dst=dst, group=self.group)
-        if data:
-            dist.send(_tensor(data), group_dst=dst, group=self.group)
+        wait = timedelta(seconds=timeout) if timeout is not None else None
+        for t in (torch.tensor([len(data)], dtype=torch.int64), _tensor(data)):
+            if t.numel():
+                work = dist.isend(t, group_dst=dst, group=self.group)
+                if work is not None:
+                    work.wait(wait) if wait is not None else work.wait()
 
     def recv(self, src: int | None = None) -> tuple[int, Any]:
         """The next message (from ``src``, or from any rank): (sender, message)."""
