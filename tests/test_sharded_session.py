@@ -74,11 +74,19 @@ def finish(*procs: subprocess.Popen[bytes], timeout: float = 150) -> None:
     assert all(p.returncode == 0 for p in procs), "\n\n".join(outs)
 
 
-def run_pair(tmp_path: Path, *extra: str) -> tuple[dict, list[dict]]:
+def run_pair(tmp_path: Path, *extra: str, sharded_creates: bool = False) -> tuple[dict, list[dict]]:
     mailbox = tmp_path / "mailbox"
     mailbox.mkdir()
-    a = plain(mailbox, tmp_path / "plain", *extra)
-    b = sharded(mailbox, tmp_path / "shard", *extra)
+    if sharded_creates:  # the plain node starts once the sharded node has created the run
+        b = sharded(mailbox, tmp_path / "shard", *extra)
+        deadline = time.monotonic() + 60
+        while not (mailbox / "manifest.json").exists():
+            assert b.poll() is None and time.monotonic() < deadline, "the sharded node did not create the run"
+            time.sleep(0.05)
+        a = plain(mailbox, tmp_path / "plain", *extra)
+    else:
+        a = plain(mailbox, tmp_path / "plain", *extra)
+        b = sharded(mailbox, tmp_path / "shard", *extra)
     finish(a, b)
     want, got = np.load(tmp_path / "plain.npz"), np.load(tmp_path / "shard.npz")
     assert sorted(want) == sorted(got)
@@ -132,3 +140,11 @@ def test_a_rank_whose_uploads_fail_makes_every_rank_raise_session_failed_and_the
     assert "injected" in ranks[0]["failed"], ranks  # rank 0 says what failed on rank 1
     report = json.loads((tmp_path / "plain.json").read_text())
     assert ["plain"] in [a[3] for a in report["aligned"]], "the plain node did not go on alone"
+
+
+def test_a_sharded_node_creates_the_run_each_rank_uploading_its_initial_chunks(tmp_path):
+    report, _ = run_pair(tmp_path, "--steps", "16", sharded_creates=True)
+    manifest = json.loads((tmp_path / "mailbox" / "manifest.json").read_text())
+    assert manifest["created_by"] == "shard"
+    assert any(ref.get("more") for ref in manifest["init"]), "the initial parameters are not chunked"
+    assert len(report["aligned"]) == 4 and all(a[3] == ["plain", "shard"] for a in report["aligned"])

@@ -50,7 +50,11 @@ RETRIES = 5  # a chunk's upload or download, after the store's own retries, befo
 
 def chunk_elements(run: RunInfo) -> int:
     """The run's chunk size; ``ShardingUnsupported`` for a run that stores whole fragments."""
-    c = getattr(run.cfg, "chunk_elements", None)
+    return chunk_elements_of(run.cfg)
+
+
+def chunk_elements_of(cfg: Any) -> int:
+    c = getattr(cfg, "chunk_elements", None)
     if c is None:
         raise ShardingUnsupported(
             "this run stores whole fragments (its manifest has no chunk_elements: it was created before "

@@ -24,6 +24,7 @@ a flag in the next exchange. ``close`` is collective.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -31,21 +32,27 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from .. import events as ev
 from ..adapters.handles import Contribution, Incoming
-from ..adapters.torch_sharded import ShardedParams, ShardingUnsupported
+from ..adapters.torch_sharded import ShardedParams, ShardingUnsupported, gather_chunks, gather_refs
+from ..codec.payload import schema_digest
 from ..codec.quant import QTensor
 from ..codec.stream import PayloadStream
 from ..config import Adaptive, Carry, DiLoCo
 from ..errors import SessionFailed
-from ..protocol.records import PayloadRef, RoundRecord, chunk_refs, join_refs
-from ..protocol.run import RunInfo, max_payload_bytes, read_manifest
+from ..mailbox import CreateOutcome
+from ..protocol import keys
+from ..protocol.chunks import fragment_plan
+from ..protocol.partition import plan as partition_plan
+from ..protocol.records import Manifest, PayloadRef, RoundRecord, chunk_refs, join_refs
+from ..protocol.run import RunInfo, check_record_size, max_payload_bytes, read_manifest
 from ..protocol.store import RunStore
 from ..syncer.bridge import View
 from ..syncer.join import join_run
-from .rank import Captured, RankIO, chunk_elements
+from .rank import Captured, RankIO, chunk_elements, chunk_elements_of
 from .wire import Channel, Exchange, new_group
 
 if TYPE_CHECKING:
@@ -193,6 +200,7 @@ class ShardedRuntime:
         self.steps = 0
         self.tokens = 0
         self.closed = False
+        self.created = False  # rank 0: this node created the run
         self.failure: BaseException | None = None  # ranks > 0: a background failure of this rank
         self._sent_view: list[Any] | None = None
         self._early: list[Mapping[str, Any]] = []  # ranks > 0: commits announced before the run was known
@@ -226,7 +234,10 @@ class ShardedRuntime:
         s = self.s
         try:
             store = s._store()
-            run = RunInfo.from_manifest(self._wait_manifest(store))
+            manifest = read_manifest(store)
+            if manifest is None:  # an empty mailbox: this node creates the run, every rank its chunks
+                manifest = self._create(store)
+            run = RunInfo.from_manifest(manifest)
             chunk_elements(run)  # ShardingUnsupported for a run of whole fragments, before any lease
             check_config(run.cfg)
             store.limit_payloads(max_payload_bytes(run))
@@ -268,30 +279,88 @@ class ShardedRuntime:
             self.fail(e)
             raise
 
-    def _wait_manifest(self, store: RunStore) -> Any:
-        """The run's manifest. A sharded node does not create runs (in this version): it waits for
-        one, up to ``close_timeout``, saying so once."""
+    def _create(self, store: RunStore) -> Manifest:
+        """Rank 0: create the run (the mailbox holds none). Every rank uploads the initial chunks it
+        owns (``_upload_init``, collective); then rank 0 writes the manifest, create-once as any
+        node does: if another node created the run meanwhile, this node joins theirs and deletes
+        its initial chunks that are not theirs too."""
         s = self.s
-        deadline = s.clock.now() + s.close_timeout
-        said = False
-        while True:
-            manifest = read_manifest(store)
-            if manifest is not None:
-                return manifest
-            if s.clock.now() >= deadline:
-                raise ShardingUnsupported(
-                    f"no run in this mailbox after {s.close_timeout:.0f} s: a sharded node joins runs but does not "
-                    "create them (in this version); start a plain node (a gm.Session on an unsharded model) first "
-                    "to create the run"
-                )
-            if not said:
-                said = True
-                s.emit(
-                    ev.WaitingForRun(
-                        s.learner_id, "no manifest yet: a sharded node waits for a plain node to create the run"
+        cfg = s.algorithm.for_tensors(len(s.adapter.schema()))
+        fragments = self._fragments(cfg)
+        shapes = self._shapes(fragments)
+        check_record_size(shapes, cfg)  # before any rank uploads anything
+        compression = s.options.compression
+        self._x({"create": {"compression": compression}}, done=False, failed=False)
+        refs = self._upload_init(store, cfg, compression)
+        manifest = Manifest(
+            run_id=f"{s._rng.getrandbits(64):016x}",
+            created_by=s.learner_id,
+            schema=s.adapter.schema(),
+            schema_digest=schema_digest(s.adapter.schema()),
+            fragments=fragments,
+            config=cfg.to_dict(),
+            init=refs,
+        )
+        outcome, existing = store.put_record(keys.MANIFEST, manifest)
+        if outcome is CreateOutcome.TAKEN:
+            theirs = store.decode_record(existing, Manifest, keys.MANIFEST)
+            keep = {c.key for r in theirs.init for c in chunk_refs(r)}
+            store.delete([c.key for r in refs for c in chunk_refs(r) if c.key not in keep])
+            return theirs
+        self.created = True
+        return manifest
+
+    def _fragments(self, cfg: DiLoCo) -> list[list[str]]:
+        return partition_plan(self.s.adapter.schema(), cfg.fragments, cfg.partition)
+
+    def _shapes(self, fragments: list[list[str]]) -> list[dict[str, tuple[int, ...]]]:
+        return [{n: tuple(self.sharded.shapes[n]) for n in names} for names in fragments]
+
+    def _upload_init(self, store: RunStore, cfg: DiLoCo, compression: str) -> list[PayloadRef]:
+        """Every rank (training thread, collective): the chunks it owns of every fragment's initial
+        parameters, uploaded (a plain node's bytes for them: ``put_chunk`` of the values in their
+        dtype), their refs gathered. Any rank's failure raises on every rank."""
+        fragments = self._fragments(cfg)
+        c = chunk_elements_of(cfg)
+        dtypes = {t.name: t.dtype for t in self.s.adapter.schema()}
+        first = next(iter(self.sharded.params.values()))
+        device = first.to_local().device
+        out = []
+        for f, (names, shapes) in enumerate(zip(fragments, self._shapes(fragments))):
+            local = {n: self.sharded.local(n) for n in names}
+            owned = gather_chunks(self.sharded, names, c, local)
+            n_chunks = len(fragment_plan(shapes, c))
+            key_for_sha = functools.partial(keys.init_blob_key, f, compression=compression)
+            mine: dict[int, tuple[str, int]] = {}
+            failure: BaseException | None = None
+            try:
+                for k, pieces in owned.items():
+                    values = {p.name: v.detach().to("cpu", torch.float32).numpy().reshape(-1) for p, v in pieces}
+                    ref = store.put_chunk(
+                        key_for_sha,
+                        values,
+                        [p for p, _ in pieces],
+                        shapes=shapes,
+                        k=k,
+                        n=n_chunks,
+                        dtypes={p.name: dtypes[p.name] for p, _ in pieces},
+                        kind="init",
+                        compression=compression,
                     )
-                )
-            time.sleep(min(s.options.poll_interval, 1.0))
+                    mine[k] = (ref.sha256, ref.size)
+            except Exception as e:
+                failure = e
+            if not self._x.agree(failure is None):
+                raise _Together(f"the initial parameters could not be uploaded: {failure or 'see the other ranks'}")
+            got = gather_refs(self.sharded, mine, device)
+            if sorted(got) != list(range(n_chunks)):
+                raise _Together(f"fragment {f}: the ranks uploaded chunks {sorted(got)} of {n_chunks}")
+            chunks = [
+                PayloadRef(key=key_for_sha(sha), sha256=sha, size=size)
+                for sha, size in (got[k] for k in range(n_chunks))
+            ]
+            out.append(join_refs(chunks))
+        return out
 
     def _build(self, opening: Mapping[str, Any]) -> None:
         """Ranks > 0, at the opening exchange: the run rank 0 joined, read from the store."""
@@ -426,6 +495,12 @@ class ShardedRuntime:
                 why = message.get("error") if isinstance(message, dict) and 0 in failed else None
                 raise _Together(why or f"rank(s) {failed} of this node failed (their logs say why)")
             if message:
+                if "create" in message:  # rank 0 creates the run: the initial chunks of this rank
+                    self._upload_init(
+                        self.s._store(),
+                        self.s.algorithm.for_tensors(len(self.s.adapter.schema())),
+                        str(message["create"]["compression"]),
+                    )
                 if "open" in message:
                     ok = True
                     try:
