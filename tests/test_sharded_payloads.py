@@ -1,9 +1,12 @@
 """A sharded node's contribution has exactly a plain node's bytes (issue 13, docs/sharding.md
-section 2): two real gloo ranks ``fully_shard`` a small model (a bf16 layer among fp32 ones, a
+section 2), and takes a commit back as a plain node does: two real gloo ranks ``fully_shard`` a small model (a bf16 layer among fp32 ones, a
 one-row weight, shard boundaries inside chunks), publish a fragment's delta through ``RankIO``
 (delta shards, the F8 amax all-reduced, ``gather_chunks``, each rank's chunks uploaded), and rank 0
 uploads the same delta as a plain node's publisher does (the whole tensors quantized, cut into the
 plan's chunks: ``RunStore.put_fragment``). Every chunk's sha256 must match, for every delta dtype.
+Then a theta uploaded as a closer writes it is announced, downloaded by each chunk's owner,
+scattered and blended in (``mixing=0.5``) on every rank: the full parameters must be
+``NumpyAdapter.write``'s blend of the full tensors, bit for bit (a bf16 layer included).
 Run as a script, this file is one of the ranks.
 """
 
@@ -39,6 +42,7 @@ def _anchor(t: torch.Tensor) -> torch.Tensor:
 
 
 def _worker(out: Path) -> None:
+    import numpy as np
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -117,8 +121,45 @@ def _worker(out: Path) -> None:
                     "owners": owners,
                 }
             )
+    # A commit on its way in: rank 0 uploads a theta of each fragment as a closer does, announces its
+    # chunks (the down channel), every rank's downloader fetches its own, and the write blends it
+    # in (mixing 0.5) on every rank: NumpyAdapter.write's formula, applied to the full tensors here.
+    io.start()
+    before = {n: p.full_tensor().detach() for n, p in sharded.params.items()}
+    theta = {n: (t.float() * -0.5 + 0.25).to(t.dtype) for n, t in before.items()}
+    for f in range(run.P):
+        if rank == 0:
+            ref = store.put_fragment(
+                functools.partial(keys.round_blob_key, 7, "theta", compression=""),
+                {n: theta[n].float().numpy() for n in run.fragments[f]},
+                shapes=run.shapes[f],
+                dtypes=run.fragment_dtypes(f),
+                chunk_elements=CHUNK,
+                kind="theta",
+                compression="",
+            )
+            io.announce(f, 3, chunk_refs(ref))
+        else:
+            io.down_message(down.recv(0)[1])
+        io.write(f, 3, 0.5)
+    after = {n: p.full_tensor().detach() for n, p in sharded.params.items()}
+    blended = {}
+    for n, p in before.items():
+        want = (p.float() * float(np.float32(0.5)) + theta[n].float() * float(np.float32(0.5))).to(p.dtype)
+        blended[n] = bool(torch.equal(after[n], want)) and not torch.equal(after[n], p)
     if rank == 0:
-        (out / "report.json").write_text(json.dumps(report))
+        io.stopping.set()
+        for t in io.threads:
+            if t.name.endswith("refs-in"):
+                t.join(timeout=30)
+    else:
+        io.stop_uploads()
+        for t in io.threads:
+            if t.name.endswith("upload"):
+                t.join(timeout=30)
+    io.stop_downloads()
+    if rank == 0:
+        (out / "report.json").write_text(json.dumps({"chunks": report, "blended": blended}))
     dist.destroy_process_group()
 
 
@@ -147,7 +188,9 @@ def test_a_sharded_nodes_chunks_are_a_plain_nodes_bytes_for_every_delta_dtype(tm
     ]
     outs = [p.communicate(timeout=120)[0].decode(errors="replace") for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(outs)
-    report = json.loads((tmp_path / "report.json").read_text())
+    got = json.loads((tmp_path / "report.json").read_text())
+    assert got["blended"] and all(got["blended"].values()), got["blended"]  # a commit blended in, bit for bit
+    report = got["chunks"]
     assert len(report) == 2 * len(CASES)
     for dtype, compression in CASES:  # chunks from both ranks in every case
         rows = [r for r in report if (r["dtype"], r["compression"]) == (dtype, compression)]
