@@ -18,7 +18,9 @@ deltas). Every rank measures itself:
 - ``metered``: what the rank's sharded IO allocated (``Meter``): the largest tensor, the most one
   publish or commit allocated, the anchors (one copy of the rank's shards);
 - ``exchange``: microseconds per ``Exchange`` (the per-step collective), empty and with a small
-  message, measured before the session opens (``--exchanges`` calls).
+  message, measured before the session opens (``--exchanges`` calls);
+- ``step``: the mean wall time of a training step, without and with gradientmail (the session's
+  opening and closing left out).
 
 glibc's mmap threshold is fixed as in ``bench/memory.py`` so RSS follows what is live.
 
@@ -115,10 +117,12 @@ def worker(args: argparse.Namespace) -> None:
             net, algorithm=cfg, mailbox=gm.FileMailbox(args.mailbox), learner_id="bench", poll_interval=0.05
         )
         session.open()
+    t0 = time.perf_counter()
     for _ in range(args.steps):
         step()
         if session is not None:
             session.step(samples=args.batch * world)
+    out["step_ms"] = (time.perf_counter() - t0) / args.steps * 1e3
     if session is not None:
         session.close()
     out["peak"] = _status("VmHWM")
@@ -231,7 +235,8 @@ def main() -> None:
             f"(ratio {ratio:.2f}; anchors {g['anchors'] / 2**20:.0f} MiB, largest allocation {g['largest'] / 2**20:.1f} MiB, "
             f"one operation at most {g['op_peak'] / 2**20:.1f} MiB); bytes up {g['bytes_up'] / total_up:.2f} of the node's, "
             f"down {g['bytes_down'] / total_down:.2f}; exchange {g['exchange_us']:.0f} us empty, {g['message_us']:.0f} us "
-            f"with a message, {g['exchanges_per_step']:.2f} per step; {g['rounds']} rounds"
+            f"with a message, {g['exchanges_per_step']:.2f} per step; step {t['step_ms']:.0f} -> {g['step_ms']:.0f} ms; "
+            f"{g['rounds']} rounds"
         )
 
 
