@@ -562,6 +562,8 @@ class ShardedRuntime:
             raise
 
     def step(self, samples: int) -> None:
+        if self.exchange is None:
+            raise RuntimeError("the session is not open: use `with gm.Session(...) as session:` or call open()")
         if self.closed:
             raise RuntimeError("the session is closed")
         self.steps += 1
