@@ -148,3 +148,22 @@ def test_a_sharded_node_creates_the_run_each_rank_uploading_its_initial_chunks(t
     assert manifest["created_by"] == "shard"
     assert any(ref.get("more") for ref in manifest["init"]), "the initial parameters are not chunked"
     assert len(report["aligned"]) == 4 and all(a[3] == ["plain", "shard"] for a in report["aligned"])
+
+
+def test_a_four_rank_node_a_two_rank_node_and_a_plain_node_in_one_run_end_bit_identical(tmp_path):
+    # Nothing stored depends on a node's world size: the two sharded nodes own and move their
+    # chunks differently (two ranks of the 4-rank node hold no row of a 2-row weight) and write
+    # the same bytes a plain node would.
+    mailbox = tmp_path / "mailbox"
+    mailbox.mkdir()
+    three = ("--steps", "16", "--quorum", "3", "--learners", "3")
+    a = plain(mailbox, tmp_path / "plain", *three)
+    b = sharded(mailbox, tmp_path / "two", *three, name="two")
+    c = sharded(mailbox, tmp_path / "four", *three, ranks=4, name="four")
+    finish(a, b, c, timeout=240)
+    want = np.load(tmp_path / "plain.npz")
+    for node in ("two", "four"):
+        got = np.load(tmp_path / f"{node}.npz")
+        assert all(want[n].tobytes() == got[n].tobytes() for n in want), f"{node} differs from the plain node"
+    report = json.loads((tmp_path / "plain.json").read_text())
+    assert len(report["aligned"]) == 4 and all(a[3] == ["four", "plain", "two"] for a in report["aligned"])
