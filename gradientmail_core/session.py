@@ -9,6 +9,7 @@ import queue
 import random
 import re
 import socket
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -104,8 +105,11 @@ class Session:
         self.algorithm = algorithm
         # A model whose parameters are FSDP2 DTensors: every rank opens this session, and the
         # sharded runtime keeps them in step (gradientmail_core/sharded, docs/sharding.md).
+        sharded_mod = sys.modules.get(f"{__package__}.adapters.torch_sharded")  # loaded if the model is sharded
         sharded = (
-            getattr(self.adapter, "sharded", None) if type(self.adapter).__name__ == "ShardedTorchAdapter" else None
+            self.adapter.sharded
+            if sharded_mod is not None and isinstance(self.adapter, sharded_mod.ShardedTorchAdapter)
+            else None
         )
         if sharded is not None and role == "both":
             from .adapters.torch_sharded import ShardingUnsupported
