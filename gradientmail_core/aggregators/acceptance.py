@@ -76,9 +76,16 @@ def outlier_mask(deltas: Sequence[Delta], *, factor: float) -> list[bool]:
     A zero median (all peers did not move) flags any non-zero contribution: that is the rule, and a
     round of zero deltas is suspicious anyway.
     """
+    return outlier_mask_of_norms([fragment_norm(d) for d in deltas], factor=factor)
+
+
+def outlier_mask_of_norms(norms: Sequence[float], *, factor: float) -> list[bool]:
+    """``outlier_mask`` of contributions given by their whole-fragment norms (``fused.norm_of`` of
+    the squared norms computed when they were judged: a closer merging chunk by chunk holds no
+    whole delta)."""
     if not factor > 1.0:
         raise ValueError(f"outlier factor={factor!r}: expected a number > 1 (at most 1 could reject everyone)")
-    norms = [fragment_norm(d) for d in deltas]
+    norms = list(norms)
     mask: list[bool] = []
     for i, n in enumerate(norms):
         others = norms[:i] + norms[i + 1 :]

@@ -325,6 +325,150 @@ def _dot(a: np.ndarray, b: np.ndarray) -> float:
     return _dot_total(x.size, leaves)
 
 
+# ---- the same quantities over a tensor that arrives in pieces (a chunked payload's) ------------
+# A closer that merges chunk by chunk (``syncer/streamed.py``) sees each tensor as consecutive
+# pieces, one per chunk. These compute what the whole-tensor functions above compute, bit for bit:
+# every float64 reduction runs over the same leaves, in the same order, along the same tree; a leaf
+# that straddles two pieces is completed from the next one (at most ``_LEAF`` elements carried).
+
+
+class _LeafSums:
+    """The leaf sums of a tensor fed as consecutive pieces: ``leaf_sum(values[lo:hi])`` of each
+    leaf ``(lo, hi)`` in order, each over the leaf's elements as one contiguous array."""
+
+    def __init__(self, leaves: Sequence[tuple[int, int]], dtype: type, leaf_sum: Callable[[np.ndarray], float]) -> None:
+        self._leaves, self._dtype, self._leaf_sum = leaves, dtype, leaf_sum
+        self._i = 0  # the leaf being filled
+        self._at = 0  # elements fed so far
+        self._carry: np.ndarray | None = None
+        self._held = 0  # elements of the current leaf in ``_carry``
+        self.sums: list[float] = []
+
+    def feed(self, values: np.ndarray) -> None:
+        x: np.ndarray = np.asarray(values, dtype=self._dtype).reshape(-1)
+        pos = 0
+        while pos < x.size:
+            assert self._i < len(self._leaves), "fed more elements than the tensor has"
+            lo, hi = self._leaves[self._i]
+            take = min(hi - self._at, x.size - pos)
+            if self._held == 0 and take == hi - lo:
+                self.sums.append(self._leaf_sum(x[pos : pos + take]))  # the whole leaf in this piece
+            else:
+                if self._carry is None:
+                    self._carry = np.empty(_LEAF, self._dtype)
+                self._carry[self._held : self._held + take] = x[pos : pos + take]
+                self._held += take
+                if self._held == hi - lo:
+                    self.sums.append(self._leaf_sum(self._carry[: self._held]))
+                    self._held = 0
+            pos += take
+            self._at += take
+            if self._at == hi:
+                self._i += 1
+                if self._i == len(self._leaves):
+                    self._carry = None  # the tensor is complete: only a tensor still open holds one
+
+    def finish(self) -> list[float]:
+        assert self._i == len(self._leaves) and self._held == 0, "fed fewer elements than the tensor has"
+        self._carry = None
+        return self.sums
+
+
+def _square_sum(x: np.ndarray) -> float:
+    out = _scratch(x.size)
+    np.square(x, out=out, dtype=np.float64)
+    return float(np.add.reduce(out))
+
+
+def _self_product_sum(a: np.ndarray) -> float:
+    out = _scratch(a.size)
+    np.multiply(a, a, out=out)
+    return float(np.add.reduce(out))
+
+
+class StreamedDot:
+    """``_dot(t, t)`` (a tensor's squared norm, as ``sq_norms`` and the merge compute it) of a
+    tensor of ``size`` elements fed as consecutive float32 pieces, bit for bit."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._sums = _LeafSums(_dot_leaves(size), np.float32, _square_sum)
+
+    def feed(self, values: np.ndarray) -> None:
+        self._sums.feed(values)
+
+    def total(self) -> float:
+        return _dot_total(self.size, self._sums.finish())
+
+
+class StreamedCosine:
+    """The cosine's leaf squares of one tensor (``merge_tensor``'s ``squares``: ``|a|^2`` of each
+    ``_LEAF`` of ``a = sum_i d_i / |d_i|``, in float64) fed as consecutive pieces of ``a``."""
+
+    def __init__(self, size: int) -> None:
+        leaves = tuple((lo, min(lo + _LEAF, size)) for lo in range(0, size, _LEAF))
+        self._sums = _LeafSums(leaves, np.float64, _self_product_sum)
+
+    def feed(self, a: np.ndarray) -> None:
+        self._sums.feed(a)
+
+    def squares(self) -> list[float]:
+        return self._sums.finish()
+
+
+def merge_into(out: np.ndarray, x: np.ndarray, scale: np.float32, *, first: bool) -> None:
+    """One contribution's term of the merge, added into ``out`` (float32, flat): ``x * scale``
+    onto zeros when ``first``, else ``out += x * scale``, with ``_merge_range``'s operations (so a
+    piece merged one contribution at a time holds the bytes of the whole tensor's merge there)."""
+    t32 = _buffers(min(max(x.size, 1), _STEP))[0]
+    zero = np.float32(0.0)
+    for s in range(0, x.size, _STEP):
+        e = min(s + _STEP, x.size)
+        oc = out[s:e]
+        if first:
+            np.multiply(x[s:e], scale, out=oc)
+            oc += zero
+        else:
+            t = t32[: e - s]
+            np.multiply(x[s:e], scale, out=t)
+            oc += t
+
+
+def cosine_into(a: np.ndarray, d: np.ndarray, inv: float, *, first: bool) -> None:
+    """One contribution's term of the cosine's unit-vector sum, added into ``a`` (float64, flat):
+    ``float64(d) * inv`` (``inv = 1 / |d|``), as ``_merge_range`` computes it."""
+    t64 = _buffers(min(max(d.size, 1), _STEP))[2]
+    for s in range(0, d.size, _STEP):
+        e = min(s + _STEP, d.size)
+        ac = a[s:e]
+        if first:
+            np.copyto(ac, d[s:e])
+            np.multiply(ac, inv, out=ac)
+        else:
+            t6 = t64[: e - s]
+            np.copyto(t6, d[s:e])
+            np.multiply(t6, inv, out=t6)
+            ac += t6
+
+
+def norm_of(sq: Mapping[str, float]) -> float:
+    """``fragment_norm`` from each tensor's squared norm (``sq_norms``): the same sum, in sorted-name order."""
+    return math.sqrt(sum(sq[k] for k in sorted(sq)))
+
+
+def cosine_units(norms: Sequence[float]) -> list[float | None] | None:
+    """``_cosine_units`` from the contributions' whole-fragment norms."""
+    if len(norms) < 2:
+        return None
+    units = [1.0 / n if n > 0.0 else None for n in norms]
+    return units if sum(u is not None for u in units) >= 2 else None
+
+
+def cosine_from(units: Sequence[float | None] | None, squares: Mapping[str, list[float]], n: int) -> float | None:
+    """``_cosine_from``: the mean pairwise cosine from the leaf squares of each tensor."""
+    return _cosine_from(units, squares, n)
+
+
 @functools.lru_cache(maxsize=256)
 def _dot_leaves(size: int) -> tuple[tuple[int, int], ...]:
     """The ranges ``_dot`` reduces at once, in ascending order.

@@ -216,14 +216,19 @@ class RunStore:
         dtypes: Mapping[str, str] | None = None,
         max_bytes: int | None = None,
         kind: str | None = None,
+        tee: Callable[[Chunk], object] | None = None,
     ) -> dict[str, np.ndarray] | None:
         """Chunk ``k`` of ``n`` (``ref``: that chunk's own ref, ``chunk_refs(payload_ref)[k]``), of
         these ``pieces`` of tensors of full ``shapes``: fetched, size- and sha256-checked, checked
         against the plan's layout and decoded, as ``{piece name: flat float32 values}``. None if it
-        is gone; ``PayloadCorrupt``/``PayloadLayoutMismatch`` as ``get_payload``."""
+        is gone; ``PayloadCorrupt``/``PayloadLayoutMismatch`` as ``get_payload``. ``tee(part)``,
+        if given, is handed each part of the object's bytes as it arrives, before it is decoded (a
+        closer keeps them in its spool, ``syncer/spool.py``; they are verified once this returns)."""
         if ref.more:
             raise PayloadCorrupt(f"{ref.key}: a chunk's ref lists chunks of its own")
-        got = self._get_chunk(ref, chunked.spec(pieces, shapes, k, n), dtypes=dtypes, max_bytes=max_bytes, kind=kind)
+        got = self._get_chunk(
+            ref, chunked.spec(pieces, shapes, k, n), dtypes=dtypes, max_bytes=max_bytes, kind=kind, tee=tee
+        )
         return None if got is None else {name: v.reshape(-1) for name, v in got.items()}
 
     def _get_chunk(
@@ -234,6 +239,7 @@ class RunStore:
         dtypes: Mapping[str, str] | None,
         max_bytes: int | None,
         kind: str | None = None,
+        tee: Callable[[Chunk], object] | None = None,
     ) -> dict[str, np.ndarray] | None:
         cap = s.cap() if max_bytes is None else min(max_bytes, s.cap())
         return self._read(
@@ -250,10 +256,15 @@ class RunStore:
                 key=ref.key,
             ),
             cap,
+            tee,
         )
 
     def _read(
-        self, ref: PayloadRef, decode: Callable[[Iterable[Chunk], str], dict[str, np.ndarray]], max_bytes: int | None
+        self,
+        ref: PayloadRef,
+        decode: Callable[[Iterable[Chunk], str], dict[str, np.ndarray]],
+        max_bytes: int | None,
+        tee: Callable[[Chunk], object] | None = None,
     ) -> dict[str, np.ndarray] | None:
         """One object's bytes, streamed into ``decode(chunks, compression)``; None if it is gone."""
         if max_bytes is not None and ref.size > max_bytes:
@@ -266,7 +277,7 @@ class RunStore:
         if chunks is None:
             return None
         try:
-            return decode(self._counted(chunks), compression)
+            return decode(self._counted(chunks, tee), compression)
         finally:
             close = getattr(chunks, "close", None)  # cancels the reads still in flight
             if close is not None:
@@ -326,7 +337,9 @@ class RunStore:
         """Is a payload of these tensors one chunk of whole tensors (today's whole payload)?"""
         return chunk_elements is None or is_one_whole_chunk(fragment_plan(shapes, chunk_elements), shapes)
 
-    def _counted(self, chunks: Iterable[Chunk]) -> Iterator[Chunk]:
+    def _counted(self, chunks: Iterable[Chunk], tee: Callable[[Chunk], object] | None = None) -> Iterator[Chunk]:
         for chunk in chunks:
             self.bytes_down += len(chunk)
+            if tee is not None:
+                tee(chunk)
             yield chunk

@@ -194,8 +194,8 @@ def replay_skips_contribution() -> contextlib.AbstractContextManager[None]:
     contribution, and trusts the result (no comparison with the record's digests)."""
     orig = replay._contributions
 
-    def contributions(store: Any, run: Any, rec: Any) -> Any:
-        got = orig(store, run, rec)
+    def contributions(store: Any, run: Any, rec: Any, *args: Any) -> Any:
+        got = orig(store, run, rec, *args)
         return got[:-1] if len(got) > 1 else got
 
     return _patched((replay, "_contributions", contributions), (replay, "_same", lambda mine, rec: True))

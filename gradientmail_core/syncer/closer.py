@@ -11,8 +11,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ..aggregators.acceptance import PayloadStatus, judge, outlier_mask
-from ..aggregators.fused import memo_norms, sq_norms
+from ..aggregators.acceptance import PayloadStatus, judge, outlier_mask_of_norms
+from ..aggregators.fused import memo_norms, norm_of, sq_norms
 from ..aggregators.merge import contribution_weight, mean_pairwise_cosine, merge_with_cosine
 from ..aggregators.outer import final_step_tensor, outer_step_tensor
 from ..codec.chunked import fragment_streams
@@ -37,6 +37,7 @@ from ..protocol.records import (
 from ..protocol.run import RunInfo, payload_cap
 from ..protocol.schedule import fragment_of, nominal_step, version_before
 from ..protocol.store import RunStore
+from .spool import Spool
 from .timing import ema, grace_seconds
 
 T = TypeVar("T")
@@ -73,7 +74,9 @@ class Judged:
     delta: dict[str, np.ndarray] | None = None
     weight: float = 0.0
     # Squared norm of each tensor of an accepted delta (``merge.sq_norms``): computed as the
-    # snapshot arrives, so the merge after quorum reads the delta once instead of twice.
+    # snapshot arrives, so the merge after quorum reads the delta once instead of twice. (A
+    # collector that merges chunk by chunk keeps only these: ``delta`` is None, the chunks are in
+    # its spool.)
     norms: dict[str, float] | None = None
 
 
@@ -102,6 +105,24 @@ class Collector:
     grace: float = 0.0
     # The arrays the commit writes the new master and momentum into (``reserve``).
     reserved: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None = None
+    # Judge and merge chunk by chunk (``streamed.py``; None: when the fragment is more than one
+    # chunk of a chunked run, ``streamed.chunk_by_chunk``), keeping the contributions' chunks in
+    # ``spool`` (the node's; None: one of this collector's own) and reading them through ``store``
+    # (the one the snapshots were judged from).
+    streamed: bool | None = None
+    spool: Spool | None = None
+    store: RunStore | None = None
+
+    @property
+    def by_chunks(self) -> bool:
+        """Does this collector judge and merge chunk by chunk (``streamed``, decided on first use)?"""
+        if self.streamed is None:
+            from .streamed import chunk_by_chunk
+
+            self.streamed = chunk_by_chunk(self.run, self.fragment)
+        if self.streamed and self.spool is None:
+            self.spool = Spool()
+        return self.streamed
 
     @property
     def fragment(self) -> int:
@@ -111,12 +132,13 @@ class Collector:
         return [j for j in self.judged.values() if j.reason is None]
 
     def judge_snapshot(
-        self, store: RunStore, learner: str, *, own: tuple[Snapshot, dict[str, np.ndarray]] | None = None
+        self, store: RunStore, learner: str, *, own: tuple[Snapshot, dict[str, np.ndarray] | None] | None = None
     ) -> Judged:
         """Fetch and judge ``learner``'s snapshot for this round (SPEC 3.6).
 
         ``own``: the closer's own snapshot and its payload decoded as it wrote it: judged the same
         way without reading them back (two GETs and a download of the payload fewer per round).
+        Its payload None: its chunks are in the spool (a chunk-by-chunk collector reads them there).
         """
         key = keys.snapshot_key(self.round, learner)
         try:
@@ -136,6 +158,8 @@ class Collector:
         base = version_before(self.round, self.run.P)
         payload: dict[str, np.ndarray] | None = None
         status: PayloadStatus = "ok"
+        if self.by_chunks:
+            return self._judge_by_chunks(store, learner, snap, base)
         if snap.steps > 0 and snap.schema_digest == self.run.digest and snap.base_version == base:
             if not _in_snapshot_blobs(snap, self.round, learner):
                 status = "corrupt"  # checked before any read: the ref may name any object
@@ -145,7 +169,7 @@ class Collector:
                 dtypes = self.run.delta_dtypes(self.fragment)
                 try:
                     cap = payload_cap(self.run, self.fragment)
-                    if own is not None:
+                    if own is not None and own[1] is not None:
                         payload = own[1]  # decoded with these shapes, dtypes and cap (``publishing``)
                     else:
                         payload = store.get_payload(
@@ -165,6 +189,45 @@ class Collector:
         self.reserve()
         return self._record(Judged(learner, reason, snap, payload, weight, sq_norms(payload)))
 
+    def _judge_by_chunks(self, store: RunStore, learner: str, snap: Snapshot, base: int) -> Judged:
+        """``judge_snapshot``'s payload checks, chunk by chunk (``streamed.judge_payload``): the
+        same reasons in the same order, each tensor's squared norm the same bits; the chunks of
+        an accepted snapshot stay in the spool for the merge."""
+        from .streamed import judge_payload
+
+        self.store = store
+        status: PayloadStatus = "ok"
+        finite, norms = True, None
+        if snap.steps > 0 and snap.schema_digest == self.run.digest and snap.base_version == base:
+            if not _in_snapshot_blobs(snap, self.round, learner):
+                status = "corrupt"
+            else:
+                verdict = judge_payload(store, self.spool, self.run, self.fragment, snap.payload, self.round)
+                status, finite, norms = verdict.status, verdict.finite, verdict.norms
+        ok = status == "ok" and norms is not None
+        reason = judge(
+            snap.steps, snap.schema_digest == self.run.digest, snap.base_version, base, {} if ok else None, status
+        )
+        if reason is None and not finite:
+            reason = "nonfinite"
+        weight = contribution_weight(snap.tokens, snap.steps) if reason is None and snap.steps else 0.0
+        if reason is None and not weight > 0:
+            reason = "zero_steps"
+        if reason is not None or not ok:
+            self._forget(snap)
+            return self._record(Judged(learner, reason, snap, None, weight))
+        self.reserve()
+        return self._record(Judged(learner, reason, snap, None, weight, norms))
+
+    def _forget(self, snap: Snapshot) -> None:
+        """Drop a rejected snapshot's chunks from the spool (those no accepted one shares)."""
+        if self.spool is None:
+            return
+        keep = {r.sha256 for j in self.accepted() if j.snapshot is not None for r in chunk_refs(j.snapshot.payload)}
+        for r in chunk_refs(snap.payload):
+            if r.sha256 not in keep:
+                self.spool.discard(r.sha256)
+
     def reserve(self) -> None:
         """Allocate the arrays the commit will write the new master and momentum into, and touch
         every page of them now: with the first accepted snapshot, so that the page faults of
@@ -183,10 +246,14 @@ class Collector:
         accepted = sorted(self.accepted(), key=lambda j: j.learner)
         if len(accepted) < 2:
             return
-        mask = outlier_mask([j.delta for j in accepted if j.delta is not None], factor=factor)
+        # The whole-fragment norms, from each tensor's squared norm computed when judged: what
+        # ``outlier_mask`` computes from the deltas (a chunk-by-chunk collector holds none).
+        mask = outlier_mask_of_norms([norm_of(j.norms or {}) for j in accepted], factor=factor)
         for j, outlier in zip(accepted, mask, strict=True):
             if outlier:
                 j.reason, j.delta, j.weight, j.norms = "outlier", None, 0.0, None
+                if j.snapshot is not None and self.by_chunks:
+                    self._forget(j.snapshot)
 
     def _record(self, j: Judged) -> Judged:
         self.judged[j.learner] = j
@@ -220,12 +287,24 @@ class Collector:
         return all_reported or now - self.quorum_at >= self.grace
 
 
+@dataclass(frozen=True)
+class Written:
+    """A payload handed to ``write`` and let go (a chunk-by-chunk commit keeps no stream, whose
+    inputs would stay alive with it): its size and sha256."""
+
+    size: int
+    sha256: str
+
+    def __len__(self) -> int:
+        return self.size
+
+
 @dataclass
 class Commit:
     record: RoundRecord
     state: FragmentState
-    # key -> bytes, written before the record (with ``write``: the stream it wrote)
-    payloads: dict[str, bytes | PayloadStream]
+    # key -> bytes, written before the record (with ``write``: the stream it wrote, or ``Written``)
+    payloads: dict[str, bytes | PayloadStream | Written]
 
 
 def compute_commit(
@@ -254,7 +333,23 @@ def compute_commit(
     change only; its record carries the sha256 of the theta and outer payloads it did not write
     and the contributions' payloads, so a recovering closer replays it (``replay.py``, which calls
     this with the recorded participants and ``outliers=False``: the record lists them after that).
+
+    A collector that judged chunk by chunk (``c.by_chunks``) commits chunk by chunk
+    (``streamed.commit_by_chunks``), the same bytes.
     """
+    if c.by_chunks:
+        from .streamed import commit_by_chunks
+
+        return commit_by_chunks(
+            c,
+            closer=closer,
+            live=live,
+            compression=compression,
+            sync_seconds=sync_seconds,
+            now=now,
+            write=write,
+            outliers=outliers,
+        )
     run, cfg, f = c.run, c.run.cfg, c.fragment
     # The contributions' norms were computed as they were judged; the merge, the cosine and the
     # outlier check share them.
@@ -337,7 +432,7 @@ def compute_commit(
         outer_zip = compression if checkpoint else ""
         outer_job = chunks(outer, run.outer_shapes(f), "F32", "outer", outer_zip)
         cosine_job = jobs.submit(lambda: _cosine(known, deltas)) if threaded else None
-        payloads: dict[str, bytes | PayloadStream] = {}
+        payloads: dict[str, bytes | PayloadStream | Written] = {}
         refs = {}
         for kind, job in (("theta", theta_job), ("outer", outer_job if checkpoint else None), ("change", change_job)):
             if job is None:
@@ -354,6 +449,43 @@ def compute_commit(
         outer_digest = None if checkpoint else digest_of([s.sha256 for s in outer_job()])
         if cosine_job is not None:
             cosine = cosine_job()
+    record = commit_record(
+        c,
+        accepted,
+        refs,
+        theta_digest=theta_digest,
+        outer_digest=outer_digest,
+        cosine=cosine,
+        final=final,
+        checkpoint=checkpoint,
+        closer=closer,
+        live=live,
+        now=now,
+        sync_seconds=sync_seconds,
+    )
+    version = st.version + 1
+    state = FragmentState(version, theta, master, momentum, version if checkpoint else st.checkpoint)
+    return Commit(record, state, payloads)
+
+
+def commit_record(
+    c: Collector,
+    accepted: list[Judged],
+    refs: Mapping[str, PayloadRef],
+    *,
+    theta_digest: str,
+    outer_digest: str | None,
+    cosine: float | None,
+    final: bool,
+    checkpoint: bool,
+    closer: str,
+    live: int,
+    now: float,
+    sync_seconds: float | None,
+) -> RoundRecord:
+    """The round record of a commit (both closers': whole fragments here, chunk by chunk in
+    ``streamed.py``): the participants, the rejections, the payloads' refs and digests, the timings."""
+    st, run, cfg, f = c.state, c.run, c.run.cfg, c.fragment
     e = c.estimates
     steps_seconds = [
         j.snapshot.step_seconds for j in accepted if j.snapshot is not None and j.snapshot.step_seconds > 0
@@ -362,7 +494,7 @@ def compute_commit(
     assert c.quorum_at is not None
     x_quorum = ema(e.x_quorum, max(c.quorum_at - c.opened_at, 0.0))
     x_sync = ema(e.x_sync, sync_seconds) if sync_seconds is not None else e.x_sync
-    record = RoundRecord(
+    return RoundRecord(
         round=c.round,
         step=nominal_step(c.round, cfg.sync_every, run.P),
         fragment=f,
@@ -403,9 +535,6 @@ def compute_commit(
         outer_digest=outer_digest,
         contributions=None if checkpoint else [j.snapshot.payload for j in accepted if j.snapshot is not None],
     )
-    version = st.version + 1
-    state = FragmentState(version, theta, master, momentum, version if checkpoint else st.checkpoint)
-    return Commit(record, state, payloads)
 
 
 # A fragment at least this large encodes and hashes its commit payloads on worker threads; a

@@ -3,6 +3,8 @@ they arrive, decide when the round may close, write the commit (payloads, then t
 
 from __future__ import annotations
 
+import numpy as np
+
 from .. import events as ev
 from ..errors import PayloadCorrupt, RecordInvalid
 from ..mailbox import CreateOutcome
@@ -25,7 +27,9 @@ class Closing(Following):
         if r != self.head + 1:
             return
         state = self._fragment_state(fragment_of(r, self.run.P))
-        self.collector = Collector(r, self.run, state, self.clock.now(), Estimates.from_record(self.newest_of_head()))
+        self.collector = Collector(
+            r, self.run, state, self.clock.now(), Estimates.from_record(self.newest_of_head()), spool=self.spool
+        )
         self.follow = None
 
     def _fragment_state(self, f: int) -> FragmentState:
@@ -113,3 +117,9 @@ class Closing(Following):
         self.collector = None
         self._on_record(rec, commit.state.theta)
         return True
+
+    def _on_record(self, rec: RoundRecord, theta: dict[str, np.ndarray] | None) -> None:
+        super()._on_record(rec, theta)
+        # Round ``rec.round`` is committed (by this node or another: a round this node was
+        # closing is abandoned then): the contribution chunks spooled for it are no longer needed.
+        self.spool.drop_through(rec.round)

@@ -25,6 +25,7 @@ from ..protocol.records import PayloadRef, Snapshot
 from ..protocol.run import payload_cap
 from .bridge import Publish
 from .state import NodeState
+from .streamed import chunk_by_chunk
 
 
 class Publishing(NodeState):
@@ -49,6 +50,7 @@ class Publishing(NodeState):
             return keys.snapshot_blob_key(pub.round, self.me, sha, compression)
 
         own: dict[str, np.ndarray] | None = None
+        spooled = False  # its chunks are in the spool (a closer merging chunk by chunk reads them there)
         upload = getattr(pub.delta, "upload", None)
         if upload is not None:
             ref = upload(self.store, self.run, f, pub.round, self.me, compression)
@@ -59,7 +61,7 @@ class Publishing(NodeState):
                 # node closing nothing keeps nothing of it.
                 own = self._own_delta(pub, data, ref) if self.collector is not None else None
         else:
-            ref, own = self._put_chunks(pub, key_for_sha, compression)
+            ref, own, spooled = self._put_chunks(pub, key_for_sha, compression)
         snap = Snapshot(
             learner=self.me,
             round=pub.round,
@@ -78,23 +80,29 @@ class Publishing(NodeState):
             self.emit(ev.Skipped(self.me, pub.round, "this learner id already contributed to the round"))
             return
         self.stats.published += 1
-        if outcome is CreateOutcome.CREATED and own is not None:  # what the store holds (not a retry's read-back)
+        if outcome is CreateOutcome.CREATED and (own is not None or spooled):  # not a retry's read-back
             self.own_snapshots[pub.round] = (snap, own)
         self.snapshot_keys.setdefault(pub.round, set()).add(self.me)
         self.emit(ev.Published(self.me, pub.round, pub.fragment, pub.steps, pub.tokens, ref.size, pub.final))
 
     def _put_chunks(
         self, pub: Publish, key_for_sha: Callable[[str], str], compression: str
-    ) -> tuple[PayloadRef, dict[str, np.ndarray] | None]:
+    ) -> tuple[PayloadRef, dict[str, np.ndarray] | None, bool]:
         """The delta as the chunks of its fragment's plan, and (for a node closing rounds) each
-        decoded as uploaded and assembled, as ``_own_delta`` does for a whole payload."""
+        decoded as uploaded and assembled, as ``_own_delta`` does for a whole payload; or, where
+        a closer merges the fragment chunk by chunk (``streamed.chunk_by_chunk``), each chunk's
+        bytes kept in the spool (then True: the closer judges and merges them from there)."""
         f = pub.fragment
         shapes, dtypes = self.run.shapes[f], self.run.delta_dtypes(f)
         keep = self.collector is not None
+        spool = keep and chunk_by_chunk(self.run, f)
         parts: list[dict[str, np.ndarray]] = []
+        spooled: list[bool] = []
 
         def decode_back(s: ChunkSpec, data: PayloadStream, ref: PayloadRef) -> None:
-            if keep:
+            if spool:
+                spooled.append(self.spool.put(ref.sha256, data.chunks(), data.size, pub.round))
+            elif keep:
                 try:
                     parts.append(
                         decode_chunk(
@@ -124,12 +132,14 @@ class Publishing(NodeState):
             on_chunk=decode_back,
         )
         plan = self.run.plan(f)
+        if spool:
+            return ref, None, len(spooled) == len(plan) and all(spooled)
         if not keep or len(parts) != len(plan):
-            return ref, None
+            return ref, None, False
         try:
-            return ref, assemble(plan, parts, shapes)
+            return ref, assemble(plan, parts, shapes), False
         except PayloadCorrupt:
-            return ref, None
+            return ref, None, False
 
     def _own_delta(self, pub: Publish, data: PayloadStream, ref: PayloadRef) -> dict[str, np.ndarray] | None:
         """The payload just uploaded, decoded as the closer's judge decodes a snapshot's (same

@@ -7,7 +7,7 @@ weight, steps, tokens, final), so a node that becomes closer starts from the che
 initial parameters, or a state it still holds from a commit of its own after the checkpoint) and
 commits every later round again with ``compute_commit`` itself: the same merge, in the same
 order, with the recorded weights and no outlier judgement (the record lists the participants
-after it). Each replayed round must give the record's change payload, ``theta_digest`` and
+after it); a fragment of several chunks chunk by chunk, as its closers commit it (``streamed.py``). Each replayed round must give the record's change payload, ``theta_digest`` and
 ``outer_digest`` bit for bit, or ``ProtocolError``: never a silently different state.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..aggregators.fused import sq_norms
-from ..errors import MailboxUnavailable, ProtocolError
+from ..errors import MailboxUnavailable, PayloadCorrupt, ProtocolError
 from ..protocol import keys
 from ..protocol.rebuild import chain_records, checkpoint_record
 from ..protocol.records import Participant, PayloadRef, RoundRecord, Snapshot, chunk_refs, ref_digest
@@ -25,6 +25,8 @@ from ..protocol.schedule import version_before
 from ..protocol.store import RunStore
 from ..protocol.tape import fetch_theta
 from .closer import Collector, Estimates, FragmentState, Judged, compute_commit
+from .spool import Spool
+from .streamed import chunk_by_chunk, judge_payload
 
 
 def recover(
@@ -81,10 +83,27 @@ def _checkpoint_state(
 def replay_round(store: RunStore, run: RunInfo, state: FragmentState, rec: RoundRecord) -> FragmentState:
     """Commit ``rec``'s round again from ``state`` (the version before) and its recorded
     contributions; ``ProtocolError`` unless the result is the record's, bit for bit."""
-    f, r = rec.fragment, rec.round
     assert rec.change is not None and state.version == rec.version - 1
-    c = Collector(r, run, state, opened_at=0.0, estimates=Estimates(), quorum_at=0.0)
-    for p, ref, delta in _contributions(store, run, rec):
+    # A fragment of several chunks is replayed chunk by chunk, as its closer committed it
+    # (``streamed.py``), its contributions in a spool of the replay's own, removed after it.
+    spool = Spool() if chunk_by_chunk(run, rec.fragment) else None
+    try:
+        return _replay(store, run, state, rec, spool)
+    finally:
+        if spool is not None:
+            spool.close()
+
+
+def _replay(
+    store: RunStore, run: RunInfo, state: FragmentState, rec: RoundRecord, spool: Spool | None
+) -> FragmentState:
+    f, r = rec.fragment, rec.round
+    assert rec.change is not None
+    c = Collector(
+        r, run, state, opened_at=0.0, estimates=Estimates(), quorum_at=0.0, streamed=spool is not None, spool=spool
+    )
+    c.store = store
+    for p, ref, delta, norms in _contributions(store, run, rec, spool):
         snap = Snapshot(
             learner=p.learner,
             round=r,
@@ -97,10 +116,17 @@ def replay_round(store: RunStore, run: RunInfo, state: FragmentState, rec: Round
             payload=ref,
             final=p.final,
         )
-        c.judged[p.learner] = Judged(p.learner, None, snap, delta, p.weight, sq_norms(delta))
+        c.judged[p.learner] = Judged(p.learner, None, snap, delta, p.weight, norms)
     compression = keys.compression_of(rec.change.key)  # (every chunk's: the closer writes them alike)
     commit = compute_commit(
-        c, closer=rec.closer, live=rec.live, compression=compression, sync_seconds=None, now=0.0, outliers=False
+        c,
+        closer=rec.closer,
+        live=rec.live,
+        compression=compression,
+        sync_seconds=None,
+        now=0.0,
+        outliers=False,
+        write=None if spool is None else _discard,  # only the record is compared: keep no payload
     )
     if not _same(commit.record, rec):
         raise ProtocolError(
@@ -110,15 +136,21 @@ def replay_round(store: RunStore, run: RunInfo, state: FragmentState, rec: Round
     return commit.state
 
 
+def _discard(key: str, data: object) -> None:
+    pass
+
+
 def _contributions(
-    store: RunStore, run: RunInfo, rec: RoundRecord
-) -> list[tuple[Participant, PayloadRef, dict[str, np.ndarray]]]:
+    store: RunStore, run: RunInfo, rec: RoundRecord, spool: Spool | None = None
+) -> list[tuple[Participant, PayloadRef, dict[str, np.ndarray] | None, dict[str, float]]]:
     """Each participant of ``rec`` with its payload, read and verified (its own blob folder, the
-    sha256 the record names); a payload gone is ``MailboxUnavailable``."""
+    sha256 the record names), and each tensor's squared norm; a payload gone is
+    ``MailboxUnavailable``. With a ``spool``: the payload read chunk by chunk into it
+    (``streamed.judge_payload``) and given as None."""
     f, r = rec.fragment, rec.round
     assert rec.contributions is not None
     expected, dtypes, cap = run.shapes[f], run.delta_dtypes(f), payload_cap(run, f)
-    out = []
+    out: list[tuple[Participant, PayloadRef, dict[str, np.ndarray] | None, dict[str, float]]] = []
     for p, ref in zip(rec.participants, rec.contributions, strict=True):
         parsed = [keys.parse_blob_key(c.key) for c in chunk_refs(ref)]
         if ref_digest(ref) != p.payload_sha256 or not all(
@@ -128,14 +160,25 @@ def _contributions(
             raise ProtocolError(
                 f"{keys.round_key(r)}: contribution {ref.key} is not {p.learner}'s payload of round {r}"
             )
-        delta = store.get_payload(ref, expected, max_bytes=cap, dtypes=dtypes, chunk_elements=run.chunk_elements)
+        if spool is not None:
+            verdict = judge_payload(store, spool, run, f, ref, r)
+            if verdict.status in ("corrupt", "schema"):
+                raise PayloadCorrupt(f"{ref.key}: a chunk of {p.learner}'s contribution to round {r} reads back bad")
+            if verdict.norms is not None:
+                out.append((p, ref, None, verdict.norms))
+                continue
+        delta = (
+            None
+            if spool is not None
+            else store.get_payload(ref, expected, max_bytes=cap, dtypes=dtypes, chunk_elements=run.chunk_elements)
+        )
         if delta is None:
             raise MailboxUnavailable(
                 f"fragment {f}: contribution {ref.key} to round {r}, needed to rebuild version {rec.version} from "
                 f"checkpoint version {rec.checkpoint}, is gone; newer commits exist (or the store lost it: then "
                 "restore it, the fragment cannot be rebuilt without it)"
             )
-        out.append((p, ref, delta))
+        out.append((p, ref, delta, sq_norms(delta)))
     return out
 
 

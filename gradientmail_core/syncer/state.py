@@ -20,6 +20,7 @@ from ..protocol.schedule import fragment_of
 from ..protocol.store import RunStore
 from .bridge import Bridge
 from .closer import Collector, FragmentState
+from .spool import Spool
 
 _COMPRESSION = {"off": "", "none": "", "": "", "zstd": "zstd"}  # user-facing name -> payload suffix
 
@@ -125,8 +126,12 @@ class NodeState:
         self.snapshot_keys: dict[int, set[str]] = {}
         # This node's snapshots of rounds not yet committed, with their payloads decoded (checked
         # against the sha256 uploaded): its own contribution is judged from them when it closes
-        # the round, instead of being read back from the store.
-        self.own_snapshots: dict[int, tuple[Snapshot, dict[str, np.ndarray]]] = {}
+        # the round, instead of being read back from the store. A payload of several chunks that
+        # the closer merges chunk by chunk is kept as its bytes in the spool instead (None here).
+        self.own_snapshots: dict[int, tuple[Snapshot, dict[str, np.ndarray] | None]] = {}
+        # The encoded contribution chunks of the rounds this node closes chunk by chunk
+        # (``spool.py``; a directory made on first use): kept until the round commits.
+        self.spool = Spool()
         self.rounds_seen = 0
         # Who this node has seen (``View.sightings``): learner -> number of the newest listing.
         self.listing = 0

@@ -1,0 +1,215 @@
+"""A closer's local spool: the verified bytes of the contribution chunks it judged, on disk.
+
+A closer that merges chunk by chunk (``streamed.py``) reads every contribution twice or more: once
+to judge it (hash, decode, finite check, norms) and once per merge pass. The spool keeps each
+chunk's encoded bytes, as they arrived, in a temporary directory of this node, named by their
+sha256 (content-addressed: the same bytes are one file whoever sent them), so the later passes
+read the local disk instead of the store. Nothing read from the spool is trusted: every read is
+checked against the sha256 again (``decode_chunk``), and a file that does not match is dropped and
+the chunk downloaded again.
+
+Each entry is tagged with the newest round that needs it; ``drop_through(r)`` deletes what no
+round after ``r`` needs (after a commit, or when a round is abandoned because another node
+committed it). Bounded: an entry that would take the spool past ``max_bytes``, or leave less than
+``RESERVE_BYTES`` free on its disk, is not kept (the merge pass then downloads that chunk again).
+The directory is created on first use (``GRADIENTMAIL_SPOOL_DIR``, else the system's temporary
+directory) and removed by ``close()``, when the spool is garbage collected, or at interpreter exit;
+a directory left by a process that died is removed by the next spool created under the same parent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import tempfile
+import weakref
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import IO
+
+from ..mailbox import Chunk
+
+PREFIX = "gradientmail-spool-"
+READ_BYTES = 1 << 20  # bytes per read of a spooled file
+MAX_BYTES = 64 << 30  # default bound on what one node's spool holds
+RESERVE_BYTES = 1 << 30  # free space a spool never takes on its disk
+
+
+class Spool:
+    """Content-addressed chunk bytes on local disk, per node (see the module docstring)."""
+
+    def __init__(self, root: str | os.PathLike[str] | None = None, *, max_bytes: int = MAX_BYTES) -> None:
+        self.root = (
+            Path(root) if root is not None else Path(os.environ.get("GRADIENTMAIL_SPOOL_DIR") or tempfile.gettempdir())
+        )
+        self.max_bytes = max_bytes
+        self.dir: Path | None = None
+        self.entries: dict[str, tuple[int, int]] = {}  # sha256 -> (size, newest round that needs it)
+        self.bytes = 0
+        self._finalizer: weakref.finalize | None = None
+
+    # ---- writing ----------------------------------------------------------------------------
+    def _directory(self) -> Path:
+        if self.dir is None:
+            self.root.mkdir(parents=True, exist_ok=True)
+            _sweep(self.root)
+            self.dir = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=self.root))
+            self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.dir), True)
+        return self.dir
+
+    def room(self, size: int) -> bool:
+        """Would an entry of ``size`` bytes be kept?"""
+        if self.bytes + size > self.max_bytes:
+            return False
+        try:
+            free = shutil.disk_usage(self._directory()).free
+        except OSError:
+            return False
+        return free - size >= RESERVE_BYTES
+
+    @contextlib.contextmanager
+    def writer(self, sha256: str, size: int, round: int) -> Iterator[Writer | None]:
+        """A file to write the bytes of ``sha256`` (``size`` bytes) into, as they arrive; kept
+        (under its sha256) only if the block exits normally, the writer is ``commit``ted and
+        exactly ``size`` bytes hashing to ``sha256`` were written. None when the spool has that
+        entry already (its round is raised to ``round``) or has no room for it."""
+        if sha256 in self.entries:
+            self._tag(sha256, round)
+            yield None
+            return
+        if not self.room(size):
+            yield None
+            return
+        w = Writer(self._directory(), sha256, size)
+        try:
+            yield w
+        except BaseException:
+            w.abort()
+            raise
+        if w.close():
+            self.entries[sha256] = (size, round)
+            self.bytes += size
+        else:
+            w.abort()
+
+    def put(self, sha256: str, chunks: Iterable[Chunk], size: int, round: int) -> bool:
+        """Keep the bytes ``chunks`` yields (all of them, now) as entry ``sha256``. True if the
+        spool holds it afterwards."""
+        with self.writer(sha256, size, round) as w:
+            if w is None:
+                return sha256 in self.entries
+            for c in chunks:
+                w.write(c)
+            w.commit()
+        return sha256 in self.entries
+
+    def _tag(self, sha256: str, round: int) -> None:
+        size, r = self.entries[sha256]
+        self.entries[sha256] = (size, max(r, round))
+
+    # ---- reading ----------------------------------------------------------------------------
+    def has(self, sha256: str) -> bool:
+        return sha256 in self.entries
+
+    def chunks(self, sha256: str) -> Iterator[bytes]:
+        """The bytes of entry ``sha256``, as they are on disk (the reader checks them: ``decode_chunk``)."""
+        assert self.dir is not None and sha256 in self.entries, sha256
+        left = self.entries[sha256][0]
+        with open(self.dir / sha256, "rb", buffering=0) as f:
+            # Reads of at most what is left (a read of n bytes allocates n first), then one more:
+            # a file grown on disk ends in bytes the reader's size check refuses.
+            while piece := f.read(max(1, min(READ_BYTES, left))):
+                left -= len(piece)
+                yield piece
+
+    def path(self, sha256: str) -> Path:
+        assert self.dir is not None
+        return self.dir / sha256
+
+    # ---- forgetting -------------------------------------------------------------------------
+    def discard(self, sha256: str) -> None:
+        got = self.entries.pop(sha256, None)
+        if got is not None and self.dir is not None:
+            self.bytes -= got[0]
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.dir / sha256)
+
+    def drop_through(self, round: int) -> None:
+        """Delete every entry no round after ``round`` needs."""
+        for sha in [s for s, (_, r) in self.entries.items() if r <= round]:
+            self.discard(sha)
+
+    def clear(self) -> None:
+        for sha in list(self.entries):
+            self.discard(sha)
+
+    def close(self) -> None:
+        """Delete the spool's directory and everything in it (a later write makes a new one)."""
+        self.entries.clear()
+        self.bytes = 0
+        if self._finalizer is not None:
+            self._finalizer()  # rmtree, once
+        self.dir, self._finalizer = None, None
+
+
+class Writer:
+    """One entry being written: a temporary file, renamed to its sha256 when complete and intact."""
+
+    def __init__(self, directory: Path, sha256: str, size: int) -> None:
+        self.sha256, self.size = sha256, size
+        self.final = directory / sha256
+        fd, name = tempfile.mkstemp(prefix=".part-", dir=directory)
+        self.tmp = Path(name)
+        self.file: IO[bytes] | None = os.fdopen(fd, "wb")
+        self.digest = hashlib.sha256()
+        self.written = 0
+        self.committed = False
+
+    def write(self, chunk: Chunk) -> None:
+        if self.file is None:
+            return
+        self.file.write(chunk)
+        self.digest.update(chunk)
+        self.written += memoryview(chunk).nbytes
+
+    def commit(self) -> None:
+        """The bytes are complete (the reader verified what it decoded): keep them."""
+        self.committed = True
+
+    def close(self) -> bool:
+        """Rename into place if committed and intact; False (and nothing kept) otherwise."""
+        if self.file is None:
+            return False
+        self.file.close()
+        self.file = None
+        if not (self.committed and self.written == self.size and self.digest.hexdigest() == self.sha256):
+            return False
+        os.replace(self.tmp, self.final)
+        return True
+
+    def abort(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.tmp)
+
+
+def _sweep(root: Path) -> None:
+    """Remove spool directories under ``root`` whose process is gone (killed before it cleaned up)."""
+    try:
+        found = list(root.glob(PREFIX + "*"))
+    except OSError:
+        return
+    for d in found:
+        pid = d.name[len(PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except OSError:
+            pass  # alive (another user's, or no permission to signal it)

@@ -1,0 +1,582 @@
+"""The closer that merges chunk by chunk (``syncer/streamed.py``; docs/protocol.md section 10):
+the same committed bytes as the whole-fragment closer for every merge option, dtype and payload
+form; the streamed norms equal ``fused._dot`` bit for bit; memory bounded by chunks, not
+fragments; the spool emptied after each round and never trusted."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import random
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gradientmail_core as gm
+from gradientmail_core.adapters.base import NumpyAdapter
+from gradientmail_core.aggregators import fused
+from gradientmail_core.errors import MailboxUnavailable
+from gradientmail_core.mailbox.memory import MemoryMailbox
+from gradientmail_core.protocol import keys
+from gradientmail_core.protocol.records import Snapshot, TensorSpec, chunk_refs
+from gradientmail_core.protocol.run import RunInfo, open_run
+from gradientmail_core.protocol.schedule import version_before
+from gradientmail_core.protocol.store import RunStore
+from gradientmail_core.syncer import streamed
+from gradientmail_core.syncer.closer import Collector, Commit, Estimates, FragmentState, compute_commit
+from gradientmail_core.syncer.spool import Spool
+
+# Tensors larger than a reduction leaf (32768) and a chunk that does not divide it: leaves, and
+# the cosine's leaves, straddle the chunk boundaries; one tensor is whole inside a chunk.
+SHAPES = {"embed.weight": (300, 130), "h.0.w": (257, 129), "h.0.b": (33,), "h.1.w": (70_000,)}
+C = 32 * 1000
+SMALL = {"embed.weight": (10, 7), "layers.0.w": (4, 4), "layers.1.w": (9, 5), "head.b": (4,)}
+
+
+class TypedAdapter(NumpyAdapter):
+    """A numpy model whose schema says some tensors are stored in ``dtypes`` (BF16, F16)."""
+
+    def __init__(self, params: dict[str, np.ndarray], dtypes: dict[str, str]) -> None:
+        super().__init__(params)
+        self.dtypes = dtypes
+
+    def schema(self) -> list[TensorSpec]:
+        return [TensorSpec(name=s.name, dtype=self.dtypes.get(s.name, "F32"), shape=s.shape) for s in super().schema()]
+
+
+@dataclasses.dataclass
+class Closed:
+    record: bytes
+    written: list[tuple[str, bytes]]
+    commits: list[Commit]
+
+
+def _deltas(rng: np.random.Generator, shapes: dict[str, tuple[int, ...]], n: int, special: str) -> list[dict]:
+    out = []
+    for i in range(n):
+        scale = 1e-2 * (i + 1)
+        d = {k: (scale * rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()}
+        if special == "zero" and i == 1:
+            d = {k: np.zeros(s, np.float32) for k, s in shapes.items()}  # no direction at all
+        if special == "zero_tensor" and i == 0:
+            d["h.0.b"] = np.zeros(shapes["h.0.b"], np.float32)
+            d["h.1.w"] = np.zeros(shapes["h.1.w"], np.float32)  # a split tensor with no direction
+        if special == "large" and i == n - 1:
+            d = {k: v * np.float32(50) for k, v in d.items()}  # clipped, or an outlier
+        if special == "nonfinite" and i == 0:
+            d["h.1.w"].reshape(-1)[-3] = np.inf  # in its last chunk
+        out.append(d)
+    return out
+
+
+def close_rounds(
+    cfg: gm.DiLoCo,
+    *,
+    by_chunks: bool,
+    shapes: dict[str, tuple[int, ...]] = SHAPES,
+    n: int = 3,
+    rounds: int = 2,
+    compression: str = "",
+    special: str = "",
+    final: bool = False,
+    param_dtypes: dict[str, str] | None = None,
+    spool_root: Path | None = None,
+) -> Closed:
+    """Close ``rounds`` consecutive rounds of a one-fragment chunked run with ``n`` snapshots each,
+    through ``Collector`` and ``compute_commit``: the payloads written (in order) and each record."""
+    rng = np.random.default_rng(7)
+    params = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    store = RunStore(MemoryMailbox())
+    adapter = TypedAdapter(params, param_dtypes or {})
+    run, _ = open_run(store, adapter, cfg, learner="c", compression=compression, rng=random.Random(0))
+    assert run.chunk_elements is not None and len(run.plan(0)) > 1
+    theta = store.get_payload(run.manifest.init[0], run.shapes[0], chunk_elements=run.chunk_elements)
+    assert theta is not None
+    state = FragmentState.initial(theta)
+    records, written, commits = [], [], []
+    for r in range(rounds):
+        for i, delta in enumerate(_deltas(rng, shapes, n, special)):
+            learner = f"l{i}"
+            ref = store.put_fragment(
+                lambda sha, lr=learner, rr=r: keys.snapshot_blob_key(rr, lr, sha, compression),
+                delta,
+                shapes=run.shapes[0],
+                dtypes=run.delta_dtypes(0),
+                chunk_elements=run.chunk_elements,
+                kind="delta",
+                compression=compression,
+            )
+            snap = Snapshot(
+                learner=learner,
+                round=r,
+                local_step=4,
+                steps=4 + i,
+                tokens=16 * (i + 1),
+                base_version=version_before(r, run.P),
+                step_seconds=0.1,
+                schema_digest=run.digest,
+                payload=ref,
+                final=final,
+                nonce="0123abcd",
+            )
+            store.put_record(keys.snapshot_key(r, learner), snap)
+        spool = Spool(spool_root) if spool_root is not None else None
+        c = Collector(r, run, state, 0.0, Estimates(), streamed=by_chunks, spool=spool)
+        for i in reversed(range(n)):
+            c.judge_snapshot(store, f"l{i}")
+        c.update({f"l{i}" for i in range(n)}, 1.0, quorum_size=n, gap=1, in_flight=1, overlap_steps=None)
+
+        def write(key: str, data) -> None:
+            written.append((key, data if isinstance(data, bytes) else data.read()))
+
+        commit = compute_commit(c, closer="c", live=n, compression=compression, sync_seconds=0.5, now=2.0, write=write)
+        records.append(store.encode_record(commit.record))
+        commits.append(commit)
+        state = commit.state
+    return Closed(b"\n".join(records), written, commits)
+
+
+def assert_same(a: Closed, b: Closed) -> None:
+    assert a.record == b.record
+    assert [k for k, _ in a.written] == [k for k, _ in b.written]
+    for (k, x), (_, y) in zip(a.written, b.written, strict=True):
+        assert x == y, k
+    for x, y in zip(a.commits, b.commits, strict=True):
+        sx, sy = x.state, y.state
+        for part in ("theta", "master", "momentum"):
+            for name, v in getattr(sx, part).items():
+                assert v.tobytes() == getattr(sy, part)[name].tobytes(), (part, name)
+
+
+CONFIGS = {
+    "mean-f32": dict(merge=gm.WeightedMean()),
+    "rda-f32": dict(),
+    "rda-direct-bf16-deltas": dict(delta_dtype="BF16"),
+    "mean-f16-deltas": dict(merge=gm.WeightedMean(), delta_dtype="F16"),
+    "rda-f4-deltas-i2-commits": dict(delta_dtype="F4", commit_dtype="I2"),
+    "rda-i2-deltas-f4-commits": dict(delta_dtype="I2", commit_dtype="F4"),
+    "mean-f8-deltas-f8-commits": dict(merge=gm.WeightedMean(), delta_dtype="F8_E4M3", commit_dtype="F8_E4M3"),
+    "rda-bf16-commits": dict(commit_dtype="BF16"),
+    "rda-f32-commits": dict(commit_dtype="F32"),
+    "rda-clip": dict(clip_norm=0.5),
+    "mean-clip-f4": dict(merge=gm.WeightedMean(), clip_norm=0.5, delta_dtype="F4"),
+    "rda-clip-none-clipped": dict(clip_norm=1e6),
+    "rda-checkpoints-f8": dict(delta_dtype="F4", commit_dtype="F8_E4M3", checkpoint_every=3),
+    "rda-outliers": dict(outlier_factor=3.0),
+    "rda-no-direct": dict(merge=gm.RDA(direct_pattern="nothing-matches")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_the_chunk_by_chunk_closer_commits_the_whole_fragment_closers_bytes(name: str) -> None:
+    cfg = gm.DiLoCo(sync_every=4, fragments=1, chunk_elements=C, **CONFIGS[name])  # type: ignore[arg-type]
+    special = {"rda-clip": "large", "mean-clip-f4": "large", "rda-outliers": "large"}.get(name, "")
+    rounds = 4 if name == "rda-checkpoints-f8" else 2  # versions 1, 2 between checkpoints, 3 one
+    whole = close_rounds(cfg, by_chunks=False, special=special, rounds=rounds)
+    chunks = close_rounds(cfg, by_chunks=True, special=special, rounds=rounds)
+    assert_same(whole, chunks)
+    if name == "rda-outliers":
+        assert b'"outlier"' in chunks.record
+    if name == "rda-checkpoints-f8":
+        assert chunks.commits[0].record.checkpoint == 0 and chunks.commits[2].record.checkpoint is None
+
+
+@pytest.mark.parametrize(
+    "special,kw",
+    [
+        ("zero", dict()),
+        ("zero_tensor", dict()),
+        ("zero_tensor", dict(merge=gm.WeightedMean())),
+        ("nonfinite", dict(delta_dtype="BF16")),
+        ("large", dict(clip_norm=0.3, commit_dtype="F4")),
+    ],
+)
+def test_zero_clipped_and_nonfinite_contributions_commit_the_same_bytes(special: str, kw: dict) -> None:
+    cfg = gm.DiLoCo(sync_every=4, fragments=1, chunk_elements=C, **kw)  # type: ignore[arg-type]
+    chunks = close_rounds(cfg, by_chunks=True, special=special)
+    assert_same(close_rounds(cfg, by_chunks=False, special=special), chunks)
+    if special == "nonfinite":
+        assert b'"nonfinite"' in chunks.record
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_one_two_and_four_contributions_and_final_rounds(n: int) -> None:
+    for final in (False, True):
+        cfg = gm.DiLoCo(sync_every=4, fragments=1, chunk_elements=C, commit_dtype="BF16")
+        assert_same(
+            close_rounds(cfg, by_chunks=False, n=n, final=final), close_rounds(cfg, by_chunks=True, n=n, final=final)
+        )
+
+
+@pytest.mark.parametrize("compression", ["", "zstd"])
+def test_bf16_and_f16_parameters_and_compressed_payloads(compression: str) -> None:
+    if compression:
+        pytest.importorskip("zstandard")
+    dtypes = {"embed.weight": "BF16", "h.1.w": "F16"}
+    for kw in (dict(), dict(commit_dtype="F8_E4M3", delta_dtype="F4", checkpoint_every=2)):
+        cfg = gm.DiLoCo(sync_every=4, fragments=1, chunk_elements=C, **kw)  # type: ignore[arg-type]
+        whole = close_rounds(cfg, by_chunks=False, compression=compression, param_dtypes=dtypes, rounds=3)
+        assert_same(whole, close_rounds(cfg, by_chunks=True, compression=compression, param_dtypes=dtypes, rounds=3))
+
+
+def test_a_tensor_over_a_reduction_chunk_commits_the_same_bytes() -> None:
+    # 2**20 + 4000 elements: the norms' pairwise trees span two of fused._CHUNK; chunks of 96*1024
+    shapes = {"big": (1024 + 4, 1024), "b": (100,)}
+    cfg = gm.DiLoCo(sync_every=4, fragments=1, chunk_elements=96 * 1024, clip_norm=2.0, delta_dtype="F4")
+    assert_same(
+        close_rounds(cfg, by_chunks=False, shapes=shapes, special="large", rounds=1),
+        close_rounds(cfg, by_chunks=True, shapes=shapes, special="large", rounds=1),
+    )
+
+
+def test_threaded_payload_encoding_commits_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gradientmail_core.syncer import closer
+
+    cfg = gm.DiLoCo(sync_every=4, fragments=1, chunk_elements=C, commit_dtype="I2", delta_dtype="F4")
+    inline = close_rounds(cfg, by_chunks=True)
+    monkeypatch.setattr(closer, "_THREADED_BYTES", 0)
+    assert_same(inline, close_rounds(cfg, by_chunks=True))
+
+
+# ---- the streamed norm ---------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    size=st.one_of(st.integers(0, 3000), st.integers(30_000, 140_000), st.integers((1 << 20) - 50, (1 << 20) + 70_000)),
+    cuts=st.lists(st.integers(0, 1 << 16), max_size=8),
+    seed=st.integers(0, 2**31),
+    magnitude=st.integers(-20, 20),
+)
+def test_a_streamed_norm_is_dot_of_the_whole_tensor_bit_for_bit(size: int, cuts: list[int], seed: int, magnitude: int):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(size) * 2.0**magnitude).astype(np.float32)
+    bounds = sorted({0, size, *(min(size, 32 * c) for c in cuts)})
+    d, cos = fused.StreamedDot(size), fused.StreamedCosine(size)
+    a = x.astype(np.float64) * 0.37
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        d.feed(x[lo:hi])
+        cos.feed(a[lo:hi])
+    assert d.total() == fused._dot(x, x)
+    squares: list[float] = []
+    fused.merge_tensor([], [], radial=False, cosine=[(x, 0.37)], squares=squares)
+    assert cos.squares() == squares
+
+
+# ---- memory ---------------------------------------------------------------------------------------
+
+
+CHUNK = 1 << 14  # elements: 128 chunks of the fragment below
+
+
+def _round_peak(by_chunks: bool, tmp_path: Path) -> tuple[int, int]:
+    """tracemalloc's peak while a closer judges 3 snapshots of a fragment of 128 chunks and commits
+    them (F32, no commit dtype: the new parameters are the master), above what it held before, and
+    the fragment's float32 bytes."""
+    shapes = {f"w{i}": (1 << 18,) for i in range(8)}  # 8 MiB of float32
+    cfg = gm.DiLoCo(sync_every=4, fragments=1, chunk_elements=CHUNK, merge=gm.WeightedMean(), clip_norm=1e6)
+    rng = np.random.default_rng(1)
+    params = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    store = RunStore(MemoryMailbox())
+    run, _ = open_run(store, NumpyAdapter(params), cfg, learner="c", compression="", rng=random.Random(0))
+    for i in range(3):
+        delta = {k: (1e-2 * rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()}
+        ref = store.put_fragment(
+            lambda sha, lr=f"l{i}": keys.snapshot_blob_key(0, lr, sha, ""),
+            delta,
+            shapes=run.shapes[0],
+            dtypes=run.delta_dtypes(0),
+            chunk_elements=run.chunk_elements,
+            kind="delta",
+            compression="",
+        )
+        snap = Snapshot(learner=f"l{i}", round=0, local_step=4, steps=4, tokens=16, base_version=0,
+                        step_seconds=0.1, schema_digest=run.digest, payload=ref, final=False, nonce="0123abcd")  # fmt: skip
+        store.put_record(keys.snapshot_key(0, f"l{i}"), snap)
+        del delta
+    c = Collector(0, run, FragmentState.initial(params), 0.0, Estimates(), streamed=by_chunks, spool=Spool(tmp_path))
+    c.reserve()  # the new master and momentum: state, allocated before quorum either way
+
+    def write(key: str, data) -> None:
+        for _ in data.chunks():  # sent, not kept
+            pass
+
+    # the per-thread scratch buffers of the merge and the norms (1.25 MiB, once per thread), then measure
+    fused._buffers(fused._STEP)
+    fused._scratch(fused._LEAF)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for i in range(3):
+            c.judge_snapshot(store, f"l{i}")
+        c.update({"l0", "l1", "l2"}, 1.0, quorum_size=3, gap=1, in_flight=1, overlap_steps=None)
+        commit = compute_commit(c, closer="c", live=3, compression="", sync_seconds=None, now=2.0, write=write)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert len(commit.record.participants) == 3
+    return peak, run.fragment_bytes(0)
+
+
+def _peak_in_a_process(by_chunks: bool, tmp_path: Path) -> tuple[int, int]:
+    """``_round_peak`` in a fresh interpreter: tracemalloc counts every thread's allocations, and a
+    test session may have left some running (a moto server)."""
+    code = (
+        "import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); import test_chunk_closer as t; "
+        "print(*t._round_peak(sys.argv[2] == '1', Path(sys.argv[3])))"
+    )
+    here = Path(__file__).resolve().parent
+    argv = [sys.executable, "-c", code, str(here), "1" if by_chunks else "0", str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": str(here.parent)}
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=240, env=env, check=True).stdout.split()
+    return int(out[-2]), int(out[-1])
+
+
+def test_the_closers_memory_is_chunks_not_fragments(tmp_path: Path) -> None:
+    peak, fragment = _peak_in_a_process(True, tmp_path)
+    # a few chunks (merged float32, the cosine's float64 sum, one decoded contribution chunk and
+    # its bytes, the outer step's scratch), the reductions' carried leaves and the bookkeeping
+    assert peak < 12 * 4 * CHUNK + 2 * 8 * fused._LEAF + (512 << 10), (peak, fragment)
+    assert peak < fragment // 4
+    # the meter sees a closer that holds whole fragments: the whole-fragment path holds 3 deltas
+    whole, _ = _peak_in_a_process(False, tmp_path)
+    assert whole > 2 * fragment, (whole, fragment)
+
+
+# ---- the spool ------------------------------------------------------------------------------------
+
+
+def test_a_damaged_spool_file_is_read_again_from_the_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = gm.DiLoCo(sync_every=4, fragments=1, chunk_elements=C, delta_dtype="F4", commit_dtype="I2")
+    expected = close_rounds(cfg, by_chunks=False, rounds=1)
+    flipped: list[Path] = []
+    orig = streamed.commit_by_chunks
+
+    def flip_then_commit(c, **kw):
+        assert c.spool is not None and c.spool.entries
+        for sha in sorted(c.spool.entries)[:3]:  # a byte of a few chunks, on disk
+            path = c.spool.path(sha)
+            data = bytearray(path.read_bytes())
+            data[len(data) // 2] ^= 0x40
+            path.write_bytes(bytes(data))
+            flipped.append(path)
+        return orig(c, **kw)
+
+    monkeypatch.setattr(streamed, "commit_by_chunks", flip_then_commit)
+    got = close_rounds(cfg, by_chunks=True, rounds=1, spool_root=tmp_path)
+    assert flipped
+    assert_same(expected, got)
+
+
+def test_a_damaged_spool_file_whose_store_copy_is_gone_rejects_the_contribution(tmp_path: Path) -> None:
+    cfg = gm.DiLoCo(sync_every=4, fragments=1, chunk_elements=C)
+    rng = np.random.default_rng(3)
+    params = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+    store = RunStore(MemoryMailbox())
+    run, _ = open_run(store, NumpyAdapter(params), cfg, learner="c", compression="", rng=random.Random(0))
+    refs = {}
+    for i, delta in enumerate(_deltas(rng, SHAPES, 3, "")):
+        learner = f"l{i}"
+        refs[learner] = store.put_fragment(
+            lambda sha, lr=learner: keys.snapshot_blob_key(0, lr, sha, ""),
+            delta,
+            shapes=run.shapes[0],
+            dtypes=run.delta_dtypes(0),
+            chunk_elements=run.chunk_elements,
+            kind="delta",
+            compression="",
+        )
+        snap = Snapshot(learner=learner, round=0, local_step=4, steps=4, tokens=16 * (i + 1), base_version=0,
+                        step_seconds=0.1, schema_digest=run.digest, payload=refs[learner], final=False,
+                        nonce="0123abcd")  # fmt: skip
+        store.put_record(keys.snapshot_key(0, learner), snap)
+
+    def collector(learners: list[str]) -> Collector:
+        c = Collector(0, run, FragmentState.initial(params), 0.0, Estimates(), spool=Spool(tmp_path))
+        assert c.by_chunks
+        for lr in learners:
+            c.judge_snapshot(store, lr)
+        c.update(set(learners), 1.0, quorum_size=len(learners), gap=1, in_flight=1, overlap_steps=None)
+        return c
+
+    c = collector(["l0", "l1", "l2"])
+    assert c.spool is not None
+    victim = chunk_refs(refs["l1"])[2]
+    path = c.spool.path(victim.sha256)
+    path.write_bytes(b"\0" + path.read_bytes()[1:])
+    store.delete([victim.key])  # GC'd, or the store lost it
+    with pytest.raises(MailboxUnavailable):
+        compute_commit(c, closer="c", live=3, compression="", sync_seconds=None, now=2.0)
+    assert c.judged["l1"].reason == "missing" and not c.spool.has(victim.sha256)
+    # the next attempt commits without it: the parameters of a round that never had it
+    commit = compute_commit(c, closer="c", live=3, compression="", sync_seconds=None, now=2.0)
+    assert [p.learner for p in commit.record.participants] == ["l0", "l2"]
+    assert [(x.learner, x.reason) for x in commit.record.rejected] == [("l1", "missing")]
+    clean = compute_commit(collector(["l0", "l2"]), closer="c", live=3, compression="", sync_seconds=None, now=2.0)
+    assert commit.record.theta_digest == clean.record.theta_digest and commit.payloads == clean.payloads
+
+
+def _spool_files(spool: Spool) -> set[str]:
+    return set() if spool.dir is None else set(os.listdir(spool.dir))
+
+
+def test_the_spool_is_emptied_after_each_commit_and_removed_on_close() -> None:
+    from harness import Cluster
+    from test_engine_rounds import assert_identical, finish
+
+    cfg = gm.DiLoCo(sync_every=4, fragments=2, quorum_size=3, delta_dtype="F4", chunk_elements=32)
+    cluster = Cluster(cfg, shapes=dict(SMALL))
+    ms = cluster.join_all("abc")
+    peak = 0
+    for _ in range(40):
+        cluster.run(1)
+        for m in ms:
+            sp = m.node.spool
+            # nothing of a committed round stays; on disk exactly the entries (no partial files)
+            assert all(r > m.node.head for _, r in sp.entries.values()), (m.name, m.node.head, sp.entries)
+            assert _spool_files(sp) == set(sp.entries)
+            peak = max(peak, len(sp.entries))
+    assert peak > 0  # the closer did spool chunks
+    finish(cluster)
+    assert_identical(ms)
+    for m in ms:
+        assert not m.node.spool.entries and not _spool_files(m.node.spool)
+    d = next(m.node.spool.dir for m in ms if m.node.spool.dir is not None)
+    assert d is not None and d.exists()
+    for m in ms:
+        m.node.spool.close()
+    assert not d.exists()
+
+
+def test_an_abandoned_rounds_spool_is_emptied_when_another_node_commits_it() -> None:
+    from harness import Cluster
+    from test_engine_rounds import assert_identical, assert_tape_contiguous, finish
+
+    from gradientmail_core import events as ev
+    from gradientmail_core.syncer.node import NodeOptions
+
+    cluster = Cluster(gm.DiLoCo(sync_every=4, fragments=1, quorum_size=2, chunk_elements=32), shapes=dict(SMALL))
+    cluster.options = NodeOptions(poll_interval=0.1, lease_timeout=5.0, round_timeout=0.5)
+    a, b = cluster.join_all("ab")
+    cluster.run(4)
+    cluster.settle(4)
+    head = a.node.head
+    assert head == b.node.head >= 0
+    for _ in range(4):  # a publishes and judges its own snapshot (quorum 2: it waits), then stalls (SIGSTOP)
+        a.train()
+    a.node.tick()
+    assert a.node.collector is not None and a.node.collector.round == head + 1 and "a" in a.node.collector.judged
+    for _ in range(4):
+        b.train()
+    assert a.node.spool.entries, "a closer judging a chunked round spools its contributions"
+    for _ in range(30):  # b takes the round over (timeout) and commits it
+        b.node.tick()
+        b.learner.drain()
+        cluster.clock.advance(0.05)
+    assert b.node.head == head + 1 and a.node.head == head
+    a.node.tick()  # a resumes: it sees b's record, steps down, drops what it spooled
+    assert a.of(ev.Superseded)
+    assert all(r > head + 1 for _, r in a.node.spool.entries.values())
+    assert _spool_files(a.node.spool) == set(a.node.spool.entries)
+    cluster.run(8)
+    finish(cluster)
+    assert_tape_contiguous(cluster)
+    assert_identical([a, b])
+
+
+def test_the_spool_keeps_nothing_past_its_bound(tmp_path: Path) -> None:
+    cfg = gm.DiLoCo(sync_every=4, fragments=1, chunk_elements=C, commit_dtype="BF16")
+    expected = close_rounds(cfg, by_chunks=False, rounds=1)
+    tiny = Spool(tmp_path, max_bytes=1)
+    assert not tiny.put("0" * 64, [b"ab"], 2, 0) and not tiny.entries
+    # a closer whose spool has no room reads each chunk from the store again: the same commit
+    orig = Spool.__init__
+
+    def small(self, root=None, *, max_bytes=1):
+        orig(self, tmp_path, max_bytes=max_bytes)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(Spool, "__init__", small)
+    try:
+        assert_same(expected, close_rounds(cfg, by_chunks=True, rounds=1))
+    finally:
+        mp.undo()
+
+
+def test_a_spool_left_by_a_dead_process_is_swept(tmp_path: Path) -> None:
+    dead = tmp_path / "gradientmail-spool-999999999-x"
+    dead.mkdir()
+    (dead / "abc").write_bytes(b"x")
+    sp = Spool(tmp_path)
+    assert sp.put("e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855", [b""], 0, 0)
+    assert not dead.exists() and sp.dir is not None and sp.dir.exists()
+    sp.close()
+    assert not any(tmp_path.iterdir())
+
+
+# ---- engine runs: every object stored is the same ---------------------------------------------------
+
+
+def _objects(mailbox) -> dict[str, bytes]:
+    return {k: mailbox.get(k) for k in mailbox.list("")}
+
+
+RUNS = {
+    "f4-i2-error-feedback-clip": dict(delta_dtype="F4", commit_dtype="I2", error_feedback=True, clip_norm=5.0),
+    "rda-f8-checkpoints": dict(delta_dtype="F8_E4M3", commit_dtype="F8_E4M3", checkpoint_every=3, quorum_size=2),
+    "mean-bf16-outliers": dict(merge=gm.WeightedMean(), delta_dtype="BF16", outlier_factor=4.0),
+    "rda-f32": dict(),
+}
+
+
+@pytest.mark.parametrize("compression", ["", "zstd"])
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_a_chunked_run_stores_the_same_objects_closed_either_way(
+    name: str, compression: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if compression:
+        if name != "f4-i2-error-feedback-clip":
+            pytest.skip("zstd: one configuration")
+        pytest.importorskip("zstandard")
+    from harness import Cluster
+    from test_engine_rounds import assert_identical, finish
+
+    kw = dict(sync_every=4, fragments=2, quorum_size=3, chunk_elements=32) | RUNS[name]
+    cfg = gm.DiLoCo(**kw)  # type: ignore[arg-type]
+
+    def run(by_chunks: bool) -> dict[str, bytes]:
+        monkeypatch.setattr(streamed, "ENABLED", by_chunks)
+        cluster = Cluster(cfg, shapes=dict(SMALL), compression=compression)
+        ms = cluster.join_all("abc")
+        cluster.run(40)
+        finish(cluster)
+        assert_identical(ms)
+        if by_chunks:  # it did close chunk by chunk
+            assert all(isinstance(m.node.spool, Spool) for m in ms)
+            assert any(m.node.spool.dir is not None for m in ms)
+        return _objects(cluster.mailbox)
+
+    whole, chunks = run(False), run(True)
+    assert sorted(whole) == sorted(chunks)
+    assert [k for k in whole if whole[k] != chunks[k]] == []
+    assert len([k for k in whole if k.startswith(keys.ROUNDS)]) >= 8
+
+
+def test_every_fragment_of_one_chunk_keeps_the_whole_fragment_closer() -> None:
+    store = RunStore(MemoryMailbox())
+    params = {k: np.zeros(s, np.float32) for k, s in SMALL.items()}
+    for c, expected in ((None, False), (1 << 24, False), (32, True)):
+        cfg = gm.DiLoCo(sync_every=4, fragments=1, chunk_elements=c)
+        run = RunInfo.from_manifest(open_run(RunStore(MemoryMailbox()), NumpyAdapter(params), cfg, learner="c",
+                                             compression="", rng=random.Random(0))[0].manifest)  # fmt: skip
+        assert streamed.chunk_by_chunk(run, 0) is expected
+        assert Collector(0, run, FragmentState.initial(params), 0.0, Estimates()).by_chunks is expected
+    del store
