@@ -391,8 +391,14 @@ class RankIO:
         """Ranks > 0: the uploader finishes what is queued, then tells rank 0 it is done."""
         self._uploads.put(None)
 
-    def stop_downloads(self) -> None:
+    def stop_downloads(self, timeout: float = 10.0) -> None:
+        """The downloader finishes what it is doing and ends; waited for (at most ``timeout``
+        seconds), so no thread of ours is inside torch when the interpreter exits (a daemon thread
+        caught there aborts the process at exit: "terminate called without an active exception")."""
         self._downloads.put(None)
+        for t in self.threads:
+            if t.name.endswith("download") and t is not threading.current_thread():
+                t.join(timeout=timeout)
 
 
 def _wire(ref: PayloadRef) -> list[Any]:
