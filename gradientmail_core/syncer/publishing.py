@@ -21,7 +21,7 @@ from ..errors import PayloadCorrupt, PayloadLayoutMismatch
 from ..mailbox import CreateOutcome
 from ..protocol import keys
 from ..protocol.chunks import assemble
-from ..protocol.records import PayloadRef, Snapshot
+from ..protocol.records import PayloadRef, Snapshot, ref_size
 from ..protocol.run import payload_cap
 from .bridge import Publish
 from .state import NodeState
@@ -83,7 +83,7 @@ class Publishing(NodeState):
         if outcome is CreateOutcome.CREATED and (own is not None or spooled):  # not a retry's read-back
             self.own_snapshots[pub.round] = (snap, own)
         self.snapshot_keys.setdefault(pub.round, set()).add(self.me)
-        self.emit(ev.Published(self.me, pub.round, pub.fragment, pub.steps, pub.tokens, ref.size, pub.final))
+        self.emit(ev.Published(self.me, pub.round, pub.fragment, pub.steps, pub.tokens, ref_size(ref), pub.final))
 
     def _put_chunks(
         self, pub: Publish, key_for_sha: Callable[[str], str], compression: str
