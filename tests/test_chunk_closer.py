@@ -511,6 +511,16 @@ def test_the_spool_keeps_nothing_past_its_bound(tmp_path: Path) -> None:
         mp.undo()
 
 
+def test_a_spool_that_cannot_write_reads_from_the_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = gm.DiLoCo(sync_every=4, fragments=1, chunk_elements=C, delta_dtype="F4", merge=gm.RDA(), clip_norm=0.2)
+    expected = close_rounds(cfg, by_chunks=False, rounds=1, special="large")
+    blocked = tmp_path / "a-file"
+    blocked.write_bytes(b"not a directory")
+    orig = Spool.__init__
+    monkeypatch.setattr(Spool, "__init__", lambda self, root=None, **kw: orig(self, blocked / "spool", **kw))
+    assert_same(expected, close_rounds(cfg, by_chunks=True, rounds=1, special="large"))
+
+
 def test_a_spool_left_by_a_dead_process_is_swept(tmp_path: Path) -> None:
     dead = tmp_path / "gradientmail-spool-999999999-x"
     dead.mkdir()

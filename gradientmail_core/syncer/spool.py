@@ -20,7 +20,6 @@ a directory left by a process that died is removed by the next spool created und
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import shutil
 import tempfile
@@ -29,6 +28,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO
 
+from ..errors import PayloadCorrupt
 from ..mailbox import Chunk
 
 PREFIX = "gradientmail-spool-"
@@ -72,17 +72,23 @@ class Spool:
     @contextlib.contextmanager
     def writer(self, sha256: str, size: int, round: int) -> Iterator[Writer | None]:
         """A file to write the bytes of ``sha256`` (``size`` bytes) into, as they arrive; kept
-        (under its sha256) only if the block exits normally, the writer is ``commit``ted and
-        exactly ``size`` bytes hashing to ``sha256`` were written. None when the spool has that
-        entry already (its round is raised to ``round``) or has no room for it."""
+        (under its sha256) only if the block exits normally, the writer is ``commit``ted (by
+        the caller that checked those bytes' sha256 as they passed: a reader decoding them, or a
+        stream produced again) and exactly ``size`` bytes were written. None when the spool has
+        that entry already (its round is raised to ``round``) or has no room for it."""
         if sha256 in self.entries:
             self._tag(sha256, round)
             yield None
             return
-        if not self.room(size):
+        w = None
+        if self.room(size):
+            try:
+                w = Writer(self._directory(), sha256, size)
+            except OSError:
+                w = None  # a spool that cannot write keeps nothing: the chunk is read again later
+        if w is None:
             yield None
             return
-        w = Writer(self._directory(), sha256, size)
         try:
             yield w
         except BaseException:
@@ -95,14 +101,18 @@ class Spool:
             w.abort()
 
     def put(self, sha256: str, chunks: Iterable[Chunk], size: int, round: int) -> bool:
-        """Keep the bytes ``chunks`` yields (all of them, now) as entry ``sha256``. True if the
-        spool holds it afterwards."""
-        with self.writer(sha256, size, round) as w:
-            if w is None:
-                return sha256 in self.entries
-            for c in chunks:
-                w.write(c)
-            w.commit()
+        """Keep the bytes ``chunks`` yields (all of them, now; ``PayloadStream.chunks()``, which
+        raises if they are not the bytes it hashed) as entry ``sha256``. True if the spool holds
+        it afterwards; False (nothing kept) if it has no room or the bytes did not come out whole."""
+        try:
+            with self.writer(sha256, size, round) as w:
+                if w is None:
+                    return sha256 in self.entries
+                for c in chunks:
+                    w.write(c)
+                w.commit()
+        except PayloadCorrupt:
+            return False
         return sha256 in self.entries
 
     def _tag(self, sha256: str, round: int) -> None:
@@ -133,7 +143,7 @@ class Spool:
         got = self.entries.pop(sha256, None)
         if got is not None and self.dir is not None:
             self.bytes -= got[0]
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):
                 os.unlink(self.dir / sha256)
 
     def drop_through(self, round: int) -> None:
@@ -155,7 +165,10 @@ class Spool:
 
 
 class Writer:
-    """One entry being written: a temporary file, renamed to its sha256 when complete and intact."""
+    """One entry being written: a temporary file, renamed to its sha256 when complete. The bytes
+    are hashed by whoever hands them over (``decode_chunk`` as it decodes them, a
+    ``PayloadStream`` as it produces them again), not a second time here; every later read of
+    the entry checks them against the sha256 anyway."""
 
     def __init__(self, directory: Path, sha256: str, size: int) -> None:
         self.sha256, self.size = sha256, size
@@ -163,37 +176,47 @@ class Writer:
         fd, name = tempfile.mkstemp(prefix=".part-", dir=directory)
         self.tmp = Path(name)
         self.file: IO[bytes] | None = os.fdopen(fd, "wb")
-        self.digest = hashlib.sha256()
         self.written = 0
         self.committed = False
 
     def write(self, chunk: Chunk) -> None:
         if self.file is None:
             return
-        self.file.write(chunk)
-        self.digest.update(chunk)
+        try:
+            self.file.write(chunk)
+        except OSError:  # disk full, gone: keep nothing, the reader carries on without us
+            self.abort()
+            return
         self.written += memoryview(chunk).nbytes
 
     def commit(self) -> None:
-        """The bytes are complete (the reader verified what it decoded): keep them."""
+        """The bytes are complete and their sha256 was checked as they passed: keep them."""
         self.committed = True
 
     def close(self) -> bool:
-        """Rename into place if committed and intact; False (and nothing kept) otherwise."""
+        """Rename into place if committed and complete; False (and nothing kept) otherwise."""
         if self.file is None:
             return False
-        self.file.close()
-        self.file = None
-        if not (self.committed and self.written == self.size and self.digest.hexdigest() == self.sha256):
+        try:
+            self.file.close()
+        except OSError:
+            self.file = None
             return False
-        os.replace(self.tmp, self.final)
+        self.file = None
+        if not (self.committed and self.written == self.size):
+            return False
+        try:
+            os.replace(self.tmp, self.final)
+        except OSError:
+            return False
         return True
 
     def abort(self) -> None:
         if self.file is not None:
-            self.file.close()
+            with contextlib.suppress(OSError):
+                self.file.close()
             self.file = None
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):
             os.unlink(self.tmp)
 
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -74,8 +74,10 @@ if TYPE_CHECKING:
 
 # Off: every fragment is closed whole (``closer.py``), as before this module (tests compare the two).
 ENABLED = True
-# Payload chunks encoded ahead of the one being written, on worker threads (large fragments only).
+# Payload chunks encoded ahead of the one being written, and contribution chunks read and decoded
+# ahead of the one being merged, on worker threads (large fragments only).
 AHEAD = 2
+READ_AHEAD = 2
 
 
 def chunk_by_chunk(run: RunInfo, f: int) -> bool:
@@ -198,8 +200,8 @@ class _Lost(Exception):
 class _Contributions:
     """The accepted contributions of a round, read chunk by chunk (spool first)."""
 
-    def __init__(self, c: Collector, store: RunStore | None, accepted: list[Judged]) -> None:
-        self.c, self.store, self.accepted = c, store, accepted
+    def __init__(self, c: Collector, store: RunStore | None, accepted: list[Judged], *, threaded: bool) -> None:
+        self.c, self.store, self.accepted, self.threaded = c, store, accepted, threaded
         run, f = c.run, c.fragment
         self.specs = chunk_specs(run.shapes[f], run.chunk_elements)
         self.refs = [chunk_refs(j.snapshot.payload) for j in accepted if j.snapshot is not None]
@@ -220,6 +222,27 @@ class _Contributions:
         if got is None:
             raise _Lost(j, "missing", f"{ref.key} is gone")
         return got
+
+    def stream(self, pairs: Sequence[tuple[int, int]]) -> Generator[dict[str, np.ndarray], None, None]:
+        """``chunk(i, k)`` of each ``(i, k)`` in order; for a large fragment the next ``READ_AHEAD``
+        are read and decoded on worker threads while the caller merges this one (as many decoded
+        chunks more)."""
+        if not self.threaded or len(pairs) < 2:
+            for i, k in pairs:
+                yield self.chunk(i, k)
+            return
+        pending: deque[Future[dict[str, np.ndarray]]] = deque()
+        with ThreadPoolExecutor(max_workers=READ_AHEAD, thread_name_prefix="gradientmail-read") as pool:
+            try:
+                for pair in pairs:
+                    pending.append(pool.submit(self.chunk, *pair))
+                    if len(pending) > READ_AHEAD:
+                        yield pending.popleft().result()
+                while pending:
+                    yield pending.popleft().result()
+            finally:
+                for fut in pending:
+                    fut.cancel()
 
 
 def _writable(x: np.ndarray) -> np.ndarray:
@@ -252,7 +275,8 @@ def commit_by_chunks(
     st = c.state
     final = all(j.snapshot is not None and j.snapshot.final for j in accepted)
     out, c.reserved = c.reserved, None  # taken: a second attempt writes into fresh arrays
-    source = _Contributions(c, c.store, accepted)
+    threaded = run.fragment_bytes(f) >= _threaded_bytes()
+    source = _Contributions(c, c.store, accepted, threaded=threaded)
     try:
         master, momentum, cosine = _merge_and_step(c, source, accepted, final, out)
     except _Lost as lost:
@@ -299,7 +323,7 @@ def commit_by_chunks(
     payloads: dict[str, bytes | PayloadStream | Written] = {}
     parts: dict[tuple[str, bool], list[PayloadRef]] = {}
     jobs = [(kind, written, make) for kind, written, makes in plan for make in makes]
-    made = _ahead([make for _, _, make in jobs], threaded=run.fragment_bytes(f) >= _threaded_bytes())
+    made = _ahead([make for _, _, make in jobs], threaded=threaded)
     try:
         for (kind, written, _), data in zip(jobs, made, strict=True):
             with data:
@@ -414,14 +438,14 @@ def _merge_and_step(
     clipped = [i for i in range(n) if clips[i] is not None]
     if radial and clipped:
         dots = {i: {name: StreamedDot(numel(shapes[name])) for name in radial} for i in clipped}
-        for k, s in enumerate(specs):
-            wanted = [pc for pc in s.pieces if pc.name in radial]
-            if not wanted:
-                continue
+        ks = [k for k, s in enumerate(specs) if any(pc.name in radial for pc in s.pieces)]
+        reads = source.stream([(i, k) for k in ks for i in clipped])
+        for k in ks:
             for i in clipped:
-                got = source.chunk(i, k)
-                for pc in wanted:
-                    dots[i][pc.name].feed(got[pc.name] * clips[i])
+                got = next(reads)
+                for pc in specs[k].pieces:
+                    if pc.name in radial:
+                        dots[i][pc.name].feed(got[pc.name] * clips[i])
         for i in clipped:
             x_sq[i] = {name: d.total() for name, d in dots[i].items()}
     # Each tensor's merge scales: float32(p_i) (weighted mean), or RDA's float32(p_i / |x_i|)
@@ -447,11 +471,11 @@ def _merge_and_step(
     split = {name for name in radial if len(chunks_of[name]) > 1}
     if split:
         dots_v = {name: StreamedDot(numel(shapes[name])) for name in split}
-        for k, s in enumerate(specs):
-            wanted = [pc for pc in s.pieces if pc.name in split]
-            if not wanted:
-                continue
-            merged = _merge_chunk(source, k, wanted, scales, clips, None, None)
+        ks = [k for k, s in enumerate(specs) if any(pc.name in split for pc in s.pieces)]
+        reads = source.stream([(i, k) for k in ks for i in range(n)])
+        for k in ks:
+            wanted = [pc for pc in specs[k].pieces if pc.name in split]
+            merged = _merge_chunk((next(reads) for _ in range(n)), wanted, scales, clips, None, None)
             for pc, v in zip(wanted, merged, strict=True):
                 dots_v[pc.name].feed(v)
         direction = {name: math.sqrt(d.total()) for name, d in dots_v.items()}
@@ -464,9 +488,10 @@ def _merge_and_step(
             new_momentum[name] = out[1][name] if out is not None else np.empty(shape, np.float32)
     cos = {name: StreamedCosine(numel(shapes[name])) for name in names} if units is not None else None
     lr, beta = cfg.outer_lr, cfg.outer_momentum
-    for k, s in enumerate(specs):
+    reads = source.stream([(i, k) for k in range(len(specs)) for i in range(n)])
+    for s in specs:
         pieces = list(s.pieces)
-        merged = _merge_chunk(source, k, pieces, scales, clips, units, cos)
+        merged = _merge_chunk((next(reads) for _ in range(n)), pieces, scales, clips, units, cos)
         for pc, v in zip(pieces, merged, strict=True):
             name = pc.name
             scale: np.float32 | None = None
@@ -497,16 +522,16 @@ def _merge_and_step(
 
 
 def _merge_chunk(
-    source: _Contributions,
-    k: int,
+    chunks: Iterable[dict[str, np.ndarray]],
     pieces: Sequence[Any],
     scales: Mapping[str, Sequence[np.float32 | None]],
     clips: Sequence[np.float32 | None],
     units: Sequence[float | None] | None,
     cos: Mapping[str, StreamedCosine] | None,
 ) -> list[np.ndarray]:
-    """Chunk ``k``'s ``pieces`` merged (not scaled), one contribution at a time in learner order:
-    each piece's float32 values. With ``units``, also feeds each piece's cosine sum to ``cos``."""
+    """The ``pieces`` of one chunk merged (not scaled) from ``chunks`` (that chunk of each
+    contribution, decoded, in learner order; each taken, used and dropped in turn): each piece's
+    float32 values. With ``units``, also feeds each piece's cosine sum to ``cos``."""
     sizes = [pc.size for pc in pieces]
     starts = np.cumsum([0, *sizes]).tolist()
     buf = np.empty(starts[-1], np.float32)
@@ -514,8 +539,7 @@ def _merge_chunk(
     merged = [buf[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
     first_merge = dict.fromkeys((pc.name for pc in pieces), True)
     first_cos = True
-    for i in range(len(source.accepted)):
-        got = source.chunk(i, k)
+    for i, got in enumerate(chunks):
         u = None if units is None else units[i]
         for pc, v, a, b in zip(pieces, merged, starts[:-1], starts[1:], strict=True):
             x = got[pc.name]
