@@ -77,7 +77,7 @@ ENABLED = True
 # Payload chunks encoded ahead of the one being written, and contribution chunks read and decoded
 # ahead of the one being merged, on worker threads (large fragments only).
 AHEAD = 2
-READ_AHEAD = 2
+READ_AHEAD = 1
 
 
 def chunk_by_chunk(run: RunInfo, f: int) -> bool:
