@@ -36,6 +36,7 @@ contribution's encoded chunks.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
@@ -439,13 +440,13 @@ def _merge_and_step(
     if radial and clipped:
         dots = {i: {name: StreamedDot(numel(shapes[name])) for name in radial} for i in clipped}
         ks = [k for k, s in enumerate(specs) if any(pc.name in radial for pc in s.pieces)]
-        reads = source.stream([(i, k) for k in ks for i in clipped])
-        for k in ks:
-            for i in clipped:
-                got = next(reads)
-                for pc in specs[k].pieces:
-                    if pc.name in radial:
-                        dots[i][pc.name].feed(got[pc.name] * clips[i])
+        with contextlib.closing(source.stream([(i, k) for k in ks for i in clipped])) as reads:
+            for k in ks:
+                for i in clipped:
+                    got = next(reads)
+                    for pc in specs[k].pieces:
+                        if pc.name in radial:
+                            dots[i][pc.name].feed(got[pc.name] * clips[i])
         for i in clipped:
             x_sq[i] = {name: d.total() for name, d in dots[i].items()}
     # Each tensor's merge scales: float32(p_i) (weighted mean), or RDA's float32(p_i / |x_i|)
@@ -472,12 +473,12 @@ def _merge_and_step(
     if split:
         dots_v = {name: StreamedDot(numel(shapes[name])) for name in split}
         ks = [k for k, s in enumerate(specs) if any(pc.name in split for pc in s.pieces)]
-        reads = source.stream([(i, k) for k in ks for i in range(n)])
-        for k in ks:
-            wanted = [pc for pc in specs[k].pieces if pc.name in split]
-            merged = _merge_chunk((next(reads) for _ in range(n)), wanted, scales, clips, None, None)
-            for pc, v in zip(wanted, merged, strict=True):
-                dots_v[pc.name].feed(v)
+        with contextlib.closing(source.stream([(i, k) for k in ks for i in range(n)])) as reads:
+            for k in ks:
+                wanted = [pc for pc in specs[k].pieces if pc.name in split]
+                merged = _merge_chunk((next(reads) for _ in range(n)), wanted, scales, clips, None, None)
+                for pc, v in zip(wanted, merged, strict=True):
+                    dots_v[pc.name].feed(v)
         direction = {name: math.sqrt(d.total()) for name, d in dots_v.items()}
     # Pass 2: merge every chunk again (with the cosine's sums), scale, step.
     new_master: dict[str, np.ndarray] = {}
@@ -488,33 +489,35 @@ def _merge_and_step(
             new_momentum[name] = out[1][name] if out is not None else np.empty(shape, np.float32)
     cos = {name: StreamedCosine(numel(shapes[name])) for name in names} if units is not None else None
     lr, beta = cfg.outer_lr, cfg.outer_momentum
-    reads = source.stream([(i, k) for k in range(len(specs)) for i in range(n)])
-    for s in specs:
-        pieces = list(s.pieces)
-        merged = _merge_chunk((next(reads) for _ in range(n)), pieces, scales, clips, units, cos)
-        for pc, v in zip(pieces, merged, strict=True):
-            name = pc.name
-            scale: np.float32 | None = None
-            if name in radial:
-                if name in direction:
-                    norm = direction[name]
-                else:  # the whole tensor is in this chunk: its norm now
-                    d = StreamedDot(pc.size)
-                    d.feed(v)
-                    norm = math.sqrt(d.total())
-                if norm == 0.0:
-                    v.fill(0)  # +0.0 everywhere (the direction may hold -0.0)
+    with contextlib.closing(source.stream([(i, k) for k in range(len(specs)) for i in range(n)])) as reads:
+        for s in specs:
+            pieces = list(s.pieces)
+            merged = _merge_chunk((next(reads) for _ in range(n)), pieces, scales, clips, units, cos)
+            for pc, v in zip(pieces, merged, strict=True):
+                name = pc.name
+                scale: np.float32 | None = None
+                if name in radial:
+                    if name in direction:
+                        norm = direction[name]
+                    else:  # the whole tensor is in this chunk: its norm now
+                        d = StreamedDot(pc.size)
+                        d.feed(v)
+                        norm = math.sqrt(d.total())
+                    if norm == 0.0:
+                        v.fill(0)  # +0.0 everywhere (the direction may hold -0.0)
+                    else:
+                        scale = np.float32(radius[name] / norm)
+                lo, hi = pc.start, pc.stop
+                m_old = np.asarray(st.master[name], np.float32).reshape(-1)[lo:hi]
+                nm = new_master[name].reshape(-1)[lo:hi]
+                if final:
+                    outer_mod.final_step_tensor(m_old, v, scale=scale, out=nm, name=name)
                 else:
-                    scale = np.float32(radius[name] / norm)
-            lo, hi = pc.start, pc.stop
-            m_old = np.asarray(st.master[name], np.float32).reshape(-1)[lo:hi]
-            nm = new_master[name].reshape(-1)[lo:hi]
-            if final:
-                outer_mod.final_step_tensor(m_old, v, scale=scale, out=nm, name=name)
-            else:
-                mo_old = np.asarray(st.momentum[name], np.float32).reshape(-1)[lo:hi]
-                nmo = new_momentum[name].reshape(-1)[lo:hi]
-                outer_mod.outer_step_tensor(m_old, mo_old, v, lr=lr, beta=beta, scale=scale, out=(nm, nmo), name=name)
+                    mo_old = np.asarray(st.momentum[name], np.float32).reshape(-1)[lo:hi]
+                    nmo = new_momentum[name].reshape(-1)[lo:hi]
+                    outer_mod.outer_step_tensor(
+                        m_old, mo_old, v, lr=lr, beta=beta, scale=scale, out=(nm, nmo), name=name
+                    )
     cosine = cosine_from(units, {name: cos[name].squares() for name in names} if cos is not None else {}, n)
     master = {name: new_master[name] for name in st.master}
     momentum = st.momentum if final else {name: new_momentum[name] for name in st.master}
