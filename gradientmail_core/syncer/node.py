@@ -61,6 +61,7 @@ class Node(Publishing, Election):
 
     def leave(self) -> None:
         self.lease.release()
+        self.spool.close()  # the contribution chunks of the rounds it closed: on local disk, removed
         self.emit(ev.Left(self.me, self.head))
 
     # ---- one poll ---------------------------------------------------------------------
