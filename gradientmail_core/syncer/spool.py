@@ -13,7 +13,8 @@ round after ``r`` needs (after a commit, or when a round is abandoned because an
 committed it). Bounded: an entry that would take the spool past ``max_bytes``, or leave less than
 ``RESERVE_BYTES`` free on its disk, is not kept (the merge pass then downloads that chunk again).
 The directory is created on first use (``GRADIENTMAIL_SPOOL_DIR``, else the system's temporary
-directory) and removed by ``close()``, when the spool is garbage collected, or at interpreter exit;
+directory) and removed by ``close()`` (``Node.leave``), when the spool is garbage collected, or at
+interpreter exit;
 a directory left by a process that died is removed by the next spool created under the same parent.
 """
 
