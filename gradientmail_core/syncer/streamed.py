@@ -27,11 +27,12 @@ order, only visited a chunk at a time.
   by piece), then the theta, outer-state and change chunks, encoded and written one at a time
   (a few ahead on worker threads for a large fragment), in the whole-fragment closer's order.
 
-Memory: the fragment's outer state as today (the master and momentum before and after the step,
+Memory: the fragment's outer state as before (the master and momentum before and after the step,
 and the parameters: what a closer keeps between rounds), plus a few chunks: the merged chunk
-(float32), the cosine's sum (float64), one decoded contribution chunk, the payload chunks being
-encoded; never a contribution, a merged delta or a change whole. Disk: the spool, each accepted
-contribution's encoded chunks.
+(float32), the cosine's sum (float64), the decoded contribution chunk being merged (and, for a
+large fragment, the one read ahead), the payload chunks being encoded; never a contribution, a
+merged delta or a change whole. Disk: the spool, each accepted contribution's encoded chunks.
+``replay.py`` replays a round of such a fragment with this code too.
 """
 
 from __future__ import annotations
