@@ -138,7 +138,7 @@ def worker(args: argparse.Namespace) -> None:
             op_peak=io.meter.op_peak,
             anchors=sum(a.numel() * a.element_size() for f in io.anchors.values() for a in f.values()),
             rounds=session.rounds_seen,
-            exchanges_per_step=rt.exchange.calls / max(rt.steps, 1) if rt.exchange else 0,
+            exchanges_per_step=(rt.exchange.calls if rt.exchange else rt.collectives) / max(rt.steps, 1),
         )
     print(json.dumps(out), flush=True)
     dist.destroy_process_group()

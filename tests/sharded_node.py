@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -154,6 +155,14 @@ def run(args: argparse.Namespace, net: torch.nn.Module, rank: int, world: int) -
     return session, {**report, "versions": list(progress.versions), "events": events}
 
 
+def no_threads_left() -> None:
+    """After close, no thread of gradientmail runs on (one caught in torch when the interpreter
+    exits aborts the process)."""
+    left = [t.name for t in threading.enumerate() if t.name.startswith("gradientmail")]
+    if left:
+        raise SystemExit(f"threads of gradientmail still running after close: {left}")
+
+
 def main() -> None:
     args = parse()
     torch.set_num_threads(1)
@@ -162,6 +171,7 @@ def main() -> None:
         session, report = run(args, net, 0, 1)
         np.savez(args.out + ".npz", **{n: p.detach().numpy() for n, p in net.named_parameters()})
         Path(args.out + ".json").write_text(json.dumps(report))
+        no_threads_left()
         return
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -185,7 +195,7 @@ def main() -> None:
         rank=rank,
         peak=[m.peak for m in rt.io.meters],
         op_peak=[m.op_peak for m in rt.io.meters],
-        exchanges=rt.exchange.calls if rt.exchange else 0,
+        exchanges=rt.exchange.calls if rt.exchange else rt.collectives,
         exchange_seconds=rt.exchange_seconds,
         steps=rt.steps,
         bytes_up=rt.io.bytes_up,
@@ -201,6 +211,8 @@ def main() -> None:
     Path(args.out + f".r{rank}.json").write_text(json.dumps(report))
     if rank == 0:
         np.savez(args.out + ".npz", **full)
+    no_threads_left()
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -207,6 +207,7 @@ class ShardedRuntime:
         self._lock = threading.Lock()
         self._receiver: threading.Thread | None = None
         self.exchange_seconds = 0.0  # training-thread time spent in exchanges (not in the actions)
+        self.collectives = 0  # the exchange's collectives, once its group is released (else exchange.calls)
 
     @property
     def leader(self) -> bool:
@@ -562,10 +563,10 @@ class ShardedRuntime:
             raise
 
     def step(self, samples: int) -> None:
-        if self.exchange is None:
-            raise RuntimeError("the session is not open: use `with gm.Session(...) as session:` or call open()")
         if self.closed:
             raise RuntimeError("the session is closed")
+        if self.exchange is None:
+            raise RuntimeError("the session is not open: use `with gm.Session(...) as session:` or call open()")
         self.steps += 1
         self.tokens += int(samples)
         if self.leader:
@@ -616,6 +617,7 @@ class ShardedRuntime:
         self.io.stopping.set()
         self.io.stop_downloads()
         self._leave()
+        self._release(barrier=True)
 
     def _follow_close(self) -> None:
         while not self._follow():
@@ -631,6 +633,33 @@ class ShardedRuntime:
         io.stopping.set()
         io.stop_downloads()
         self.s._closed = True
+        self._release(barrier=True)
+
+    def _release(self, *, barrier: bool) -> None:
+        """Shut this node's gloo groups down once no thread of ours uses them (after a last
+        collective, when closing: every rank is done with every channel). A group left alive until
+        the interpreter exits can abort the process there: a gloo thread that still holds a
+        finished operation's tensors needs the interpreter to let them go ("terminate called
+        without an active exception")."""
+        threads = [self._receiver, *(self.io.threads if self.io is not None else [])]
+        if any(t is not None and t.is_alive() for t in threads) or (
+            self.leader and self.s._thread is not None and self.s._thread.is_alive()
+        ):
+            return  # a thread of ours is still in a group (a peer is gone): leave them to the exit
+        groups, self.exchange, self.up, self.down = (self.exchange, self.up, self.down), None, None, None
+        if groups[0] is not None:
+            try:
+                if barrier:
+                    groups[0].agree(True)
+            except Exception as e:  # a peer is gone: nothing pending with it
+                _log.debug("no last collective before releasing the groups: %s", e)
+            self.collectives = groups[0].calls
+        for g in groups:
+            if g is not None:
+                try:
+                    dist.destroy_process_group(g.group)
+                except Exception as e:  # already gone (the user destroyed every group)
+                    _log.debug("could not release a group: %s", e)
 
     def _leave(self) -> None:
         s = self.s
@@ -686,6 +715,7 @@ class ShardedRuntime:
             if self._receiver is not None:
                 self._receiver.join(timeout=LINGER)
         s._closed = True
+        self._release(barrier=False)
 
     @staticmethod
     def _quietly(fn: Any, *args: Any, **kw: Any) -> None:
