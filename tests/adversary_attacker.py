@@ -88,6 +88,13 @@ class Attacker:
             return False
         return True
 
+    def lease_holders(self) -> set[str]:
+        """The learners holding a lease now (leases/<learner>/<seq>.json)."""
+        try:
+            return {d.name for d in (self.root / keys.LEASES).iterdir() if any(d.iterdir())}
+        except OSError:
+            return set()
+
     def head(self) -> int:
         try:
             names = os.listdir(self.root / "rounds")
@@ -251,11 +258,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop", required=True)
     p.add_argument("--log", required=True)
     p.add_argument("--rounds", type=int, default=16, help="rounds attacked up front, before they open")
+    p.add_argument("--learners", type=int, default=3, help="attack once this many learners hold leases")
     a = p.parse_args(argv)
     root, stop = Path(a.mailbox), Path(a.stop)
     with open(a.log, "w") as log:
         attacker = Attacker(root, a.mode, log)
         while not stop.exists() and not attacker.load_manifest():
+            time.sleep(0.02)
+        # Once the learners hold their leases: the names it contributes under would otherwise count
+        # in their ``wait_for`` as learners seen contributing (a learner that came and went between
+        # two lease listings counts so), and the honest learners would not start together.
+        while not stop.exists() and len(attacker.lease_holders()) < a.learners:
             time.sleep(0.02)
         for r in range(a.rounds):
             attacker.bad_contributions(r)

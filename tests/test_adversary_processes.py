@@ -169,8 +169,24 @@ def test_without_a_secret_bad_input_is_rejected_with_reasons_and_the_run_complet
     out = run(tmp_path, "noauth", secret=False, attack="noauth")
     assert out["attacker"]["written"] > 50
     recs = out["tape"]
-    assert [r.round for r in recs] == list(range(STEPS))
-    assert all(sorted(p.learner for p in r.participants) == list(LEARNERS) for r in recs)
+    assert [r.round for r in recs] == list(range(STEPS)), [
+        (
+            r.round,
+            r.closer,
+            sorted(p.learner for p in r.participants),
+            sorted((x.learner, x.reason) for x in r.rejected),
+        )
+        for r in recs
+    ]
+    assert all(sorted(p.learner for p in r.participants) == list(LEARNERS) for r in recs), [
+        (
+            r.round,
+            r.closer,
+            sorted(p.learner for p in r.participants),
+            sorted((x.learner, x.reason) for x in r.rejected),
+        )
+        for r in recs
+    ]
     reasons = {(x.learner, x.reason) for r in recs for x in r.rejected}
     by_learner = dict(reasons)
     expected = {
