@@ -18,9 +18,11 @@ from __future__ import annotations
 import builtins
 import errno
 import os
+import random
 import re
 import secrets
 import stat
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import BinaryIO
@@ -35,8 +37,10 @@ TMP_DIR = "~tmp"
 READ_PART = 8 << 20
 _SEGMENT = re.compile(r"[A-Za-z0-9._-]+")
 # A delete may remove an empty parent directory between our mkdir and our link; each retry
-# recreates it. Three threads churning one directory needed at most 11 tries in 4,500 puts.
+# recreates it. Three threads churning one directory needed at most 11 tries in 4,500 puts, but
+# once on a loaded 2-core machine lost 64 in a row: from the fifth try on, a short random pause.
 _LINK_TRIES = 64
+_JITTER = random.Random()  # its own generator: no caller's seeded sequence moves
 # Errors a shared or network directory gives while it is briefly unhealthy (NFS server
 # restarting, disk momentarily full). Anything else (permissions, a bad path) is a real error.
 _TRANSIENT_ERRNOS = {
@@ -235,7 +239,11 @@ class FileMailbox:
 
     def _link(self, tmp: str, final: str, key: str) -> bool:
         parent = os.path.dirname(final)
-        for _ in range(_LINK_TRIES):
+        for attempt in range(_LINK_TRIES):
+            if attempt >= 4:
+                # Threads or processes that keep creating and pruning one directory can fall into
+                # step (each losing the same race every time): a short random pause breaks it.
+                time.sleep(_JITTER.uniform(0.0, min(0.0005 * attempt, 0.01)))
             try:
                 os.makedirs(parent, exist_ok=True)
             except (FileNotFoundError, FileExistsError, NotADirectoryError):
