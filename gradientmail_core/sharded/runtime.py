@@ -641,19 +641,22 @@ class ShardedRuntime:
         the interpreter exits can abort the process there: a gloo thread that still holds a
         finished operation's tensors needs the interpreter to let them go ("terminate called
         without an active exception")."""
-        threads = [self._receiver, *(self.io.threads if self.io is not None else [])]
-        if any(t is not None and t.is_alive() for t in threads) or (
-            self.leader and self.s._thread is not None and self.s._thread.is_alive()
-        ):
-            return  # a thread of ours is still in a group (a peer is gone): leave them to the exit
-        groups, self.exchange, self.up, self.down = (self.exchange, self.up, self.down), None, None, None
-        if groups[0] is not None:
+        exchange = self.exchange
+        if exchange is None:
+            return
+        if barrier:
             try:
-                if barrier:
-                    groups[0].agree(True)
-            except Exception as e:  # a peer is gone: nothing pending with it
-                _log.debug("no last collective before releasing the groups: %s", e)
-            self.collectives = groups[0].calls
+                exchange.agree(True, timeout=6 * LINGER)
+            except Exception as e:  # a rank never came (it failed while closing)
+                _log.warning("a rank did not finish closing; the node's groups are left to the exit: %s", e)
+                return
+        self.collectives = exchange.calls
+        threads = [self._receiver, *(self.io.threads if self.io is not None else [])]
+        if self.leader:
+            threads.append(self.s._thread)
+        if any(t is not None and t.is_alive() for t in threads):
+            return  # a thread of ours is still in a group (a peer is gone): leave them to the exit
+        groups, self.exchange, self.up, self.down = (exchange, self.up, self.down), None, None, None
         for g in groups:
             if g is not None:
                 try:

@@ -69,10 +69,13 @@ class Exchange:
             got = unpack(buf.numpy().tobytes())
         return got, bool(heads[0][1]), [r for r, h in enumerate(heads) if int(h[2])]
 
-    def agree(self, ok: bool) -> bool:
-        """Collective: True when every rank says ok (before a step every rank must take together)."""
+    def agree(self, ok: bool, *, timeout: float | None = None) -> bool:
+        """Collective: True when every rank says ok (before a step every rank must take together).
+        ``timeout``: at most that many seconds, else raises (a rank that never comes)."""
         flag = torch.tensor([int(ok)], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+        assert work is not None
+        work.wait(timedelta(seconds=timeout)) if timeout is not None else work.wait()
         self.calls += 1
         return bool(flag.item())
 
