@@ -38,12 +38,13 @@ merged delta or a change whole. Disk: the spool, each accepted contribution's en
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -80,6 +81,7 @@ ENABLED = True
 # ahead of the one being merged, on worker threads (large fragments only).
 AHEAD = 2
 READ_AHEAD = 1
+_T = TypeVar("_T")
 
 
 def chunk_by_chunk(run: RunInfo, f: int) -> bool:
@@ -229,22 +231,8 @@ class _Contributions:
         """``chunk(i, k)`` of each ``(i, k)`` in order; for a large fragment the next ``READ_AHEAD``
         are read and decoded on worker threads while the caller merges this one (as many decoded
         chunks more)."""
-        if not self.threaded or len(pairs) < 2:
-            for i, k in pairs:
-                yield self.chunk(i, k)
-            return
-        pending: deque[Future[dict[str, np.ndarray]]] = deque()
-        with ThreadPoolExecutor(max_workers=READ_AHEAD, thread_name_prefix="gradientmail-read") as pool:
-            try:
-                for pair in pairs:
-                    pending.append(pool.submit(self.chunk, *pair))
-                    if len(pending) > READ_AHEAD:
-                        yield pending.popleft().result()
-                while pending:
-                    yield pending.popleft().result()
-            finally:
-                for fut in pending:
-                    fut.cancel()
+        makes = [functools.partial(self.chunk, i, k) for i, k in pairs]
+        yield from _ahead(makes, threaded=self.threaded and len(pairs) > 1, ahead=READ_AHEAD, name="read")
 
 
 def _writable(x: np.ndarray) -> np.ndarray:
@@ -325,7 +313,7 @@ def commit_by_chunks(
     payloads: dict[str, bytes | PayloadStream | Written] = {}
     parts: dict[tuple[str, bool], list[PayloadRef]] = {}
     jobs = [(kind, written, make) for kind, written, makes in plan for make in makes]
-    made = _ahead([make for _, _, make in jobs], threaded=threaded)
+    made = _ahead([make for _, _, make in jobs], threaded=threaded, drop=_close)
     try:
         for (kind, written, _), data in zip(jobs, made, strict=True):
             with data:
@@ -377,29 +365,41 @@ def _stream_of(
     return stream_chunk(split(values, s), s, dtypes, kind=kind, compression=zip, f8_scales=f8_scales(values, dtypes, s))
 
 
-def _ahead(makes: Sequence[Callable[[], PayloadStream]], *, threaded: bool) -> Generator[PayloadStream, None, None]:
-    """Each ``make()`` in order, up to ``AHEAD`` of them computed ahead on worker threads (the
-    hash pass of the next chunks while this one is written). Streams not handed out are closed."""
+def _ahead(
+    makes: Sequence[Callable[[], _T]],
+    *,
+    threaded: bool,
+    ahead: int = AHEAD,
+    name: str = "commit",
+    drop: Callable[[_T], None] | None = None,
+) -> Generator[_T, None, None]:
+    """Each ``make()`` in order, up to ``ahead`` of them computed ahead on worker threads (the
+    next chunks read, or hashed, while this one is used). ``drop``: for each result computed but
+    not handed out (the caller stopped early)."""
     if not threaded:
         for make in makes:
             yield make()
         return
-    pending: deque[Future[PayloadStream]] = deque()
-    with ThreadPoolExecutor(max_workers=AHEAD, thread_name_prefix="gradientmail-commit") as pool:
+    pending: deque[Future[_T]] = deque()
+    with ThreadPoolExecutor(max_workers=ahead, thread_name_prefix=f"gradientmail-{name}") as pool:
         try:
             for make in makes:
                 pending.append(pool.submit(make))
-                if len(pending) > AHEAD:
+                if len(pending) > ahead:
                     yield pending.popleft().result()
             while pending:
                 yield pending.popleft().result()
         finally:
             for fut in pending:
-                if not fut.cancel():
+                if not fut.cancel() and drop is not None:
                     try:
-                        fut.result().close()
-                    except BaseException:  # noqa: S110 - its error is moot: the commit failed already
+                        drop(fut.result())
+                    except BaseException:  # noqa: S110 - its error is moot: the caller failed already
                         pass
+
+
+def _close(stream: PayloadStream) -> None:
+    stream.close()
 
 
 # ---- the merge passes -------------------------------------------------------------------------
