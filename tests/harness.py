@@ -16,6 +16,7 @@ from gradientmail_core.mailbox import Mailbox
 from gradientmail_core.mailbox.memory import MemoryMailbox
 from gradientmail_core.protocol.run import open_run
 from gradientmail_core.protocol.store import RunStore
+from gradientmail_core.protocol.tape import fetch_theta
 from gradientmail_core.syncer.bridge import Bridge
 from gradientmail_core.syncer.learner import Learner
 from gradientmail_core.syncer.node import Node, NodeOptions
@@ -124,9 +125,11 @@ class Cluster:
             options=opts,
             bridge=bridge,
         )
-        thetas = node.join(created=created)
+        # As join_run: the learner first (it tells the node whether to lend what it reads).
         learner = Learner(adapter, run, bridge, self.clock, learner=name, emit=events.append)
-        learner.start(node.head, thetas, {f: v for f, (v, _) in node.thetas.items()})
+        learner.reload = lambda f: fetch_theta(store, run, f, node.newest.get(f))
+        thetas = node.join(created=created)
+        learner.start(node.head, thetas, {f: v for f, (v, _) in node.thetas.items()}, lent=node.lent)
         target = make_params(7, self.shapes)
         m = Member(name, params, node, learner, events, np.random.default_rng(seed), target)
         self.members[name] = m

@@ -1,9 +1,10 @@
 """Memory a node holds between polls, counted in the distinct buffers (numpy arrays, payload
 bytes) reachable from its node and learner, the model's own parameters and the store excluded.
 
-A follower holds one copy of the model (the learner's anchors, which the node's newest
-parameters share) plus at most the fragment in flight; a node that stops closing rounds releases
-the outer state it held. ``bench/memory.py`` measures the same in processes (peak RSS)."""
+A follower holds one copy of the model: the learner's anchors, the node keeping none of the
+parameters it hands over, and the fragment in flight computed in place of its anchor (which the
+next commit of the fragment replaces); a node that stops closing rounds releases the outer state
+it held. ``bench/memory.py`` measures the same in processes (peak RSS)."""
 
 from __future__ import annotations
 
@@ -85,21 +86,52 @@ def run_measured(c: Cluster, steps: int) -> dict[tuple[str, str], int]:
     return most
 
 
-def test_follower_holds_one_copy_of_the_model_and_the_fragment_in_flight():
+def test_follower_holds_one_copy_of_the_model_with_the_fragment_in_flight():
     c = Cluster(gm.DiLoCo(sync_every=8, fragments=4, quorum_size=2), shapes=dict(SHAPES))
     a, b = c.join_all("ab")
     c.run(16)  # every fragment committed at least once
     most = run_measured(c, 32)
     assert a.node.stats.committed > 0 and b.node.stats.committed == 0
-    # After a poll: b's anchors (the model, once), which the node's newest parameters share; no
+    assert b.learner.consumes and not a.learner._lent  # the closer's anchors are its outer state's
+    # After a poll and after a step: b's anchors (the model, once), one of them possibly turned
+    # into the delta captured for the next round (until a commit of that fragment replaces it); no
     # payload bytes of its own snapshots (it closes nothing) and no second copy of the model.
-    assert most["b", "poll"] <= MODEL + SLACK, (most["b", "poll"] / MODEL, "model copies")
-    # After a step: also the fragment captured for the next round, until the poll uploads it.
-    assert most["b", "step"] <= MODEL + FRAGMENT + SLACK, (most["b", "step"] / MODEL, "model copies")
-    for f, (_, theta) in b.node.thetas.items():
-        assert all(theta[n] is b.learner.anchors[f][n] for n in theta)
+    for when in ("poll", "step"):
+        assert most["b", when] <= MODEL + SLACK, (when, most["b", when] / MODEL, "model copies")
+    assert all(theta is None for _, theta in b.node.thetas.values()), "the node keeps what it lent"
     finish(c)
     assert_identical([a, b])
+
+
+def test_a_learner_that_keeps_its_anchors_holds_the_fragment_in_flight_beside_them():
+    # in_flight == fragments: a fragment may be captured again before the commit of its last
+    # round, so no anchor is consumed; the captured fragment is a copy until the poll uploads it.
+    c = Cluster(gm.DiLoCo(sync_every=8, fragments=2, quorum_size=2), shapes=dict(SHAPES))
+    a, b = c.join_all("ab")
+    c.run(16)
+    most = run_measured(c, 32)
+    assert not b.learner.consumes
+    assert most["b", "poll"] <= MODEL + SLACK, (most["b", "poll"] / MODEL, "model copies")
+    assert most["b", "step"] <= MODEL + MODEL // 2 + SLACK, (most["b", "step"] / MODEL, "model copies")
+    for f, (_, theta) in b.node.thetas.items():
+        assert theta is not None and all(theta[n] is b.learner.anchors[f][n] for n in theta)
+    finish(c)
+    assert_identical([a, b])
+
+
+def test_a_consumed_anchor_is_read_back_when_the_learner_leaves_before_its_commit():
+    c = Cluster(gm.DiLoCo(sync_every=8, fragments=4, quorum_size=2), shapes=dict(SHAPES))
+    a, b = c.join_all("ab")
+    c.run(16)
+    for _ in range(8):  # b trains alone until it has captured a fragment no commit has answered
+        b.train(4)
+        if b.learner.published:
+            break
+    f = b.learner.published[-1].round % 4
+    assert f not in b.learner.anchors, "the contribution took the anchor's place"
+    newest = {n: v.copy() for n, v in a.learner.anchors[f].items()}
+    b.learner.write_newest()  # what close does: the fragment is read back from the store
+    assert all(np.array_equal(b.params[n], v) for n, v in newest.items())
 
 
 def test_closer_holds_its_outer_state_and_one_fragment_merge():
@@ -139,11 +171,14 @@ def test_node_that_stops_closing_releases_the_outer_state():
 def test_a_new_closer_recovers_from_the_parameters_it_already_holds():
     from gradientmail_core.syncer import replay
 
-    c = Cluster(gm.DiLoCo(sync_every=8, fragments=4, quorum_size=2), shapes=dict(SHAPES))
+    # in_flight == fragments: the learner keeps its anchors, which the node's parameters share
+    # (a learner that consumes them gets them lent: the node then holds none and downloads).
+    c = Cluster(gm.DiLoCo(sync_every=8, fragments=4, quorum_size=2, in_flight=4), shapes=dict(SHAPES))
     a, b = c.join_all("ab")
     c.run(16)
     assert b.node.stats.committed == 0
     for f, (version, theta) in b.node.thetas.items():
+        assert theta is not None
         rec = b.node.newest[f]
         assert rec.version == version and rec.is_checkpoint
         held = replay.recover(b.node.store, b.node.run, f, rec, None, (version, theta))

@@ -91,6 +91,12 @@ class NumpyAdapter:
     def read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
         return {n: self.params[n].copy() for n in names}
 
+    def subtract_from(self, out: Mapping[str, np.ndarray]) -> None:
+        """``out[n] -= params[n]`` in float32, in place, for each name of ``out`` (no copy of a
+        parameter is made)."""
+        for n, o in out.items():
+            np.subtract(o, self.params[n], out=o, dtype=np.float32)
+
     def write(self, values: Mapping[str, np.ndarray], mixing: float = 0.0) -> None:
         for n, v in values.items():
             p = self.params[n]

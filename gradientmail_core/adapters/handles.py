@@ -55,9 +55,16 @@ class Incoming(Protocol):
 
 
 class _HostContribution:
-    def __init__(self, anchor: Mapping[str, np.ndarray], local: Mapping[str, np.ndarray], *, keep: bool) -> None:
+    def __init__(
+        self,
+        anchor: Mapping[str, np.ndarray],
+        local: Mapping[str, np.ndarray],
+        *,
+        keep: bool,
+        delta: dict[str, np.ndarray] | None = None,
+    ) -> None:
         self.anchor, self.local, self.keep = anchor, local, keep
-        self.delta: dict[str, np.ndarray] | None = None
+        self.delta = delta  # given: computed already (``FragmentIO.consume``)
         self.fed: Fed | None = None  # error feedback (``feedback.py``), set by ``FragmentIO``
 
     def encode(self, dtypes: Mapping[str, str], *, compression: str) -> bytes:
@@ -162,6 +169,32 @@ class FragmentIO:
             c = _DeviceContribution(self.pipeline.capture(names))
         else:
             c = _HostContribution(anchor, self.adapter.read(names), keep=keep)
+        if self.residuals is not None and slot is not None:
+            c.fed = Fed(self.residuals, *slot)
+        return c
+
+    @property
+    def consumes(self) -> bool:
+        """Whether ``consume`` can turn an anchor into the delta in place (the host path, with an
+        adapter that subtracts its parameters from an array without copying them)."""
+        return self.pipeline is None and getattr(self.adapter, "subtract_from", None) is not None
+
+    def consume(
+        self, names: Sequence[str], anchor: Mapping[str, np.ndarray], *, slot: tuple[int, int] | None = None
+    ) -> Contribution:
+        """Training thread: the fragment's delta, computed now over ``anchor``'s own arrays (which
+        the caller gives up: nothing else may hold them). The delta of ``capture`` with no copy of
+        the fragment: ``anchor - local``, the same float32 values, where the anchor was."""
+        subtract = getattr(self.adapter, "subtract_from", None)
+        assert self.pipeline is None and subtract is not None
+        delta = {n: _own(anchor[n]) for n in names}
+        owned = {n: v for n, v in delta.items() if v is not None}
+        subtract(owned)
+        rest = [n for n, v in delta.items() if v is None]  # not writable in place: a new array each
+        if rest:
+            local = self.adapter.read(rest)
+            owned.update({n: np.subtract(anchor[n], local[n], dtype=np.float32) for n in rest})
+        c = _HostContribution({}, {}, keep=False, delta={n: owned[n] for n in names})
         if self.residuals is not None and slot is not None:
             c.fed = Fed(self.residuals, *slot)
         return c

@@ -88,6 +88,11 @@ class MLXAdapter:
                 out[n] = np.array(p, dtype=np.float32)  # a copy, also for float32
         return out
 
+    def subtract_from(self, out: Mapping[str, np.ndarray]) -> None:
+        """``out[n] -= params[n]`` in float32, in place: one parameter's host copy at a time."""
+        for n, o in out.items():
+            np.subtract(o, self.read([n])[n], out=o, dtype=np.float32)
+
     def write(self, values: Mapping[str, np.ndarray], mixing: float = 0.0) -> None:
         written = []
         for n, v in values.items():

@@ -55,6 +55,9 @@ class TorchAdapter:
         if device_pipeline and len(devices) != 1:
             raise ValueError(f"device_pipeline=True needs every trainable parameter on one device, found {devices}")
         self.pipeline = TorchPipeline(self.params, _Device(next(iter(devices)))) if device_pipeline else None
+        # In-place deltas on the training thread only for host parameters: on a GPU, the host path
+        # reads asynchronously instead (``read``), so as not to stall the training thread.
+        self.subtract_from = self._subtract_from if {d.type for d in devices} == {"cpu"} else None
 
     def schema(self) -> list[TensorSpec]:
         return [TensorSpec(name=n, dtype=_DTYPES[p.dtype], shape=list(p.shape)) for n, p in self.params.items()]
@@ -74,6 +77,12 @@ class TorchAdapter:
         if not pinned:
             return out
         return _HostCopies(out, pinned, torch.cuda.Event())
+
+    @torch.no_grad()
+    def _subtract_from(self, out: Mapping[str, np.ndarray]) -> None:
+        """``out[n] -= params[n]`` in float32, in place (CPU parameters: no copy of a float32 one)."""
+        for n, o in out.items():
+            torch.from_numpy(o).sub_(self.params[n].detach().to(torch.float32))
 
     @torch.no_grad()
     def write(self, values: Mapping[str, np.ndarray], mixing: float = 0.0) -> None:

@@ -47,6 +47,9 @@ class CommitNotice:
     participants: tuple[str, ...] = ()
     cosine: float | None = None
     incoming: Incoming | None = None
+    # ``theta``'s arrays are the training thread's alone: the node kept no reference to them
+    # (``Bridge.lend``), so the learner may turn them into its next delta in place.
+    lent: bool = False
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,9 @@ class Bridge:
         # How a commit is staged for writing (set by the learner from its adapter): the node
         # stages each commit with it, off the training thread.
         self.stage: Stage | None = None
+        # The learner turns its anchors into deltas in place (``Learner.consumes``): a following
+        # node then hands each commit's parameters over without keeping them (``CommitNotice.lent``).
+        self.lend = False
         # A sharded node (``sharded/runtime.py``): the node reads no parameters; each commit's
         # record (None: the initial parameters) of fragment f goes here instead, and the ranks
         # fetch their own chunks. Returns the commit's ``Incoming``.

@@ -118,8 +118,8 @@ class Closing(Following):
         self._on_record(rec, commit.state.theta)
         return True
 
-    def _on_record(self, rec: RoundRecord, theta: dict[str, np.ndarray] | None) -> None:
-        super()._on_record(rec, theta)
+    def _on_record(self, rec: RoundRecord, theta: dict[str, np.ndarray] | None, *, lent: bool = False) -> None:
+        super()._on_record(rec, theta, lent=lent)
         # Round ``rec.round`` is committed (by this node or another: a round this node was
         # closing is abandoned then): the contribution chunks spooled for it are no longer needed.
         self.spool.drop_through(rec.round)

@@ -93,6 +93,12 @@ class Election(Closing, GarbageCollection):
         if self.liveness.listed_at > float("-inf") and (
             not self.liveness.is_live(claim.learner) or self.liveness.role_of(claim.learner) == "learner"
         ):
+            if self.liveness.listed_at < fo.claim_seen_at:
+                # The leases were listed before this claim was seen: its holder may have joined
+                # since (two nodes starting together: the one that created the run would take
+                # round 0 over from the one that claimed it first). Judge on a newer listing.
+                self._list_leases()
+                return
             reason = "lease_lost"  # (or its holder came back as a learner-only node: it will not close)
         elif fo.timer_from is not None and now - max(fo.timer_from, fo.claim_seen_at) >= self._round_timeout():
             reason = "timeout"

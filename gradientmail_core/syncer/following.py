@@ -54,7 +54,7 @@ class Following(NodeState):
                 # A committed payload that reads back wrong is a transport fault: retry next poll.
                 self.emit(ev.StoreFailure(self.me, f"round {r}: {e}"))
                 return False
-            self._on_record(rec, theta)
+            self._on_record(rec, theta, lent=theta is not None and self.lends())
         return True
 
     def _check_record(self, rec: RoundRecord | None, r: int) -> str | None:
@@ -67,7 +67,7 @@ class Following(NodeState):
         f = rec.fragment
         prev = self.thetas.get(f)
         cap = payload_cap(self.run, f)
-        if rec.change is not None and prev is not None and prev[0] == rec.version - 1:
+        if rec.change is not None and prev is not None and prev[1] is not None and prev[0] == rec.version - 1:
             change = self.store.get_payload(
                 rec.change, self.run.shapes[f], max_bytes=cap, chunk_elements=self.run.chunk_elements
             )
@@ -77,7 +77,8 @@ class Following(NodeState):
                     return theta
         return fetch_theta(self.store, self.run, f, rec)  # (between checkpoints: rebuilt from the checkpoint)
 
-    def _on_record(self, rec: RoundRecord, theta: dict[str, np.ndarray] | None) -> None:
+    def _on_record(self, rec: RoundRecord, theta: dict[str, np.ndarray] | None, *, lent: bool = False) -> None:
+        """Follow ``rec``; ``lent``: ``theta`` goes to the training thread, not kept (``lends``)."""
         f = rec.fragment
         c = self.collector
         if c is not None and c.round == rec.round:
@@ -98,7 +99,7 @@ class Following(NodeState):
             del self.own_snapshots[r]
         if theta is None:
             return  # pruned already: a newer record of this fragment is on the tape
-        self.thetas[f] = (rec.version, theta)
+        self.thetas[f] = (rec.version, None if lent else theta)
         if self.role == "syncer":
             return  # no training thread: nothing would ever drain the inbox
         stage = self.bridge.stage  # e.g. moves the theta to the device here, off the training thread
@@ -113,5 +114,6 @@ class Following(NodeState):
                 tuple(p.learner for p in rec.participants),
                 rec.cosine,
                 incoming=follow(f, rec) if follow is not None else stage(theta) if stage is not None else None,
+                lent=lent,
             )
         )

@@ -17,6 +17,7 @@ from ..clock import Clock
 from ..config import DiLoCo
 from ..protocol.run import max_payload_bytes, open_run
 from ..protocol.store import RunStore
+from ..protocol.tape import fetch_theta
 from .bridge import Bridge
 from .learner import Learner
 from .marker import RestartMarker
@@ -76,6 +77,10 @@ def join_run(
         rng=node_rng or rng,
         role=role,
     )
+    # Before joining: the learner says whether it consumes its anchors (``Bridge.lend``), which
+    # decides whether the node keeps the parameters it reads.
+    trainer = Learner(adapter, run, node.bridge, clock, learner=learner, emit=emit, io=io)
+    trainer.reload = lambda f: fetch_theta(store, run, f, node.newest.get(f))
     predecessor = marker.open(run.manifest.run_id) if marker is not None else None
     try:
         thetas = node.join(created=created, predecessor=predecessor)
@@ -85,8 +90,7 @@ def join_run(
         raise
     if marker is not None:
         marker.hold(nonce)
-    trainer = Learner(adapter, run, node.bridge, clock, learner=learner, emit=emit, io=io)
     follow = node.bridge.follow
     incoming = {f: follow(f, node.newest.get(f)) for f in thetas} if follow is not None else None
-    trainer.start(node.head, thetas, {f: v for f, (v, _) in node.thetas.items()}, incoming)
+    trainer.start(node.head, thetas, {f: v for f, (v, _) in node.thetas.items()}, incoming, lent=node.lent)
     return node, trainer

@@ -21,6 +21,7 @@ from ..adapters.base import Adapter
 from ..adapters.handles import Contribution, FragmentIO, Incoming, Mover
 from ..clock import Clock
 from ..config import Adaptive, Carry
+from ..errors import MailboxUnavailable, PayloadCorrupt
 from ..protocol.run import RunInfo
 from ..protocol.schedule import fragment_of, nominal_step
 from .bridge import Bridge, CommitNotice, Publish
@@ -68,6 +69,23 @@ class Learner:
         self._keeps_snapshots = isinstance(self.cfg.alignment, Carry | Adaptive)
         self._last_step_at: float | None = None
         self._nominal0 = 0
+        # Anchors turned into deltas in place: the host path without Carry/Adaptive (which read the
+        # anchor again) and with in_flight < fragments, so that fragment f is captured again only
+        # once a commit of its last round has replaced the anchor it consumed. Only anchors the
+        # node lent (``CommitNotice.lent``: nothing else holds them) are consumed; a consumed
+        # fragment has no anchor until that commit arrives (``write_newest`` reads it back).
+        assert self.cfg.in_flight is not None
+        self.consumes = (
+            isinstance(self.io, FragmentIO)
+            and self.io.consumes
+            and not self._keeps_snapshots
+            and self.cfg.in_flight < run.P
+        )
+        bridge.lend = self.consumes
+        self._lent: set[int] = set()
+        # ``write_newest`` for a fragment whose anchor is consumed: its newest committed
+        # parameters, read from the store (set by ``join_run``).
+        self.reload: Callable[[int], Mapping[str, np.ndarray] | None] | None = None
 
     # ---- start and align ----------------------------------------------------------------
 
@@ -77,13 +95,18 @@ class Learner:
         thetas: Mapping[int, Mapping[str, np.ndarray]],
         versions: Mapping[int, int],
         incoming: Mapping[int, Incoming] | None = None,
+        *,
+        lent: bool = False,
     ) -> None:
         """Load the newest committed parameters into the model before the first step.
-        ``incoming``: each fragment's parameters already on their way (``Bridge.follow``)."""
+        ``incoming``: each fragment's parameters already on their way (``Bridge.follow``);
+        ``lent``: ``thetas`` are this learner's alone (``CommitNotice.lent``)."""
         for f, theta in thetas.items():
             (incoming[f] if incoming is not None else self.io.stage(theta)).write()
             self.anchors[f] = theta
             self.versions[f] = versions[f]
+            if lent and self.consumes:
+                self._lent.add(f)
         self.aligned = head
         self.next_round = head + 1
         # The schedule is anchored where this learner joined: round r is due once it has
@@ -112,6 +135,10 @@ class Learner:
             del self._sent[f]
         self.io.settle(f, c.round, merged=self.me in c.participants)
         self.anchors[f] = c.theta
+        if c.lent and self.consumes:
+            self._lent.add(f)
+        else:
+            self._lent.discard(f)
         self.versions[f] = c.version
         # Replacing the fragment drops the training it held since the contribution (all of it,
         # or 1 - mixing of it; none with Carry), so the next contribution reports only the
@@ -207,7 +234,13 @@ class Learner:
         f = fragment_of(r, self.run.P)
         steps = self.steps_since[f]
         if steps > 0:
-            delta = self.io.capture(self.run.fragments[f], self.anchors[f], keep=self._keeps_snapshots, slot=(f, r))
+            names = self.run.fragments[f]
+            if f in self._lent:
+                assert isinstance(self.io, FragmentIO) and f in self.anchors, f"fragment {f} has no anchor"
+                self._lent.discard(f)
+                delta = self.io.consume(names, self.anchors.pop(f), slot=(f, r))
+            else:
+                delta = self.io.capture(names, self.anchors[f], keep=self._keeps_snapshots, slot=(f, r))
             if self._keeps_snapshots:
                 self._sent[f] = (r, delta)
             self.bridge.publish(
@@ -230,6 +263,15 @@ class Learner:
         self.next_round = r + 1
 
     def write_newest(self) -> None:
-        """Set the whole model to the newest committed parameters this learner holds."""
-        for theta in self.anchors.values():
-            self.adapter.write(theta)
+        """Set the whole model to the newest committed parameters this learner holds (a fragment
+        whose anchor went into a contribution no commit has answered yet: read back through
+        ``reload``, or left as trained if that fails)."""
+        for f in range(self.run.P):
+            theta = self.anchors.get(f)
+            if theta is None and f in self.versions and self.reload is not None:
+                try:
+                    theta = self.reload(f)
+                except (MailboxUnavailable, PayloadCorrupt) as e:
+                    self.emit(ev.StoreFailure(self.me, f"could not read fragment {f}'s parameters back: {e}"))
+            if theta is not None:
+                self.adapter.write(theta)

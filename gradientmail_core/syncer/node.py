@@ -48,16 +48,18 @@ class Node(Publishing, Election):
             thetas: dict[int, dict[str, np.ndarray]] = {f: {} for f in range(self.run.P)}
         else:
             recs, thetas = read_newest(self.store, self.run)
+        # A node creating the run closes its first rounds: it keeps the parameters for that.
+        self.lent = not created and self.lends()
         for f, theta in thetas.items():
             version = recs[f].version if f in recs else 0
-            self.thetas[f] = (version, theta)
+            self.thetas[f] = (version, None if self.lent else theta)
         self.newest = recs
         self.head = max((r.round for r in recs.values()), default=-1)
         if created:
             self._try_claim(0, 1, previous=None, reason=None)
         self._publish_view()
         self.emit(ev.Joined(self.me, self.head, created, len(self.liveness.live())))
-        return {f: t for f, (_, t) in self.thetas.items()}
+        return thetas
 
     def leave(self) -> None:
         self.lease.release()

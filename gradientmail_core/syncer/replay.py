@@ -35,7 +35,7 @@ def recover(
     f: int,
     rec: RoundRecord | None,
     held: FragmentState | None,
-    theta: tuple[int, dict[str, np.ndarray]] | None = None,
+    theta: tuple[int, dict[str, np.ndarray] | None] | None = None,
 ) -> FragmentState:
     """Fragment ``f``'s state at ``rec`` (its newest record; None: the initial parameters).
 
@@ -43,7 +43,8 @@ def recover(
     version, or, between checkpoints, when replaying from it is shorter than from the checkpoint.
     ``theta``: ``(version, parameters)`` this node holds already (``NodeState.thetas``: read and
     verified, or committed by itself), used instead of downloading them again when the state is
-    recovered at that version (a fragment less to hold while the closer's first round merges).
+    recovered at that version (a fragment less to hold while the closer's first round merges);
+    ``(version, None)``: lent to the training thread (``NodeState.lends``), downloaded again.
     Missing payloads raise ``MailboxUnavailable`` (newer commits exist: GC collected what this
     node's stale view needs; it catches up on the next poll)."""
     version = rec.version if rec else 0

@@ -119,7 +119,9 @@ class NodeState:
         self.closer_gone: int | None = None
         self.head = -1
         self.newest: dict[int, RoundRecord] = {}
-        self.thetas: dict[int, tuple[int, dict[str, np.ndarray]]] = {}
+        # Each fragment's newest committed (version, parameters); parameters None where they were
+        # lent to the training thread (``lends``): read from the store again if this node needs them.
+        self.thetas: dict[int, tuple[int, dict[str, np.ndarray] | None]] = {}
         self.closer_states: dict[int, FragmentState] = {}
         self.collector: Collector | None = None
         self.follow: Follow | None = None
@@ -139,6 +141,22 @@ class NodeState:
         self.stats = NodeStats()
         self._last_sync: float | None = None
         self.stuck: str | None = None
+        self.lent = False  # the parameters read at join went to the training thread (``lends``)
+
+    def lends(self) -> bool:
+        """Whether a commit's parameters go to the training thread without this node keeping them
+        (``CommitNotice.lent``): its learner turns anchors into deltas in place (``Bridge.lend``),
+        no commit is rebuilt from the previous parameters (``commit_dtype=None``: no change
+        payloads), and this node closes nothing now (no outer state to share them with). A follower
+        then holds one copy of the model, the learner's anchors; elected, it reads them back."""
+        return (
+            self.bridge.lend
+            and self.role != "syncer"
+            and self.bridge.follow is None
+            and self.run.cfg.commit_dtype is None
+            and self.collector is None
+            and not self.closer_states
+        )
 
     @property
     def may_close(self) -> bool:
