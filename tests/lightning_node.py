@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import os
+import sys
 from typing import Any
 
 import numpy as np
@@ -173,3 +174,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Everything is written. A rank on gloo has (rarely: once in several CI runs, also after
+    # barrier + destroy_process_group, and without gradientmail) aborted in the interpreter's
+    # teardown ("terminate called without an active exception"): leave without running it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -70,17 +70,11 @@ class Learner:
         self._last_step_at: float | None = None
         self._nominal0 = 0
         # Anchors turned into deltas in place: the host path without Carry/Adaptive (which read the
-        # anchor again) and with in_flight < fragments, so that fragment f is captured again only
-        # once a commit of its last round has replaced the anchor it consumed. Only anchors the
-        # node lent (``CommitNotice.lent``: nothing else holds them) are consumed; a consumed
-        # fragment has no anchor until that commit arrives (``write_newest`` reads it back).
-        assert self.cfg.in_flight is not None
-        self.consumes = (
-            isinstance(self.io, FragmentIO)
-            and self.io.consumes
-            and not self._keeps_snapshots
-            and self.cfg.in_flight < run.P
-        )
+        # anchor again). Only anchors the node lent (``CommitNotice.lent``: nothing else holds them)
+        # are consumed; a consumed fragment has no anchor until a commit of the round it went to
+        # replaces it, which ``in_flight`` (at most ``fragments``) makes come before the fragment's
+        # next round is due (``maybe_publish`` also waits for it; ``write_newest`` reads it back).
+        self.consumes = isinstance(self.io, FragmentIO) and self.io.consumes and not self._keeps_snapshots
         bridge.lend = self.consumes
         self._lent: set[int] = set()
         # ``write_newest`` for a fragment whose anchor is consumed: its newest committed
@@ -222,6 +216,11 @@ class Learner:
         assert self.cfg.in_flight is not None
         if r - self.aligned > self.cfg.in_flight:
             return False
+        if fragment_of(r, self.run.P) not in self.anchors:
+            # Its anchor went into the last contribution of the fragment and no commit of that
+            # round has arrived yet (it follows from in_flight, except when the node skipped
+            # records to catch up and the fragment's newest is still on its way).
+            return False
         if not final:
             due = self.local_step >= nominal_step(r, self.cfg.sync_every, self.run.P) - self._nominal0
             early = self.steps_since_any > 0 and r in view.others_published
@@ -236,7 +235,7 @@ class Learner:
         if steps > 0:
             names = self.run.fragments[f]
             if f in self._lent:
-                assert isinstance(self.io, FragmentIO) and f in self.anchors, f"fragment {f} has no anchor"
+                assert isinstance(self.io, FragmentIO)
                 self._lent.discard(f)
                 delta = self.io.consume(names, self.anchors.pop(f), slot=(f, r))
             else:

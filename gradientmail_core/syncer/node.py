@@ -117,12 +117,6 @@ class Node(Publishing, Election):
         for r in [r for r in self.own_snapshots if c is None or r < c.round or (r == c.round and self.me in c.judged)]:
             del self.own_snapshots[r]
 
-    def _list_leases(self) -> None:
-        self.liveness.observe(self.store.keys(keys.LEASES))
-        self.listing += 1
-        for learner in self.liveness.live():
-            self.sightings[learner] = self.listing
-
     def _publish_view(self) -> None:
         # A round is about to close once the others' snapshots, with ours, would meet the quorum
         # the closer uses: ``max(min(quorum, live) - 1, 1)`` others, as the prior art counts them;

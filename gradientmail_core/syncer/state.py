@@ -143,6 +143,12 @@ class NodeState:
         self.stuck: str | None = None
         self.lent = False  # the parameters read at join went to the training thread (``lends``)
 
+    def _list_leases(self) -> None:
+        self.liveness.observe(self.store.keys(keys.LEASES))
+        self.listing += 1
+        for learner in self.liveness.live():
+            self.sightings[learner] = self.listing
+
     def lends(self) -> bool:
         """Whether a commit's parameters go to the training thread without this node keeping them
         (``CommitNotice.lent``): its learner turns anchors into deltas in place (``Bridge.lend``),
