@@ -42,6 +42,10 @@ class PoisonAdapter(NumpyAdapter):
     def read(self, names):
         return {n: self.anchor[n] + self.scale * (self.params[n] - self.anchor[n]) for n in names}
 
+    def subtract_from(self, out) -> None:  # the in-place delta reports the same scaled one
+        for n, o in out.items():
+            np.subtract(o, self.read([n])[n], out=o)
+
     def write(self, values, mixing: float = 0.0) -> None:
         super().write(values, mixing)
         for n in values:
