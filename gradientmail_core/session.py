@@ -300,6 +300,7 @@ class Session:
             if self.algorithm.flush_on_close:
                 self._flush()
             self._wait_in_flight()
+            self.bridge.leaving = True
         finally:
             self._shutdown()
         self._check()

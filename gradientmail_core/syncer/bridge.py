@@ -84,6 +84,9 @@ class Bridge:
         # The learner turns its anchors into deltas in place (``Learner.consumes``): a following
         # node then hands each commit's parameters over without keeping them (``CommitNotice.lent``).
         self.lend = False
+        # The training thread is leaving with nothing in flight (``Session.close``): the node
+        # then claims no round it would not stay to close.
+        self.leaving = False
         # A sharded node (``sharded/runtime.py``): the node reads no parameters; each commit's
         # record (None: the initial parameters) of fragment f goes here instead, and the ranks
         # fetch their own chunks. Returns the commit's ``Incoming``.

@@ -70,6 +70,8 @@ class Election(Closing, GarbageCollection):
         return newest_claim(self.store, r)
 
     def _follow(self, r: int) -> None:
+        if self.bridge.leaving:
+            return  # its rounds are committed and it is about to leave: it would close nothing
         now = self.clock.now()
         fo = self.follow
         if fo is None or fo.round != r:

@@ -57,6 +57,11 @@ class Node(Publishing, Election):
         self.head = max((r.round for r in recs.values()), default=-1)
         if created:
             self._try_claim(0, 1, previous=None, reason=None)
+            if self.collector is None and self.lends():
+                # Another node claimed round 0 first (it joined between the run's creation and
+                # this claim): this one follows, so it lends what it read like any follower.
+                self.lent = True
+                self.thetas = {f: (v, None) for f, (v, _) in self.thetas.items()}
         self._publish_view()
         self.emit(ev.Joined(self.me, self.head, created, len(self.liveness.live())))
         return thetas
