@@ -187,14 +187,15 @@ class FragmentIO:
         the fragment: ``anchor - local``, the same float32 values, where the anchor was."""
         subtract = getattr(self.adapter, "subtract_from", None)
         assert self.pipeline is None and subtract is not None
-        delta = {n: _own(anchor[n]) for n in names}
-        owned = {n: v for n, v in delta.items() if v is not None}
-        subtract(owned)
-        rest = [n for n, v in delta.items() if v is None]  # not writable in place: a new array each
-        if rest:
-            local = self.adapter.read(rest)
-            owned.update({n: np.subtract(anchor[n], local[n], dtype=np.float32) for n in rest})
-        c = _HostContribution({}, {}, keep=False, delta={n: owned[n] for n in names})
+        delta: dict[str, np.ndarray] = {}
+        for n in names:
+            own = _own(anchor[n])
+            if own is not None:
+                subtract({n: own})
+                delta[n] = own
+            else:  # not writable in place: a new array (one parameter's copy at a time)
+                delta[n] = np.subtract(anchor[n], self.adapter.read([n])[n], dtype=np.float32)
+        c = _HostContribution({}, {}, keep=False, delta=delta)
         if self.residuals is not None and slot is not None:
             c.fed = Fed(self.residuals, *slot)
         return c

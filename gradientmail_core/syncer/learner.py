@@ -99,7 +99,7 @@ class Learner:
             (incoming[f] if incoming is not None else self.io.stage(theta)).write()
             self.anchors[f] = theta
             self.versions[f] = versions[f]
-            if lent and self.consumes:
+            if lent:
                 self._lent.add(f)
         self.aligned = head
         self.next_round = head + 1
@@ -129,7 +129,7 @@ class Learner:
             del self._sent[f]
         self.io.settle(f, c.round, merged=self.me in c.participants)
         self.anchors[f] = c.theta
-        if c.lent and self.consumes:
+        if c.lent:  # (only ever set where this learner consumes: ``Bridge.lend``)
             self._lent.add(f)
         else:
             self._lent.discard(f)

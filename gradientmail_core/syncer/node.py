@@ -48,20 +48,18 @@ class Node(Publishing, Election):
             thetas: dict[int, dict[str, np.ndarray]] = {f: {} for f in range(self.run.P)}
         else:
             recs, thetas = read_newest(self.store, self.run)
-        # A node creating the run closes its first rounds: it keeps the parameters for that.
-        self.lent = not created and self.lends()
         for f, theta in thetas.items():
             version = recs[f].version if f in recs else 0
-            self.thetas[f] = (version, None if self.lent else theta)
+            self.thetas[f] = (version, theta)
         self.newest = recs
         self.head = max((r.round for r in recs.values()), default=-1)
         if created:
             self._try_claim(0, 1, previous=None, reason=None)
-            if self.collector is None and self.lends():
-                # Another node claimed round 0 first (it joined between the run's creation and
-                # this claim): this one follows, so it lends what it read like any follower.
-                self.lent = True
-                self.thetas = {f: (v, None) for f, (v, _) in self.thetas.items()}
+        # A node that closes round 0 (it created the run, and no node claimed the round first)
+        # recovers the outer state from what it read; any other lends it to its learner.
+        self.lent = self.lends()
+        if self.lent:
+            self.thetas = {f: (v, None) for f, (v, _) in self.thetas.items()}
         self._publish_view()
         self.emit(ev.Joined(self.me, self.head, created, len(self.liveness.live())))
         return thetas

@@ -156,12 +156,7 @@ class NodeState:
         payloads), and this node closes nothing now (no outer state to share them with). A follower
         then holds one copy of the model, the learner's anchors; elected, it reads them back."""
         return (
-            self.bridge.lend
-            and self.role != "syncer"
-            and self.bridge.follow is None
-            and self.run.cfg.commit_dtype is None
-            and self.collector is None
-            and not self.closer_states
+            self.bridge.lend and self.run.cfg.commit_dtype is None and self.collector is None and not self.closer_states
         )
 
     @property
