@@ -219,3 +219,9 @@ def main() -> None:
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
+    # Everything is written and the gloo groups are destroyed. A rank has still (rarely; three
+    # times in one CI run) aborted in the interpreter's teardown ("terminate called without an
+    # active exception"), as the Lightning and Accelerate nodes did: leave without running it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

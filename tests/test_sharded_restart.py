@@ -1,6 +1,6 @@
 """A sharded node (FSDP2, 2 ranks under ``torchrun``) killed mid-round and restarted under the same
 learner id (issue 13): the run goes on without it (the plain node commits alone once the lease is
-gone), the restart takes the dead process's lease over at once (``RestartMarker``, same host),
+gone, which the test waits for before restarting it), the restart takes the dead process's lease over at once (``RestartMarker``, same host),
 every rank loads its part of the newest commit, and the node trains on in the run. After it
 closes, its full parameters are exactly the commits it last aligned with, as stored."""
 
@@ -53,6 +53,17 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def commits(store: RunStore) -> dict[int, list[str]]:
+    """Each committed round's participants, from the records in the store."""
+    out = {}
+    for k in store.keys(keys.ROUNDS):
+        r = keys.parse_round_key(k)
+        rec = store.try_record(k, RoundRecord) if r is not None else None
+        if r is not None and rec is not None:
+            out[r] = [p.learner for p in rec.participants]
+    return out
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds torchrun's workers through /proc")
 def test_a_sharded_node_killed_mid_round_restarts_under_its_id_and_trains_on(tmp_path):
     mailbox = tmp_path / "mailbox"
@@ -75,6 +86,15 @@ def test_a_sharded_node_killed_mid_round_restarts_under_its_id_and_trains_on(tmp
     first.wait(timeout=30)
     while any(alive(pid) for pid in doomed[1:]):
         time.sleep(0.05)
+    # The run goes on without it: the plain node commits alone once the dead node's lease is gone.
+    # Restarted before that, the node would take its lease over at once and nobody would notice.
+    store = RunStore(FileMailbox(str(mailbox)))
+    killed_at = max(commits(store), default=-1)
+    deadline = time.monotonic() + 90
+    while not any(r > killed_at and who == ["plain"] for r, who in commits(store).items()):
+        assert keeper.poll() is None, "the plain node ended"
+        assert time.monotonic() < deadline, "the plain node never committed alone after the kill"
+        time.sleep(0.1)
     again = sharded(mailbox, tmp_path / "again", "--steps", "24", "--touch", done, *common)
     finish(again, keeper, timeout=180)
 
@@ -84,7 +104,6 @@ def test_a_sharded_node_killed_mid_round_restarts_under_its_id_and_trains_on(tmp
     assert lead["aligned"] and lead["aligned"][0][0] >= 3
     assert any("shard" in a[3] for a in lead["aligned"]), lead["aligned"]
     # Its parameters are the stored commits of the versions it last aligned with, bit for bit.
-    store = RunStore(FileMailbox(str(mailbox)))
     manifest = read_manifest(store)
     assert manifest is not None
     run = RunInfo.from_manifest(manifest)
