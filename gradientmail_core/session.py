@@ -111,16 +111,8 @@ class Session:
             if sharded_mod is not None and isinstance(self.adapter, sharded_mod.ShardedTorchAdapter)
             else None
         )
-        if sharded is not None and role == "both":
-            from .adapters.torch_sharded import ShardingUnsupported
-
-            raise ShardingUnsupported(
-                "role='both': a sharded node does not close rounds in this version (a closer holds whole "
-                "fragments); leave role unset (a sharded node is a learner) and let a plain node (role='both') "
-                "or gm.Syncer (`gradientmail syncer URL --id NAME`) close the rounds"
-            )
-        # role None: "both" (train and close rounds), or "learner" for a sharded node
-        self.role = role if role is not None else ("learner" if sharded is not None else "both")
+        # role None: "both" (train and close rounds); a sharded node closes with every rank its part
+        self.role = role if role is not None else "both"
         self.mailbox = mailbox
         self.clock = clock or SystemClock()
         self.callbacks = list(callbacks)

@@ -41,7 +41,10 @@ def algorithm(args: argparse.Namespace) -> gm.DiLoCo:
         in_flight=1,
         overlap_steps=0,
         quorum_size=args.quorum,
-        merge=gm.WeightedMean(),
+        merge=gm.RDA() if getattr(args, "merge", "mean") == "rda" else gm.WeightedMean(),
+        clip_norm=getattr(args, "clip_norm", None),
+        commit_dtype=getattr(args, "commit_dtype", None),
+        outer_momentum=getattr(args, "momentum", 0.9),
         chunk_elements=args.chunk,
         delta_dtype=args.delta_dtype,
     )
@@ -67,6 +70,13 @@ class Breaking(ForwardingMailbox):
     def put_stream(self, key: str, chunks, *, create_once: bool = False) -> bool:  # type: ignore[no-untyped-def]
         self._count(key)
         return super().put_stream(key, chunks, create_once=create_once)
+
+
+class Keeping(ForwardingMailbox):
+    """Deletes nothing (GC included): a test recomputes every commit from what it read."""
+
+    def delete(self, keys) -> None:  # type: ignore[no-untyped-def]
+        pass
 
 
 def model() -> torch.nn.Sequential:
@@ -97,6 +107,12 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--learners", type=int, default=2)
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--delta-dtype", default=None)
+    ap.add_argument("--commit-dtype", default=None)
+    ap.add_argument("--merge", choices=("mean", "rda"), default="mean")
+    ap.add_argument("--clip-norm", type=float, default=None)
+    ap.add_argument("--momentum", type=float, default=0.9)
+    ap.add_argument("--keep", action="store_true", help="delete nothing (no GC): every commit can be recomputed")
+    ap.add_argument("--role", default=None, help="the session's role (unset: the default, 'both')")
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--lease-timeout", type=float, default=3.0)
     ap.add_argument("--stop-after", type=int, default=None, help="sharded: hang (to be killed) after this step")
@@ -121,6 +137,8 @@ def run(args: argparse.Namespace, net: torch.nn.Module, rank: int, world: int) -
             aligned.append([e.round, e.fragment, e.version, sorted(e.participants)])
 
     mailbox: gm.Mailbox = gm.FileMailbox(args.mailbox)
+    if args.keep:
+        mailbox = Keeping(mailbox)
     if args.break_rank == rank and world > 1:
         mailbox = Breaking(mailbox, args.break_after)
     session = gm.Session(
@@ -128,6 +146,7 @@ def run(args: argparse.Namespace, net: torch.nn.Module, rank: int, world: int) -
         algorithm=algorithm(args),
         mailbox=mailbox,
         learner_id=args.id,
+        role=args.role,
         poll_interval=0.05,
         lease_timeout=args.lease_timeout,
         close_timeout=60.0,

@@ -29,7 +29,7 @@ def _check() -> dict[str, str]:
     fully_shard(model)
     ok = dict(sync_every=4, fragments=2, chunk_elements=64)
     cases = {
-        "role_both": (dict(ok), {"role": "both"}),
+        "role_both": (dict(ok), {"role": "both"}),  # accepted: a sharded node closes rounds too
         "whole_fragments": ({**ok, "chunk_elements": None}, {}),
         "checkpoint_every": ({**ok, "commit_dtype": "F4", "checkpoint_every": 4}, {}),
         "carry": ({**ok, "alignment": gm.Carry()}, {}),
@@ -79,7 +79,7 @@ def test_a_sharded_node_refuses_what_it_does_not_do_yet_and_says_what_to_do():
     done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     got = json.loads(done.stdout.strip().splitlines()[-1])
-    assert "leave role unset" in got["role_both"] and "gm.Syncer" in got["role_both"]
+    assert got["role_both"] == "accepted"
     assert "chunk_elements=None" in got["whole_fragments"]
     assert "checkpoint_every=4" in got["checkpoint_every"] and "checkpoint_every=1" in got["checkpoint_every"]
     assert "gm.Overwrite()" in got["carry"]

@@ -386,6 +386,9 @@ def _self_product_sum(a: np.ndarray) -> float:
     return float(np.add.reduce(out))
 
 
+_LEAF_SUMS: dict[str, Callable[[np.ndarray], float]] = {"dot": _square_sum, "cosine": _self_product_sum}
+
+
 class StreamedDot:
     """``_dot(t, t)`` (a tensor's squared norm, as ``sq_norms`` and the merge compute it) of a
     tensor of ``size`` elements fed as consecutive float32 pieces, bit for bit."""
@@ -406,7 +409,7 @@ class StreamedCosine:
     ``_LEAF`` of ``a = sum_i d_i / |d_i|``, in float64) fed as consecutive pieces of ``a``."""
 
     def __init__(self, size: int) -> None:
-        leaves = tuple((lo, min(lo + _LEAF, size)) for lo in range(0, size, _LEAF))
+        leaves = _cosine_leaves(size)
         self._sums = _LeafSums(leaves, np.float64, _self_product_sum)
 
     def feed(self, a: np.ndarray) -> None:
@@ -414,6 +417,101 @@ class StreamedCosine:
 
     def squares(self) -> list[float]:
         return self._sums.finish()
+
+
+# ---- the same quantities over a tensor split between processes (a sharded closer's ranks) -------
+# Each rank of a sharded closer holds a contiguous range of each tensor. It sums the leaves wholly
+# inside its range and keeps the values of a leaf its range cuts (at most two per tensor); the
+# ranks then pool their parts and every leaf is summed once, over its elements as one array: the
+# leaf sums, and so the totals, are the whole tensor's, bit for bit.
+
+Part = float | tuple[int, np.ndarray]  # a leaf's sum, or (first element, the values this rank holds)
+
+
+class LeafRange:
+    """The leaves of elements ``[lo, hi)`` of a tensor, fed as consecutive pieces: ``parts`` maps
+    each leaf the range touches to its sum (the whole leaf is inside) or to ``(start, values)``
+    (the part of a leaf the range cuts). ``combine_leaves`` pools the parts of every range."""
+
+    def __init__(self, leaves: Sequence[tuple[int, int]], dtype: type, kind: str, lo: int, hi: int) -> None:
+        leaf_sum = _LEAF_SUMS[kind]
+        touched = [i for i, (a, b) in enumerate(leaves) if a < hi and b > lo]
+        self.parts: dict[int, Part] = {}
+        order = iter(touched)
+
+        def one(values: np.ndarray) -> float:
+            i = next(order)
+            a, b = leaves[i]
+            if lo <= a and b <= hi:
+                self.parts[i] = leaf_sum(values)
+            else:
+                self.parts[i] = (max(a, lo), np.array(values, dtype=dtype, copy=True))
+            return 0.0
+
+        clipped = [(max(leaves[i][0], lo) - lo, min(leaves[i][1], hi) - lo) for i in touched]
+        self._sums = _LeafSums(clipped, dtype, one)
+
+    def feed(self, values: np.ndarray) -> None:
+        self._sums.feed(values)
+
+    def finish(self) -> dict[int, Part]:
+        self._sums.finish()
+        return self.parts
+
+
+def dot_range(size: int, lo: int, hi: int) -> LeafRange:
+    """``StreamedDot``'s leaves (float32 values, squared) of elements ``[lo, hi)``."""
+    return LeafRange(_dot_leaves(size), np.float32, "dot", lo, hi)
+
+
+def cosine_range(size: int, lo: int, hi: int) -> LeafRange:
+    """``StreamedCosine``'s leaves (float64 values, squared) of elements ``[lo, hi)``."""
+    return LeafRange(_cosine_leaves(size), np.float64, "cosine", lo, hi)
+
+
+def _cosine_leaves(size: int) -> tuple[tuple[int, int], ...]:
+    return tuple((lo, min(lo + _LEAF, size)) for lo in range(0, size, _LEAF))
+
+
+def combine_leaves(size: int, kind: str, parts: Iterable[Mapping[int, Part]]) -> list[float]:
+    """Every leaf's sum of a tensor of ``size`` elements from the ranges' ``parts`` (``LeafRange``):
+    a leaf summed by one range as it is, a cut leaf summed here over its parts joined in order.
+    ``ValueError`` if the parts do not cover every leaf exactly once."""
+    leaves = _dot_leaves(size) if kind == "dot" else _cosine_leaves(size)
+    dtype = np.float32 if kind == "dot" else np.float64
+    sums: dict[int, float] = {}
+    cuts: dict[int, list[tuple[int, np.ndarray]]] = {}
+    for got in parts:
+        for i, part in got.items():
+            if isinstance(part, tuple):
+                cuts.setdefault(int(i), []).append(part)
+            elif int(i) in sums:
+                raise ValueError(f"leaf {i} summed twice")
+            else:
+                sums[int(i)] = float(part)
+    out = []
+    for i, (a, b) in enumerate(leaves):
+        if i in sums:
+            if i in cuts:
+                raise ValueError(f"leaf {i} both summed and cut")
+            out.append(sums[i])
+            continue
+        pieces = sorted(cuts.get(i, []), key=lambda p: p[0])
+        at = a
+        for start, values in pieces:
+            if start != at:
+                raise ValueError(f"leaf {i} [{a}, {b}): a part starts at {start}, expected {at}")
+            at += values.size
+        if at != b:
+            raise ValueError(f"leaf {i} [{a}, {b}): the parts end at {at}")
+        joined = np.concatenate([np.asarray(v, dtype=dtype) for _, v in pieces]) if pieces else np.empty(0, dtype)
+        out.append(_LEAF_SUMS[kind](joined))
+    return out
+
+
+def dot_total(size: int, leaves: Sequence[float]) -> float:
+    """``_dot_total``: a tensor's squared norm from its leaf sums (``combine_leaves(..., "dot")``)."""
+    return _dot_total(size, leaves)
 
 
 def merge_into(out: np.ndarray, x: np.ndarray, scale: np.float32, *, first: bool) -> None:

@@ -52,6 +52,7 @@ from ..protocol.run import RunInfo, check_record_size, max_payload_bytes, read_m
 from ..protocol.store import RunStore
 from ..syncer.bridge import View
 from ..syncer.join import join_run
+from .closing import CloserThread, Comm, RankCloser, ShardCloser
 from .rank import Captured, RankIO, chunk_elements, chunk_elements_of
 from .wire import Channel, Exchange, new_group
 
@@ -194,6 +195,9 @@ class ShardedRuntime:
         self.exchange: Exchange | None = None
         self.up: Channel | None = None
         self.down: Channel | None = None
+        self.closing: Any = None  # the gloo group of the closer's ops (``closing.Comm``)
+        self.ranker: RankCloser | None = None  # this rank's part of closing rounds
+        self.closer_thread = CloserThread(f"gradientmail-r{self.rank}-closer")  # ranks > 0
         self.io: RankIO | None = None
         self.pending: list[tuple[dict[str, Any], ShardContribution | None]] = []
         self.seq = 0
@@ -217,10 +221,11 @@ class ShardedRuntime:
 
     def open(self) -> None:
         # Collective, in the same order on every rank: the groups of the exchange and the channels.
-        self.exchange, self.up, self.down = (
+        self.exchange, self.up, self.down, self.closing = (
             Exchange(new_group(), self.rank, self.world),
             Channel(new_group()),
             Channel(new_group()),
+            new_group(),
         )
         if self.leader:
             self._open_leader()
@@ -254,6 +259,9 @@ class ShardedRuntime:
             )
             self.io.start()
             s.bridge.follow = self.follow
+            if s.role == "both":  # this node closes rounds too: every rank its ranges
+                self.ranker = self._ranker(run, store)
+                s.bridge.closer = ShardCloser(self.ranker, self._down, self.io.stopping)
             s.node, s.learner = join_run(
                 store,
                 s.adapter,
@@ -384,11 +392,17 @@ class ShardedRuntime:
             down=self._down,
         )
         io.start()
+        self.ranker = self._ranker(run, store)
+        self.closer_thread.start(self.ranker)  # ops rank 0 sent before now wait in its queue
         with self._lock:
             self.io = io
             early, self._early = self._early, []
         for message in early:
             io.down_message(message)
+
+    def _ranker(self, run: RunInfo, store: RunStore) -> RankCloser:
+        comm = Comm(self.closing, self.rank, self.world)
+        return RankCloser(run, store, comm, self.sharded.shapes)
 
     def _down_receiver(self) -> None:  # ranks > 0
         try:
@@ -396,6 +410,9 @@ class ShardedRuntime:
                 _, message = self._down.recv(0)
                 if message.get("stop"):
                     return
+                if "close" in message:  # an op of closing a round: the closer thread runs it
+                    self.closer_thread.put(message["close"])
+                    continue
                 with self._lock:
                     io = self.io
                     if io is None:
@@ -616,6 +633,8 @@ class ShardedRuntime:
             self._down.send(r, {"stop": True})
         self.io.stopping.set()
         self.io.stop_downloads()
+        if self.ranker is not None:
+            self.ranker.spool.close()
         self._leave()
         self._release(barrier=True)
 
@@ -630,6 +649,7 @@ class ShardedRuntime:
                 t.join()
         if self._receiver is not None:
             self._receiver.join()
+        self.closer_thread.stop(timeout=LINGER)
         io.stopping.set()
         io.stop_downloads()
         self.s._closed = True
@@ -651,16 +671,17 @@ class ShardedRuntime:
                 _log.warning("a rank did not finish closing; the node's groups are left to the exit: %s", e)
                 return
         self.collectives = exchange.calls
-        threads = [self._receiver, *(self.io.threads if self.io is not None else [])]
+        threads = [self._receiver, self.closer_thread.thread, *(self.io.threads if self.io is not None else [])]
         if self.leader:
             threads.append(self.s._thread)
         if any(t is not None and t.is_alive() for t in threads):
             return  # a thread of ours is still in a group (a peer is gone): leave them to the exit
-        groups, self.exchange, self.up, self.down = (exchange, self.up, self.down), None, None, None
+        groups = (exchange.group, *(c.group for c in (self.up, self.down) if c is not None), self.closing)
+        self.exchange, self.up, self.down, self.closing = None, None, None, None
         for g in groups:
             if g is not None:
                 try:
-                    dist.destroy_process_group(g.group)
+                    dist.destroy_process_group(g)
                 except Exception as e:  # already gone (the user destroyed every group)
                     _log.debug("could not release a group: %s", e)
 
@@ -717,6 +738,7 @@ class ShardedRuntime:
                 self._quietly(self.up.send, 0, {"stop": True}, timeout=LINGER)
             if self._receiver is not None:
                 self._receiver.join(timeout=LINGER)
+            self.closer_thread.stop(timeout=LINGER)
         s._closed = True
         self._release(barrier=False)
 

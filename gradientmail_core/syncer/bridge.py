@@ -11,6 +11,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -91,6 +92,9 @@ class Bridge:
         # record (None: the initial parameters) of fragment f goes here instead, and the ranks
         # fetch their own chunks. Returns the commit's ``Incoming``.
         self.follow: Callable[[int, RoundRecord | None], Incoming] | None = None
+        # A sharded node that closes rounds (``sharded/closing.ShardCloser``): its ranks load the
+        # outer state, judge and commit together; the closer's hooks go through this.
+        self.closer: Any = None
 
     def publish(self, p: Publish) -> None:
         with self.lock:

@@ -112,6 +112,8 @@ class Collector:
     streamed: bool | None = None
     spool: Spool | None = None
     store: RunStore | None = None
+    # A sharded node's closer (``sharded/closing.ShardCloser``): its ranks judge and commit.
+    sharded: Any = None
 
     @property
     def by_chunks(self) -> bool:
@@ -202,7 +204,8 @@ class Collector:
             if not _in_snapshot_blobs(snap, self.round, learner):
                 status = "corrupt"
             else:
-                verdict = judge_payload(store, self.spool, self.run, self.fragment, snap.payload, self.round)
+                judging = judge_payload if self.sharded is None else self.sharded.judge
+                verdict = judging(store, self.spool, self.run, self.fragment, snap.payload, self.round)
                 status, finite, norms = verdict.status, verdict.finite, verdict.norms
         ok = status == "ok" and norms is not None
         reason = judge(

@@ -30,6 +30,8 @@ class Closing(Following):
         self.collector = Collector(
             r, self.run, state, self.clock.now(), Estimates.from_record(self.newest_of_head()), spool=self.spool
         )
+        if self.bridge.closer is not None:  # a sharded node: its ranks judge and merge, chunk by chunk
+            self.collector.sharded, self.collector.streamed = self.bridge.closer, True
         self.follow = None
 
     def _fragment_state(self, f: int) -> FragmentState:
@@ -37,7 +39,10 @@ class Closing(Following):
         its checkpoint and, between checkpoints, by replaying the rounds after it (``replay.py``).
         Missing payloads mean this node's view is stale (paused after its listing, the run
         committed meanwhile and collected them): ``MailboxUnavailable``, catch up next poll."""
-        state = recover(self.store, self.run, f, self.newest.get(f), self.closer_states.get(f), self.thetas.get(f))
+        if self.bridge.closer is not None:  # a sharded node: each rank loads its ranges
+            state = self.bridge.closer.state(self.run, f, self.newest.get(f), self.closer_states.get(f))
+        else:
+            state = recover(self.store, self.run, f, self.newest.get(f), self.closer_states.get(f), self.thetas.get(f))
         self.closer_states[f] = state
         return state
 

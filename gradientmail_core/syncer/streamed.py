@@ -254,10 +254,11 @@ def commit_by_chunks(
     result, byte for byte). A contribution whose chunk can no longer be read (the spool's copy
     damaged and the store's gone or damaged) is rejected (``corrupt``/``missing``) and the commit
     given up with ``MailboxUnavailable``: the next poll decides again whether the round may close."""
-    from .closer import Commit, FragmentState, Written, commit_record
+    from .closer import FragmentState, Written
 
     assert c.store is not None, "a chunk-by-chunk collector keeps the store it judged from"
     run, cfg, f = c.run, c.run.cfg, c.fragment
+    extra = {"closer": closer, "live": live, "now": now, "sync_seconds": sync_seconds}
     if outliers and cfg.outlier_factor is not None:
         c.reject_outliers(cfg.outlier_factor)
     accepted = sorted(c.accepted(), key=lambda j: j.learner)
@@ -267,7 +268,14 @@ def commit_by_chunks(
     out, c.reserved = c.reserved, None  # taken: a second attempt writes into fresh arrays
     threaded = run.fragment_bytes(f) >= _threaded_bytes()
     source = _Contributions(c, c.store, accepted, threaded=threaded)
+    checkpoint = run.checkpoint_due(f, st.version + 1, final=final, participants=len(accepted))
     try:
+        if c.sharded is not None:  # a sharded node: its ranks merge, step and write their chunks
+            assert write is not None, "a sharded closer writes as it commits"
+            refs, theta_digest, outer_digest, cosine, written = c.sharded.commit(
+                c, accepted, final=final, checkpoint=checkpoint, compression=compression
+            )
+            return _record(c, accepted, refs, theta_digest, outer_digest, cosine, final, checkpoint, written, extra)
         master, momentum, cosine = _merge_and_step(c, source, accepted, final, out)
     except _Lost as lost:
         c.reserved = out  # nothing was committed: the next attempt writes every element again
@@ -280,7 +288,6 @@ def commit_by_chunks(
             f"round {c.round}: {j.learner}'s contribution can no longer be read ({lost}); rejected as "
             f"{lost.reason}, the round closes on the next poll if it still may"
         ) from lost
-    checkpoint = run.checkpoint_due(f, st.version + 1, final=final, participants=len(accepted))
     theta = _new_theta(run, f, st.theta, master)
     shapes, outer_shapes, dtypes = run.shapes[f], run.outer_shapes(f), run.fragment_dtypes(f)
     outer = {f"momentum/{n}": v for n, v in momentum.items()}
@@ -330,6 +337,28 @@ def commit_by_chunks(
     refs = {kind: join_refs(ps) for (kind, written), ps in parts.items() if written}
     theta_digest = digest_of([p.sha256 for p in parts[("theta", checkpoint and compression == "")]])
     outer_digest = None if checkpoint else digest_of([p.sha256 for p in parts[("outer", False)]])
+    version = st.version + 1
+    state = FragmentState(version, theta, master, momentum, version if checkpoint else st.checkpoint)
+    return _record(c, accepted, refs, theta_digest, outer_digest, cosine, final, checkpoint, payloads, extra, state)
+
+
+def _record(
+    c: Collector,
+    accepted: list[Judged],
+    refs: dict[str, PayloadRef],
+    theta_digest: str,
+    outer_digest: str | None,
+    cosine: float | None,
+    final: bool,
+    checkpoint: bool,
+    payloads: dict[str, Any],
+    extra: Mapping[str, Any],
+    state: Any = None,
+) -> Commit:
+    """The commit's record (``closer.commit_record``) and result. ``state`` None: a sharded
+    node's (its ranks hold the arrays; rank 0 keeps the version)."""
+    from .closer import Commit, FragmentState, commit_record
+
     record = commit_record(
         c,
         accepted,
@@ -339,13 +368,11 @@ def commit_by_chunks(
         cosine=cosine,
         final=final,
         checkpoint=checkpoint,
-        closer=closer,
-        live=live,
-        now=now,
-        sync_seconds=sync_seconds,
+        **extra,
     )
-    version = st.version + 1
-    state = FragmentState(version, theta, master, momentum, version if checkpoint else st.checkpoint)
+    if state is None:
+        version = c.state.version + 1
+        state = FragmentState(version, {}, {}, {}, version if checkpoint else c.state.checkpoint)
     return Commit(record, state, payloads)
 
 
@@ -531,7 +558,7 @@ def _merge_chunk(
     scales: Mapping[str, Sequence[np.float32 | None]],
     clips: Sequence[np.float32 | None],
     units: Sequence[float | None] | None,
-    cos: Mapping[str, StreamedCosine] | None,
+    cos: Mapping[str, Any] | None,  # StreamedCosine, or a rank's fused.LeafRange
 ) -> list[np.ndarray]:
     """The ``pieces`` of one chunk merged (not scaled) from ``chunks`` (that chunk of each
     contribution, decoded, in learner order; each taken, used and dropped in turn): each piece's

@@ -1,0 +1,107 @@
+"""A sharded node that closes rounds (issue 13): every rank judges, merges and steps the part of
+each fragment it holds (``gradientmail_core/sharded/closing.py``), and the commits are the bytes a
+one-process closer writes. Real processes: a 2-rank FSDP2 node under ``torchrun`` (gloo, CPU) and
+a plain node that only learns (``role="learner"``), so the sharded node closes every round; the
+two end bit-identical, so the sharded closer's parameters are the ones a plain closer would have
+published (the plain node applies them as they are stored)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gradientmail_core as gm
+from gradientmail_core.protocol import keys
+from gradientmail_core.protocol.records import RoundRecord, Snapshot, chunk_refs
+from gradientmail_core.protocol.run import RunInfo, read_manifest
+from gradientmail_core.protocol.store import RunStore
+from gradientmail_core.syncer.closer import Collector, Estimates, Judged, compute_commit
+from gradientmail_core.syncer.replay import recover
+from gradientmail_core.syncer.spool import Spool
+from gradientmail_core.syncer.streamed import judge_payload
+from tests.test_sharded_session import finish, plain, sharded
+
+torch = pytest.importorskip("torch")
+
+
+def recompute_every_round(mailbox: Path) -> list[str]:
+    """Commit every round of the run again with the one-process closer (from the state its previous
+    record names and the contributions its record lists) and check the stored commit is the one
+    it writes, byte for byte: the parameters and outer state (their chunks' sha256s, the theta
+    digest), the change and the cosine. Returns each round's closer."""
+    store = RunStore(gm.FileMailbox(str(mailbox)))
+    manifest = read_manifest(store)
+    assert manifest is not None
+    run = RunInfo.from_manifest(manifest)
+    newest: dict[int, RoundRecord | None] = {}
+    closers = []
+    r = 0
+    while (rec := store.try_record(keys.round_key(r), RoundRecord)) is not None:
+        f = rec.fragment
+        state = recover(store, run, f, newest.get(f), None)
+        spool = Spool()
+        c = Collector(r, run, state, opened_at=0.0, estimates=Estimates(), quorum_at=0.0, streamed=True, spool=spool)
+        c.store = store
+        for p in rec.participants:
+            snap = store.read_record(keys.snapshot_key(r, p.learner), Snapshot)
+            verdict = judge_payload(store, spool, run, f, snap.payload, r)
+            assert verdict.status == "ok" and verdict.norms is not None, (r, p.learner)
+            c.judged[p.learner] = Judged(p.learner, None, snap, None, p.weight, verdict.norms)
+        compression = keys.compression_of(chunk_refs(rec.theta)[0].key) if rec.theta else ""
+        mine = compute_commit(
+            c, closer=rec.closer, live=rec.live, compression=compression, sync_seconds=None, now=0.0, outliers=False
+        ).record
+        spool.close()
+        for field in ("theta", "outer", "change"):
+            ours, theirs = getattr(mine, field), getattr(rec, field)
+            assert (ours is None) == (theirs is None), (r, field)
+            if ours is not None:
+                assert [x.sha256 for x in chunk_refs(ours)] == [x.sha256 for x in chunk_refs(theirs)], (r, field)
+        assert (mine.theta_digest, mine.outer_digest, mine.cosine) == (rec.theta_digest, rec.outer_digest, rec.cosine), r
+        newest[f] = rec
+        closers.append(rec.closer)
+        r += 1
+    return closers
+
+
+def _closed_by_shard(tmp_path: Path, *extra: str, steps: int = 24) -> tuple[dict, list[dict]]:
+    mailbox = tmp_path / "mailbox"
+    mailbox.mkdir()
+    run = ("--steps", str(steps), "--keep", *extra)
+    a = plain(mailbox, tmp_path / "plain", *run, "--role", "learner")
+    b = sharded(mailbox, tmp_path / "shard", *run)
+    finish(a, b)
+    want, got = np.load(tmp_path / "plain.npz"), np.load(tmp_path / "shard.npz")
+    for n in want:
+        assert want[n].tobytes() == got[n].tobytes(), f"{n} differs"
+    report = json.loads((tmp_path / "plain.json").read_text())
+    ranks = [json.loads((tmp_path / f"shard.r{r}.json").read_text()) for r in range(2)]
+    return report, ranks
+
+
+def test_a_two_rank_node_closes_every_round_and_a_plain_learner_ends_bit_identical(tmp_path):
+    report, ranks = _closed_by_shard(tmp_path)
+    assert [a[0] for a in report["aligned"]] == list(range(6))
+    assert all(a[3] == ["plain", "shard"] for a in report["aligned"]), report["aligned"]
+    assert recompute_every_round(tmp_path / "mailbox") == ["shard"] * 6
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        # RDA (each tensor's merged norm pooled over the ranks), clipping (RDA's norms of the
+        # clipped contributions: a pass of its own), the cosine, and an F8 change (one scale per
+        # tensor: the ranks' maxima) from which the parameters are rebuilt.
+        ("--merge", "rda", "--clip-norm", "0.02", "--commit-dtype", "F8_E4M3"),
+        # F4 deltas and an F4 change (blocks of 32 counted from each tensor's start), no momentum.
+        ("--delta-dtype", "F4", "--commit-dtype", "F4", "--momentum", "0"),
+    ],
+    ids=["rda-clip-f8", "f4"],
+)
+def test_a_sharded_closer_commits_the_bytes_of_a_one_process_closer(tmp_path, extra):
+    report, _ = _closed_by_shard(tmp_path, *extra, steps=16)
+    assert len(report["aligned"]) == 4
+    assert recompute_every_round(tmp_path / "mailbox") == ["shard"] * 4
