@@ -114,7 +114,13 @@ def worker(args: argparse.Namespace) -> None:
             quorum_size=1,
         )
         session = gm.Session(
-            net, algorithm=cfg, mailbox=gm.FileMailbox(args.mailbox), learner_id="bench", poll_interval=0.05
+            net,
+            algorithm=cfg,
+            mailbox=gm.FileMailbox(args.mailbox),
+            learner_id="bench",
+            poll_interval=0.05,
+            role="both" if args.closer == "node" else "learner",
+            anchors=args.anchors,
         )
         session.open()
     t0 = time.perf_counter()
@@ -136,11 +142,13 @@ def worker(args: argparse.Namespace) -> None:
             bytes_down=io.bytes_down,
             largest=io.meter.peak,
             op_peak=io.meter.op_peak,
-            anchors=sum(a.numel() * a.element_size() for f in io.anchors.values() for a in f.values()),
+            anchors=io.anchors.nbytes,
             rounds=session.rounds_seen,
+            closed=session.node.stats.committed if session.node is not None else None,
             exchanges_per_step=(rt.exchange.calls if rt.exchange else rt.collectives) / max(rt.steps, 1),
         )
-    print(json.dumps(out), flush=True)
+    # One file per rank: the ranks' prints could interleave on the shared stdout.
+    Path(args.mailbox).with_name(f"{args.worker}-{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
 
 
@@ -157,12 +165,14 @@ def run(args: argparse.Namespace, mode: str, mailbox: str) -> list[dict[str, Any
     }
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     cmd = [torchrun, "--standalone", f"--nproc_per_node={args.ranks}", __file__, "--worker", mode, "--mailbox", mailbox]
-    for name in ("params", "steps", "batch", "sync_every", "fragments", "chunk", "exchanges"):
+    for name in ("params", "steps", "batch", "sync_every", "fragments", "chunk", "exchanges", "closer", "anchors"):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if args.delta_dtype:
         cmd += ["--delta-dtype", args.delta_dtype]
     syncer = None
-    if mode == "gm":
+    if mode == "gm" and args.closer == "node":
+        create(args, mailbox, env)  # the sharded node closes the rounds itself
+    elif mode == "gm":
         syncer = subprocess.Popen(
             [str(Path(sys.executable).with_name("gradientmail")), "syncer", f"file://{mailbox}", "--id", "sync"]
             + ["--poll-interval", "0.05", "--lease-timeout", "10"],
@@ -180,8 +190,7 @@ def run(args: argparse.Namespace, mode: str, mailbox: str) -> list[dict[str, Any
             syncer.wait(timeout=30)
     if done.returncode != 0:
         sys.exit(f"{mode} run failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}")
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    return sorted(rows, key=lambda r: r["rank"])
+    return [json.loads(Path(mailbox).with_name(f"{mode}-{r}.json").read_text()) for r in range(args.ranks)]
 
 
 def create(args: argparse.Namespace, mailbox: str, env: dict[str, str]) -> None:
@@ -212,6 +221,18 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=1 << 18)
     ap.add_argument("--delta-dtype", default=None)
     ap.add_argument("--exchanges", type=int, default=500)
+    ap.add_argument(
+        "--anchors",
+        choices=("device", "host", "disk"),
+        default="device",
+        help="where the ranks keep their anchors (disk: a local file per fragment, none in memory)",
+    )
+    ap.add_argument(
+        "--closer",
+        choices=("syncer", "node"),
+        default="syncer",
+        help="who closes the rounds: a gradientmail syncer process (the node learns only), or the sharded node itself",
+    )
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--worker", choices=("train", "gm"), help=argparse.SUPPRESS)
     ap.add_argument("--mailbox", help=argparse.SUPPRESS)
@@ -227,7 +248,10 @@ def main() -> None:
         print(json.dumps(row))
     total_up = sum(r["bytes_up"] for r in gm_rows) or 1
     total_down = sum(r["bytes_down"] for r in gm_rows) or 1
-    print(f"\n{args.ranks} ranks, {gm_rows[0]['params'] / 1e6:.1f}M params, P={args.fragments}, chunk={args.chunk}")
+    print(
+        f"\n{args.ranks} ranks, {gm_rows[0]['params'] / 1e6:.1f}M params, P={args.fragments}, chunk={args.chunk}, "
+        f"anchors on {args.anchors}, rounds closed by {'the node' if args.closer == 'node' else 'a syncer'}"
+    )
     for t, g in zip(train, gm_rows):
         ratio = (g["peak"] - g["floor"]) / max(t["peak"] - t["floor"], 1)
         print(
@@ -236,7 +260,7 @@ def main() -> None:
             f"one operation at most {g['op_peak'] / 2**20:.1f} MiB); bytes up {g['bytes_up'] / total_up:.2f} of the node's, "
             f"down {g['bytes_down'] / total_down:.2f}; exchange {g['exchange_us']:.0f} us empty, {g['message_us']:.0f} us "
             f"with a message, {g['exchanges_per_step']:.2f} per step; step {t['step_ms']:.0f} -> {g['step_ms']:.0f} ms; "
-            f"{g['rounds']} rounds"
+            f"{g['rounds']} rounds" + (f", {g['closed']} closed by this node" if g.get("closed") is not None else "")
         )
 
 

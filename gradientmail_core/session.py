@@ -80,6 +80,7 @@ class Session:
         secret_file: str | os.PathLike[str] | None = None,
         identity: str | os.PathLike[str] | None = None,
         owner_key: str | os.PathLike[str] | None = None,
+        anchors: str | None = None,
     ) -> None:
         self.learner_id = keys.validate_learner_id(learner_id if learner_id is not None else default_learner_id())
         if not isinstance(algorithm, DiLoCo):
@@ -129,6 +130,14 @@ class Session:
         self._stop = threading.Event()
         self._closed = False
         self._sharded: ShardedRuntime | None = None
+        # Where a sharded node's ranks keep their anchors ("device", "host", "disk"; None: "host"
+        # on an accelerator, else "device"): sharded/anchors.py. A plain node keeps them as before.
+        self.anchors = anchors
+        if anchors is not None and sharded is None:
+            raise ValueError(
+                f"anchors={anchors!r} places a sharded (FSDP2) node's anchors; this model is not sharded, so leave it "
+                "unset"
+            )
         if sharded is not None:
             from .sharded.runtime import ShardedRuntime
 

@@ -111,6 +111,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--merge", choices=("mean", "rda"), default="mean")
     ap.add_argument("--clip-norm", type=float, default=None)
     ap.add_argument("--momentum", type=float, default=0.9)
+    ap.add_argument("--anchors", default=None, help="sharded: where the ranks keep their anchors")
     ap.add_argument("--keep", action="store_true", help="delete nothing (no GC): every commit can be recomputed")
     ap.add_argument("--role", default=None, help="the session's role (unset: the default, 'both')")
     ap.add_argument("--step-sleep", type=float, default=0.0)
@@ -147,6 +148,7 @@ def run(args: argparse.Namespace, net: torch.nn.Module, rank: int, world: int) -
         mailbox=mailbox,
         learner_id=args.id,
         role=args.role,
+        anchors=args.anchors if world > 1 or args.kind == "sharded" else None,
         poll_interval=0.05,
         lease_timeout=args.lease_timeout,
         close_timeout=60.0,
@@ -225,6 +227,8 @@ def main() -> None:
             len({t.chunk for t in transfers(p, rt.io.run.shapes[f], world)}) for f, p in enumerate(rt.io.plans)
         ],
         fragment_bytes=[rt.io.run.fragment_bytes(f) for f in range(rt.io.run.P)],
+        anchors_place=rt.io.anchors.place,
+        anchors_dir=str(rt.io.anchors.made) if rt.io.anchors.made else None,
     )
     full = {n: p.full_tensor().detach().numpy() for n, p in net.named_parameters()}
     Path(args.out + f".r{rank}.json").write_text(json.dumps(report))

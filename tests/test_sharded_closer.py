@@ -60,7 +60,11 @@ def recompute_every_round(mailbox: Path) -> list[str]:
             assert (ours is None) == (theirs is None), (r, field)
             if ours is not None:
                 assert [x.sha256 for x in chunk_refs(ours)] == [x.sha256 for x in chunk_refs(theirs)], (r, field)
-        assert (mine.theta_digest, mine.outer_digest, mine.cosine) == (rec.theta_digest, rec.outer_digest, rec.cosine), r
+        assert (mine.theta_digest, mine.outer_digest, mine.cosine) == (
+            rec.theta_digest,
+            rec.outer_digest,
+            rec.cosine,
+        ), r
         newest[f] = rec
         closers.append(rec.closer)
         r += 1
@@ -105,3 +109,16 @@ def test_a_sharded_closer_commits_the_bytes_of_a_one_process_closer(tmp_path, ex
     report, _ = _closed_by_shard(tmp_path, *extra, steps=16)
     assert len(report["aligned"]) == 4
     assert recompute_every_round(tmp_path / "mailbox") == ["shard"] * 4
+
+
+@pytest.mark.parametrize("place", ["disk", "host"])
+def test_anchors_kept_on_disk_or_in_host_memory_change_no_byte(tmp_path, place):
+    # The ranks' anchors in a file per fragment (the process holds no copy) or in host memory (on
+    # this CPU machine, the same memory as the parameters): the run ends as with anchors beside
+    # the parameters, and the files are gone after close.
+    report, ranks = _closed_by_shard(tmp_path, "--anchors", place, steps=16)
+    assert len(report["aligned"]) == 4 and all(a[3] == ["plain", "shard"] for a in report["aligned"])
+    for r in ranks:
+        assert r["anchors_place"] == place
+        if place == "disk":
+            assert r["anchors_dir"] and not Path(r["anchors_dir"]).exists()

@@ -288,6 +288,8 @@ class RankCloser:
             [_ref_unwire(r) for r in outer_refs], run.outer_shapes(f), "F32", ranges, what="outer state"
         )
         master, momentum = run.split_outer(f, outer, theta)
+        if run.cfg.commit_dtype is None:
+            theta = master  # only a change is computed from the parameters: none is, so keep no copy
         return FragmentState(version, theta, master, momentum, checkpoint=version)
 
     def _read_ranges(
@@ -587,9 +589,13 @@ class RankCloser:
                 chunk_theta.append((pc, torch.from_numpy(np.ascontiguousarray(values, np.float32).reshape(-1))))
             theta_owned[k] = chunk_theta
             change_owned[k] = change
-        # The new parameters of this rank's ranges (collective: every owner sends each holder its part).
-        theta = {nm: np.empty(hi - lo, np.float32) for nm, (lo, hi) in self.ranges(f).items()}
-        scatter_chunks(self.frag, names, self.C, theta_owned, tensors(theta))  # (views of ``theta``)
+        # The new parameters of this rank's ranges, kept for the next change (with commit_dtype:
+        # collective, every owner sends each holder its part); without a change they are not read
+        # again, and the master stands for them.
+        theta = master
+        if cd is not None:
+            theta = {nm: np.empty(hi - lo, np.float32) for nm, (lo, hi) in self.ranges(f).items()}
+            scatter_chunks(self.frag, names, self.C, theta_owned, tensors(theta))  # (views of ``theta``)
         # The outer state's chunks at their owners.
         outer_local = {f"momentum/{nm}": v for nm, v in momentum.items()}
         if not run.master_is_theta(f):

@@ -43,6 +43,7 @@ from ..protocol.chunks import fragment_plan, owned_chunks
 from ..protocol.records import PayloadRef
 from ..protocol.run import RunInfo
 from ..protocol.store import RunStore
+from .anchors import Anchors, default_place
 from .wire import Channel, Exchange
 
 RETRIES = 5  # a chunk's upload or download, after the store's own retries, before the node fails
@@ -109,6 +110,7 @@ class RankIO:
         exchange: Exchange,
         up: Channel,
         down: Channel,
+        anchors: str | None = None,
     ) -> None:
         self.sharded, self.run, self.store = sharded, run, store
         self.learner, self.compression = learner, compression
@@ -119,7 +121,7 @@ class RankIO:
         self.owned = [owned_chunks(self.plans[f], run.shapes[f], self.world, self.rank) for f in range(run.P)]
         first = next(iter(sharded.params.values()))
         self.device = first.to_local().device
-        self.anchors: dict[int, dict[str, torch.Tensor]] = {}
+        self.anchors = Anchors(sharded, anchors or default_place(self.device), rank=self.rank)
         # This rank's allocations (the largest, and the most one operation made), in all and by fragment.
         self.meter = Meter()
         self.meters = [Meter() for _ in range(run.P)]
@@ -161,12 +163,11 @@ class RankIO:
         """Training thread, collective: this rank's owned chunks of fragment ``f``'s delta."""
         names = self.run.fragments[f]
         op = Meter()
-        anchors = self.anchors[f]
         delta = {}
         for n in names:
             local = self.sharded.local(n)
             d = op.empty(local.numel(), torch.float32, local.device)
-            d.copy_(anchors[n])
+            self.anchors.load_into(f, n, d, op)
             d.sub_(local)  # float32(anchor) - float32(local), rounded once: np.subtract(..., float32)
             delta[n] = d
         dtypes = self.run.delta_dtypes(f)
@@ -361,29 +362,30 @@ class RankIO:
         assert not isinstance(got, BaseException)
         owned, op = got
         names = self.run.fragments[f]
-        anchors = self.anchors.get(f)
-        if anchors is None:  # one copy of this rank's shards, in their dtype, kept as the anchors
-            anchors = self.anchors[f] = {n: torch.empty_like(self.sharded.local(n)) for n in names}
-        scatter_chunks(self.sharded, names, self.C, owned, anchors, meter=op)
-        keep, take = float(np.float32(mixing)), float(np.float32(1.0 - mixing))
-        for n in names:
-            p = self.sharded.local(n)
-            if mixing:
+        shards = {n: self.sharded.local(n) for n in names}
+        if not mixing:  # the commit's parameters straight into the shards, then kept as the anchors
+            scatter_chunks(self.sharded, names, self.C, owned, shards, meter=op)
+            self.anchors.set(f, shards)
+        else:
+            theta = self.anchors.target(f, names, op)
+            scatter_chunks(self.sharded, names, self.C, owned, theta, meter=op)
+            keep, take = float(np.float32(mixing)), float(np.float32(1.0 - mixing))
+            for n, p in shards.items():
                 mixed = p.float() * keep
-                mixed += anchors[n].float() * take
+                mixed += theta[n].float() * take
                 op.note(2 * mixed.numel() * 4, transient=True)  # two float32 temporaries of one shard
                 p.copy_(mixed)
-            else:
-                p.copy_(anchors[n])
+            self.anchors.set(f, theta)
         self.meter.fold(op)
         self.meters[f].fold(op)
 
     @torch.no_grad()
     def newest(self) -> None:
         """Every shard set to the newest commit this node aligned with (local: no collective)."""
-        for anchors in self.anchors.values():
-            for n, a in anchors.items():
-                self.sharded.local(n).copy_(a)
+        op = Meter()
+        for f in self.anchors.fragments():
+            for n in self.run.fragments[f]:
+                self.anchors.load_into(f, n, self.sharded.local(n), op)
 
     # ---- leaving ------------------------------------------------------------------------
 

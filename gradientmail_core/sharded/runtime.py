@@ -52,6 +52,7 @@ from ..protocol.run import RunInfo, check_record_size, max_payload_bytes, read_m
 from ..protocol.store import RunStore
 from ..syncer.bridge import View
 from ..syncer.join import join_run
+from .anchors import check_place
 from .closing import CloserThread, Comm, RankCloser, ShardCloser
 from .rank import Captured, RankIO, chunk_elements, chunk_elements_of
 from .wire import Channel, Exchange, new_group
@@ -192,6 +193,7 @@ class ShardedRuntime:
         self.s, self.sharded = session, sharded
         self.rank, self.world = _mesh_matches(sharded)
         check_config(session.algorithm)
+        check_place(session.anchors)
         self.exchange: Exchange | None = None
         self.up: Channel | None = None
         self.down: Channel | None = None
@@ -256,6 +258,7 @@ class ShardedRuntime:
                 exchange=self._x,
                 up=self._up,
                 down=self._down,
+                anchors=self.s.anchors,
             )
             self.io.start()
             s.bridge.follow = self.follow
@@ -390,6 +393,7 @@ class ShardedRuntime:
             exchange=self._x,
             up=self._up,
             down=self._down,
+            anchors=self.s.anchors,
         )
         io.start()
         self.ranker = self._ranker(run, store)
@@ -633,6 +637,7 @@ class ShardedRuntime:
             self._down.send(r, {"stop": True})
         self.io.stopping.set()
         self.io.stop_downloads()
+        self.io.anchors.close()
         if self.ranker is not None:
             self.ranker.spool.close()
         self._leave()
@@ -652,6 +657,7 @@ class ShardedRuntime:
         self.closer_thread.stop(timeout=LINGER)
         io.stopping.set()
         io.stop_downloads()
+        io.anchors.close()
         self.s._closed = True
         self._release(barrier=True)
 
@@ -715,6 +721,7 @@ class ShardedRuntime:
         if io is not None:
             io.stopping.set()
             io.stop_downloads()
+            io.anchors.close()
         s = self.s
         if self.leader:
             s._stop.set()
