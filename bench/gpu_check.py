@@ -19,9 +19,10 @@ stops the checks after it.
 - ``sharded``: ``adapters/torch_sharded`` on FSDP2 DTensor parameters on CUDA, in a one-rank
   process group (nccl): the chunks it builds equal the chunks cut from an unsharded copy, and a
   commit scattered back lands in the parameters.
-- ``fsdp-strategy``: Lightning ``FSDPStrategy`` (FSDP1) with ``GradientMailCallback`` on one GPU.
-  FSDP1's flat parameters are not built yet (issue 13) in the sharded runtime: the expected
-  result is ``unsupported`` with the callback's refusal, printed as it comes.
+- ``fsdp-strategy``: Lightning ``FSDPStrategy`` (FSDP1, ``use_orig_params=True``, one unit per
+  ``Linear``) on CUDA with ``GradientMailCallback``, beside a plain CUDA node in lockstep (quorum
+  2): both end bit-identical at the newest commit (FSDP1 itself runs on CPU in the tests:
+  ``tests/test_sharded_closer.py``; only Lightning's strategy refuses a CPU).
 - ``lightning-mp``: Lightning ``ModelParallelStrategy`` on CUDA (``fully_shard`` in
   ``configure_model``, ``devices`` = the GPUs, at most 2) with ``GradientMailCallback``, beside a
   plain CUDA node in lockstep (quorum 2): both end bit-identical at the newest commit.
@@ -403,12 +404,7 @@ def _rounds(mailbox_dir: Path) -> int:
 
 
 def check_fsdp_strategy(args: argparse.Namespace) -> str:
-    rc, out = _run(_node_argv("lightning-fsdp1", "memory://", Path(tempfile.gettempdir())), args.budget, _clean_env())
-    if rc == UNSUPPORTED:
-        raise Unsupported(_last_result(out))
-    if rc != 0:
-        raise Failed(f"exit {rc}\n{_tail(out)}")
-    return _last_result(out)
+    return _paired(args, "lightning-fsdp1", lambda argv: argv)  # Lightning starts the other ranks itself
 
 
 def check_lightning_mp(args: argparse.Namespace) -> str:
@@ -482,7 +478,8 @@ def _algorithm() -> Any:
 
 
 def _options(w: argparse.Namespace, role: str) -> dict[str, Any]:
-    # Sharded nodes are learner-only in this version: the plain node closes every round.
+    # The sharded node closes every round (its ranks merging their parts, the closer's code on a
+    # GPU machine); the plain node only learns.
     return {"learner_id": w.learner_id, "role": role, "poll_interval": 0.05, "lease_timeout": 30.0, "callbacks": ()}
 
 
@@ -528,7 +525,7 @@ def worker_plain(w: argparse.Namespace) -> None:
     model = _node_net(w.device, w.bf16_head)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     mailbox = gm.open_mailbox(w.mailbox)
-    with gm.Session(model, algorithm=_algorithm(), mailbox=mailbox, **_options(w, "both")) as session:
+    with gm.Session(model, algorithm=_algorithm(), mailbox=mailbox, **_options(w, "learner")) as session:
         session.wait_for(2, timeout=120)
         for step in range(NODE_STEPS):
             x, y = _batch(w.seed, 0, step, w.device)
@@ -553,7 +550,7 @@ def worker_sharded_session(w: argparse.Namespace) -> None:
     _shard(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     mailbox = gm.open_mailbox(w.mailbox)
-    with gm.Session(model, algorithm=_algorithm(), mailbox=mailbox, **_options(w, "learner")) as session:
+    with gm.Session(model, algorithm=_algorithm(), mailbox=mailbox, **_options(w, "both")) as session:
         if rank == 0:
             session.wait_for(2, timeout=120)
         dist.barrier()
@@ -596,16 +593,18 @@ def worker_lightning(w: argparse.Namespace, fsdp1: bool = False) -> None:
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(self.parameters(), lr=0.05)
 
-    ranks = 1 if fsdp1 else _ranks()
+    ranks = _ranks()
     callback = GradientMailCallback(
         algorithm=_algorithm(),
-        mailbox=gm.open_mailbox(w.mailbox) if not fsdp1 else gm.MemoryMailbox(),
-        wait_for_learners=None if fsdp1 else 2,
+        mailbox=gm.open_mailbox(w.mailbox),
+        wait_for_learners=2,
         wait_timeout=120,
         log_metrics=False,
-        **_options(w, "learner"),
+        **_options(w, "both"),
     )
-    strategy = FSDPStrategy() if fsdp1 else ModelParallelStrategy()
+    strategy = (
+        FSDPStrategy(use_orig_params=True, auto_wrap_policy={torch.nn.Linear}) if fsdp1 else ModelParallelStrategy()
+    )
     trainer = Trainer(
         accelerator=w.device, devices=ranks, strategy=strategy, max_steps=NODE_STEPS, callbacks=[callback],
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -613,22 +612,21 @@ def worker_lightning(w: argparse.Namespace, fsdp1: bool = False) -> None:
     data = [_batch(w.seed, 0, s, "cpu") for s in range(NODE_STEPS * ranks)]  # Lightning splits it over the ranks
     x, y = torch.cat([b[0] for b in data]), torch.cat([b[1] for b in data])
     module = Module()
-    try:
-        trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=16, shuffle=False))
-    except ValueError as e:
-        if fsdp1 and "FSDPStrategy" in str(e):
-            print(f"{RESULT}FSDPStrategy (FSDP1) refused by GradientMailCallback: {e}")
-            sys.exit(UNSUPPORTED)
-        raise
-    if fsdp1:
-        print(f"{RESULT}FSDPStrategy was accepted and trained {trainer.global_step} steps (expected a refusal)")
-        sys.exit(FAILED)
-    full = _full(module)
+    trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=16, shuffle=False))
+    if fsdp1:  # the root FSDP1 unit wraps the LightningModule: gather its parameters, named as the module's
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        root = trainer.strategy.model
+        with FullyShardedDataParallel.summon_full_params(root):
+            full = {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in root.named_parameters()}
+    else:
+        full = _full(module)
     if trainer.global_rank == 0:
         import torch.distributed as dist
 
+        name = "FSDPStrategy (FSDP1)" if fsdp1 else "ModelParallelStrategy"
         _save(w, full, ranks=trainer.world_size, backend=dist.get_backend() if dist.is_initialized() else "none")
-        print(f"{RESULT}ModelParallelStrategy: {trainer.world_size} ranks, {callback.driver.steps} session steps")
+        print(f"{RESULT}{name}: {trainer.world_size} ranks, {callback.driver.steps} session steps")
 
 
 def worker_accelerate(w: argparse.Namespace) -> None:
@@ -657,7 +655,7 @@ def worker_accelerate(w: argparse.Namespace) -> None:
         raise SystemExit(f"{how}: the prepared model's parameters are not DTensors")
     handle = accelerator.register_gradientmail(
         model, optimizer, algorithm=_algorithm(), mailbox=w.mailbox, samples_per_step=16,
-        wait_for_learners=2, wait_timeout=120, **_options(w, "learner"),
+        wait_for_learners=2, wait_timeout=120, **_options(w, "both"),
     )  # fmt: skip
     rank = accelerator.process_index
     with handle:

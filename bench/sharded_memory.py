@@ -130,6 +130,8 @@ def worker(args: argparse.Namespace) -> None:
             session.step(samples=args.batch * world)
     out["step_ms"] = (time.perf_counter() - t0) / args.steps * 1e3
     if session is not None:
+        assert session._sharded is not None and session._sharded.io is not None
+        out["anchors"] = session._sharded.io.anchors.nbytes  # (let go at close)
         session.close()
     out["peak"] = _status("VmHWM")
     out["params"] = sum(p.numel() for p in net.parameters())
@@ -142,7 +144,6 @@ def worker(args: argparse.Namespace) -> None:
             bytes_down=io.bytes_down,
             largest=io.meter.peak,
             op_peak=io.meter.op_peak,
-            anchors=io.anchors.nbytes,
             rounds=session.rounds_seen,
             closed=session.node.stats.committed if session.node is not None else None,
             exchanges_per_step=(rt.exchange.calls if rt.exchange else rt.collectives) / max(rt.steps, 1),

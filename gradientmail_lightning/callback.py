@@ -37,27 +37,49 @@ _OWN_OPTIONS = ("samples_fn", "log_metrics")
 
 def check_strategy(strategy: Any) -> None:
     """Refuse strategies whose parameters gradientmail cannot read: those that shard them other
-    than as FSDP2 DTensors, or run outside torch.distributed. ``ModelParallelStrategy`` passes
-    here; whether its module really is FSDP2-sharded is checked when training starts
-    (``check_sharded_module``), after ``configure_model`` ran."""
+    than as FSDP2 DTensors or FSDP1 flat parameters with the model's own parameters
+    (``use_orig_params=True``), or run outside torch.distributed. ``ModelParallelStrategy`` and
+    ``FSDPStrategy`` pass here; whether the module really is sharded is checked when training
+    starts (``check_sharded_module``), after ``configure_model`` ran."""
     name = type(strategy).__name__
-    if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy)) or "XLA" in name:
+    if isinstance(strategy, FSDPStrategy):
+        kwargs = getattr(strategy, "kwargs", {}) or {}
+        if kwargs.get("use_orig_params") is False:
+            raise ValueError(
+                "Trainer(strategy=FSDPStrategy(use_orig_params=False)): the parameters become FSDP1 flat "
+                "parameters, which no longer name the model's tensors; pass use_orig_params=True (Lightning's "
+                "default)"
+            )
+        return
+    if isinstance(strategy, DeepSpeedStrategy) or "XLA" in name:
         raise ValueError(
             f"gradientmail cannot train with Trainer(strategy={name}(...)): this strategy shards the parameters "
-            "in its own format (FSDP1's flat parameters, DeepSpeed's partitions) or runs outside "
-            "torch.distributed. Use Trainer(strategy=ModelParallelStrategy()) with fully_shard(...) in "
-            "LightningModule.configure_model (FSDP2) and GradientMailCallback(...), or "
+            "in its own format (DeepSpeed's partitions) or runs outside torch.distributed. Use "
+            "Trainer(strategy=ModelParallelStrategy()) with fully_shard(...) in "
+            "LightningModule.configure_model (FSDP2), Trainer(strategy=FSDPStrategy()) (FSDP1), and "
+            "GradientMailCallback(...), or "
             "Trainer(strategy=MailboxDiLoCoStrategy(...)) (DDP: every rank holds the full model), or "
             "strategy='ddp' / a single device with GradientMailCallback(...)."
         )
 
 
+def session_module(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
+    """The module the session opens on: ``FSDPStrategy`` wraps the LightningModule in its root FSDP1
+    unit (whose flat parameter holds what no inner unit holds), so the session opens on that wrapper
+    (its parameter names are the LightningModule's); any other strategy, the LightningModule."""
+    wrapped = getattr(trainer.strategy, "model", None)
+    if isinstance(trainer.strategy, FSDPStrategy) and wrapped is not None and wrapped is not pl_module:
+        return wrapped
+    return pl_module
+
+
 def check_sharded_module(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-    """Under ``ModelParallelStrategy`` with several processes, the module's trainable parameters
-    must be FSDP2 DTensors (one 1-D mesh, ``Shard(0)``: ``find_sharded`` says why not)."""
-    if not isinstance(trainer.strategy, ModelParallelStrategy) or trainer.world_size == 1:
+    """Under ``ModelParallelStrategy`` or ``FSDPStrategy`` with several processes, the module's
+    trainable parameters must be sharded (FSDP2 on one 1-D mesh, ``Shard(0)``, or FSDP1
+    ``FULL_SHARD``: ``find_sharded`` says why not)."""
+    if not isinstance(trainer.strategy, (ModelParallelStrategy, FSDPStrategy)) or trainer.world_size == 1:
         return
-    if find_sharded(pl_module) is None:
+    if find_sharded(session_module(trainer, pl_module)) is None:
         raise ValueError(
             f"Trainer(strategy=ModelParallelStrategy(...)) with {trainer.world_size} processes, but the "
             "LightningModule's parameters are plain tensors: each process would train its own copy. Call "
@@ -115,7 +137,7 @@ class GradientMailCallback(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         check_sharded_module(trainer, pl_module)
-        self.driver.start(pl_module)
+        self.driver.start(session_module(trainer, pl_module))
         self._last_global_step = trainer.global_step
         self._pending_samples = 0
         self._logged_round = None

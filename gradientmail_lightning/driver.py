@@ -111,8 +111,10 @@ class SessionDriver:
         node joins on rank 0 and mirrors; a sharded node joins on every rank)."""
         if self.started:
             raise RuntimeError(f"{self.owner}: the session was already started; close it before starting again")
-        # FSDP2 parameters are DTensors; a node that never loaded torch.distributed.tensor has none.
-        sharded = find_sharded(module) if "torch.distributed.tensor" in sys.modules else None
+        # FSDP2 parameters are DTensors, FSDP1's views of flat parameters; a node that never loaded
+        # torch.distributed.tensor or torch.distributed.fsdp has neither.
+        loaded = any(m in sys.modules for m in ("torch.distributed.tensor", "torch.distributed.fsdp"))
+        sharded = find_sharded(module) if loaded else None
         if sharded is not None:  # (find_sharded: ShardingUnsupported for a layout it cannot cut)
             self._start_sharded(module, Shards(sharded))
             return

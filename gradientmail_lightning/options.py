@@ -37,8 +37,11 @@ class SessionOptions:
     #: this node's learner id (None: one restored from a checkpoint, else a fresh one).
     learner_id: str | None = None
     #: ``"both"`` (train and close rounds) or ``"learner"`` (train only, never close: e.g. a laptop on a home link);
-    #: None: ``gm.Session``'s default (``"both"``, or ``"learner"`` for a sharded node, which cannot close rounds).
+    #: None: ``gm.Session``'s default (``"both"``; a sharded node closes with every rank its part).
     role: str | None = None
+    #: a sharded (FSDP2) node's anchors: ``"device"``, ``"host"`` or ``"disk"`` (None: ``gm.Session``'s
+    #: default, host memory on an accelerator); see ``docs/sharding.md``.
+    anchors: str | None = None
     #: seconds between polls of the mailbox.
     poll_interval: float = 1.0
     #: seconds without a lease renewal after which a learner counts as gone.
@@ -103,8 +106,9 @@ class SessionOptions:
         """The keyword arguments for ``gm.Session`` besides ``algorithm`` and ``mailbox`` (an
         option left at None where the session's own default depends on the model is left out)."""
         out = {name: getattr(self, name) for name in self.names() if name not in _NOT_FOR_SESSION}
-        if out["role"] is None:
-            del out["role"]
+        for name in ("role", "anchors"):
+            if out[name] is None:
+                del out[name]
         return out
 
 

@@ -43,8 +43,7 @@ class Shards:
         self.sharded = sharded
         self.group = sharded.group
         self.rank, self.world_size = rank, world_size
-        first = next(iter(sharded.params.values()))
-        self.device = first.to_local().device
+        self.device = sharded.device
 
     @property
     def leader(self) -> bool:

@@ -111,6 +111,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--merge", choices=("mean", "rda"), default="mean")
     ap.add_argument("--clip-norm", type=float, default=None)
     ap.add_argument("--momentum", type=float, default=0.9)
+    ap.add_argument("--fsdp", type=int, choices=(1, 2), default=2, help="sharded: FSDP1 (flat parameters) or FSDP2")
     ap.add_argument("--anchors", default=None, help="sharded: where the ranks keep their anchors")
     ap.add_argument("--keep", action="store_true", help="delete nothing (no GC): every commit can be recomputed")
     ap.add_argument("--role", default=None, help="the session's role (unset: the default, 'both')")
@@ -200,10 +201,21 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     net = model()
-    for layer in net:
-        if any(True for _ in layer.parameters()):
-            fully_shard(layer)
-    fully_shard(net)
+    if args.fsdp == 1:  # FSDP1: flat parameters, one unit per Linear and the root
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        net = FullyShardedDataParallel(
+            net,
+            use_orig_params=True,
+            device_id=torch.device("cpu"),
+            auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}),
+        )
+    else:
+        for layer in net:
+            if any(True for _ in layer.parameters()):
+                fully_shard(layer)
+        fully_shard(net)
     try:
         session, report = run(args, net, rank, world)
     except gm.SessionFailed as e:  # every rank together (the test checks both say so)
@@ -223,14 +235,20 @@ def main() -> None:
         bytes_down=rt.io.bytes_down,
         owned=[len(o) for o in rt.io.owned],
         chunks=[len(p) for p in rt.io.plans],
-        straddling=[
-            len({t.chunk for t in transfers(p, rt.io.run.shapes[f], world)}) for f, p in enumerate(rt.io.plans)
-        ],
+        straddling=[len({t.chunk for t in transfers(p, rt.sharded.lay)}) for f, p in enumerate(rt.io.plans)],
         fragment_bytes=[rt.io.run.fragment_bytes(f) for f in range(rt.io.run.P)],
         anchors_place=rt.io.anchors.place,
         anchors_dir=str(rt.io.anchors.made) if rt.io.anchors.made else None,
     )
-    full = {n: p.full_tensor().detach().numpy() for n, p in net.named_parameters()}
+    if args.fsdp == 1:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        with FullyShardedDataParallel.summon_full_params(net):
+            full = {
+                n.replace("_fsdp_wrapped_module.", ""): p.detach().clone().numpy() for n, p in net.named_parameters()
+            }
+    else:
+        full = {n: p.full_tensor().detach().numpy() for n, p in net.named_parameters()}
     Path(args.out + f".r{rank}.json").write_text(json.dumps(report))
     if rank == 0:
         np.savez(args.out + ".npz", **full)

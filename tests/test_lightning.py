@@ -112,9 +112,10 @@ def test_checkpoint_state_restores_learner_id_and_counters() -> None:
         again.load_state_dict({**state, "format": 99})
 
 
-def test_sharded_strategies_are_refused_naming_the_alternative() -> None:
-    with pytest.raises(ValueError, match="MailboxDiLoCoStrategy"):
-        check_strategy(FSDPStrategy())  # FSDP1's flat parameters
+def test_fsdp1_is_accepted_with_the_models_own_parameters_and_refused_without() -> None:
+    check_strategy(FSDPStrategy())  # FSDP1, use_orig_params=True (Lightning's default): the model's names
+    with pytest.raises(ValueError, match="use_orig_params=True"):
+        check_strategy(FSDPStrategy(use_orig_params=False))  # flat parameters named by FSDP
     check_strategy(ModelParallelStrategy())  # FSDP2: checked for DTensors at on_train_start
 
 

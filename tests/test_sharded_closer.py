@@ -122,3 +122,15 @@ def test_anchors_kept_on_disk_or_in_host_memory_change_no_byte(tmp_path, place):
         assert r["anchors_place"] == place
         if place == "disk":
             assert r["anchors_dir"] and not Path(r["anchors_dir"]).exists()
+
+
+def test_an_fsdp1_node_learns_and_closes_rounds_bit_identical_with_a_plain_node(tmp_path):
+    # FSDP1 (FullyShardedDataParallel, use_orig_params=True: flat parameters, each rank a
+    # contiguous range of each tensor that need not follow rows), one unit per Linear: the same
+    # chunks, commits and parameters as FSDP2's.
+    report, ranks = _closed_by_shard(tmp_path, "--fsdp", "1", steps=16)
+    assert len(report["aligned"]) == 4 and all(a[3] == ["plain", "shard"] for a in report["aligned"])
+    assert recompute_every_round(tmp_path / "mailbox") == ["shard"] * 4
+    for r in ranks:
+        for peak, op_peak, fragment in zip(r["peak"], r["op_peak"], r["fragment_bytes"]):
+            assert 0 < peak <= op_peak < fragment, r

@@ -86,25 +86,33 @@ def test_shard_ranges_follow_torch_chunk():
 
 
 @settings(max_examples=300, deadline=None)
-@given(shapes=shapes_st, blocks=st.integers(1, 4), world=st.integers(1, 5))
-def test_owned_chunks_assembled_from_shards_equal_chunks_cut_from_the_full_tensors(shapes, blocks, world):
+@given(shapes=shapes_st, blocks=st.integers(1, 4), world=st.integers(1, 5), flat=st.booleans(), data=st.data())
+def test_owned_chunks_assembled_from_shards_equal_chunks_cut_from_the_full_tensors(shapes, blocks, world, flat, data):
     chunk = blocks * BLOCK
     plan = ts.chunk_plan(shapes, chunk)
     shape_of = dict(shapes)
     full = _full(shapes)
-    local = {
-        c: {n: full[n][slice(*ts.shard_range(s, world, c))] for n, s in shapes} for c in range(world)
-    }  # what each rank holds
-    owners = [ts.chunk_owner(p, shape_of, world) for p in plan]
-    owned = [ts.owned_chunks(plan, shape_of, world, c) for c in range(world)]
+    if flat:  # FSDP1: any contiguous range per rank, in rank order (empty ones too)
+        cuts = {
+            n: tuple(sorted(data.draw(st.lists(st.integers(0, ts.numel(s)), min_size=world - 1, max_size=world - 1))))
+            for n, s in shapes
+        }
+        layout = ts.Layout(world, {n: (0, *cuts[n], ts.numel(s)) for n, s in shapes})
+    else:  # FSDP2: Shard(0)
+        layout = ts.Layout.shard0(shape_of, world)
+        for n, s in shapes:
+            assert [layout.range(n, c) for c in range(world)] == [ts.shard_range(s, world, c) for c in range(world)]
+    local = {c: {n: full[n][slice(*layout.range(n, c))] for n, _ in shapes} for c in range(world)}  # each rank's
+    owners = [ts.chunk_owner(p, layout) for p in plan]
+    owned = [ts.owned_chunks(plan, layout, c) for c in range(world)]
     assert sorted(k for ks in owned for k in ks) == list(range(len(plan))), "owned chunks do not partition"
-    moves = ts.transfers(plan, shape_of, world)
+    moves = ts.transfers(plan, layout)
     for k, pieces in enumerate(plan):
         me = owners[k]
         got_from_others = held = 0
         for i, p in enumerate(pieces):
             buf = np.full(p.size, np.nan, np.float32)
-            lo, hi = ts.shard_range(shape_of[p.name], world, me)
+            lo, hi = layout.range(p.name, me)
             a, b = max(p.start, lo), min(p.stop, hi)
             if a < b:
                 buf[a - p.start : b - p.start] = local[me][p.name][a - lo : b - lo]
@@ -112,7 +120,7 @@ def test_owned_chunks_assembled_from_shards_equal_chunks_cut_from_the_full_tenso
             for t in moves:
                 if (t.chunk, t.index) == (k, i):
                     assert t.dst == me != t.src
-                    slo = ts.shard_range(shape_of[p.name], world, t.src)[0]
+                    slo = layout.range(p.name, t.src)[0]
                     assert np.isnan(buf[t.piece.start - p.start : t.piece.stop - p.start]).all(), "sent twice"
                     buf[t.piece.start - p.start : t.piece.stop - p.start] = local[t.src][p.name][
                         t.piece.start - slo : t.piece.stop - slo
@@ -123,7 +131,7 @@ def test_owned_chunks_assembled_from_shards_equal_chunks_cut_from_the_full_tenso
         if world == 1:
             assert not moves
         if pieces and pieces[0].size:
-            assert ts.holder(shape_of[pieces[0].name], world, pieces[0].start) == me
+            assert layout.holder(pieces[0].name, pieces[0].start) == me
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,7 +249,7 @@ def test_fsdp2_ranks_build_the_chunks_of_the_unsharded_model_and_take_a_commit_b
         want = {str(k): [f"{k:02x}{r:02x}" * 16, 1000 + k] for r, rep in enumerate(reports) for k in rep["owned"]}
         assert report["refs"] == want
     shape_of = dict(shapes)
-    senders = {t.src for t in ts.transfers(plan, shape_of, WORLD)}
+    senders = {t.src for t in ts.transfers(plan, ts.Layout.shard0(shape_of, WORLD))}
     assert len(senders) == WORLD, "some rank sent nothing: the exchange is not exercised"
     for r, report in enumerate(reports):
         for k in report["owned"]:

@@ -19,8 +19,9 @@ def adapter_for(model: Any) -> Adapter:
     module = type(model).__module__ or ""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(model, torch.nn.Module):
-        # FSDP2 parameters are DTensors; without torch.distributed.tensor loaded there are none.
-        if sys.modules.get("torch.distributed.tensor") is not None:
+        # FSDP2 parameters are DTensors, FSDP1's views of flat parameters: without
+        # torch.distributed.tensor or torch.distributed.fsdp loaded there are none.
+        if any(sys.modules.get(m) is not None for m in ("torch.distributed.tensor", "torch.distributed.fsdp")):
             from .torch_sharded import ShardedTorchAdapter, find_sharded
 
             sharded = find_sharded(model)  # ShardingUnsupported for a layout it cannot cut

@@ -20,6 +20,8 @@ are pure and take no tensors; the rest moves torch tensors through ``torch.distr
 
 from __future__ import annotations
 
+import math
+import sys
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -35,6 +37,7 @@ except ImportError as e:  # pragma: no cover - exercised only without torch
 
 from ..protocol.chunks import (  # noqa: E402 (the plan is pure: it lives with the protocol)
     BLOCK,
+    Layout,
     Piece,
     Shapes,
     Transfer,
@@ -67,6 +70,7 @@ __all__ = [
     "gather_chunks",
     "gather_refs",
     "holder",
+    "Layout",
     "numel",
     "offsets",
     "owned_chunks",
@@ -116,20 +120,39 @@ class Meter:
 
 @dataclass
 class ShardedParams:
-    """A model's trainable FSDP2 parameters: one 1-D device mesh, every one ``Shard(0)``."""
+    """A model's trainable sharded parameters: FSDP2 DTensors on one 1-D mesh, every one
+    ``Shard(0)``, or FSDP1 flat parameters (``use_orig_params=True``, ``FULL_SHARD``); either way
+    each rank holds one contiguous range of each tensor's flat elements (``layout``)."""
 
-    params: dict[str, Any]  # name -> DTensor parameter
+    params: dict[str, Any]  # name -> the parameter (a DTensor, or FSDP1's view of the local shard)
     shapes: dict[str, tuple[int, ...]]  # full (global) shapes
     world: int
     coord: int  # this rank's coordinate on the mesh
     group: Any  # the mesh's process group
+    layout: Layout | None = None  # None: ``Shard(0)`` of ``shapes``
+    kind: str = "fsdp2"  # or "fsdp1"
+
+    def __post_init__(self) -> None:
+        if self.layout is None:
+            self.layout = Layout.shard0(self.shapes, self.world)
+
+    @property
+    def lay(self) -> Layout:
+        assert self.layout is not None
+        return self.layout
 
     def local(self, name: str) -> torch.Tensor:
         """The flat view of this rank's shard of ``name``, detached (writes go into the parameter)."""
-        return self.params[name].to_local().detach().view(-1)
+        p = self.params[name]
+        return (p.to_local() if self.kind == "fsdp2" else p).detach().view(-1)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the parameters live."""
+        return self.local(next(iter(self.params))).device
 
     def local_range(self, name: str) -> tuple[int, int]:
-        return shard_range(self.shapes[name], self.world, self.coord)
+        return self.lay.range(name, self.coord)
 
 
 def find_sharded(model: Any) -> ShardedParams | None:
@@ -137,6 +160,9 @@ def find_sharded(model: Any) -> ShardedParams | None:
     ``ShardingUnsupported`` for any other layout, saying which parameter and why."""
     from torch.distributed.tensor import DTensor, Shard
 
+    fsdp1 = _find_fsdp1(model)
+    if fsdp1 is not None:
+        return fsdp1
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     dtensors = {n for n, p in params.items() if isinstance(p, DTensor)}
     if not dtensors:
@@ -174,6 +200,91 @@ def find_sharded(model: Any) -> ShardedParams | None:
             raise ShardingUnsupported(
                 f"rank {coord} holds {p.to_local().numel()} elements of {n!r} {shapes[n]}, expected {hi - lo} "
                 f"(torch.chunk rows over {world} ranks): a sharding gradientmail does not know"
+            )
+    return out
+
+
+_WRAPPERS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def _clean(name: str) -> str:
+    """A parameter's name as the unwrapped model has it (FSDP1 and activation checkpointing insert
+    wrapper modules into the path)."""
+    for w in _WRAPPERS:
+        name = name.replace(w, "")
+    return name
+
+
+def _find_fsdp1(model: Any) -> ShardedParams | None:
+    """An FSDP1 model's sharding (``FullyShardedDataParallel``, ``use_orig_params=True``,
+    ``FULL_SHARD``), or None when no FSDP1 unit holds a parameter. Each unit's flat parameter is
+    the concatenation of its original parameters (and alignment padding), cut into ``world``
+    equal shards in rank order: every rank computes every rank's range of every tensor."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
+        return None
+    units = [m for m in model.modules() if isinstance(m, fsdp.FullyShardedDataParallel)]
+    if not units:
+        return None
+    info: dict[int, tuple[tuple[int, ...], list[int]]] = {}  # id(param) -> (full shape, bounds)
+    world = coord = None
+    group = None
+    for unit in units:
+        handle = getattr(unit, "_handle", None)
+        if handle is None:
+            continue
+        flat = handle.flat_param
+        strategy = getattr(unit, "sharding_strategy", None)
+        if strategy is not None and strategy.name != "FULL_SHARD":
+            raise ShardingUnsupported(
+                f"an FSDP1 unit uses sharding_strategy={strategy.name}; gradientmail supports FULL_SHARD "
+                "(the parameters stay sharded between steps), or FSDP2 (fully_shard)"
+            )
+        if not getattr(unit, "_use_orig_params", False) or flat._params is None:
+            raise ShardingUnsupported(
+                "an FSDP1 model wrapped with use_orig_params=False: its parameters are flat parameters, not the "
+                "model's; wrap it with use_orig_params=True (Lightning: FSDPStrategy(use_orig_params=True))"
+            )
+        pg = unit.process_group
+        ws, rank = pg.size(), pg.rank()
+        if world is None:
+            world, coord, group = ws, rank, pg
+        elif (ws, rank) != (world, coord):
+            raise ShardingUnsupported("the FSDP1 units of this model shard over different process groups: one only")
+        size = int(flat._sharded_size.numel()) if hasattr(flat, "_sharded_size") else int(flat.numel())
+        offsets, at = [], 0
+        for count, pad in zip(flat._numels_with_padding, flat._is_padding_mask, strict=True):
+            if not pad:
+                offsets.append(at)
+            at += int(count)
+        for p, shape, off in zip(flat._params, flat._shapes, offsets, strict=True):
+            count = math.prod(int(d) for d in shape)
+            cuts = [min(max(r * size - off, 0), count) for r in range(ws + 1)]
+            info[id(p)] = (tuple(int(d) for d in shape), cuts)
+    if world is None:
+        return None
+    params: dict[str, Any] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    bounds: dict[str, tuple[int, ...]] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        got = info.get(id(p))
+        if got is None:
+            raise ShardingUnsupported(
+                f"parameter {name!r} is in no FSDP1 unit of this module: open the session on the FSDP-wrapped root "
+                "module (every trainable parameter must be sharded)"
+            )
+        clean = _clean(name)
+        params[clean], shapes[clean], bounds[clean] = p, got[0], tuple(got[1])
+    assert coord is not None
+    out = ShardedParams(params, shapes, world, coord, group, Layout(world, bounds), kind="fsdp1")
+    for n in params:
+        lo, hi = out.local_range(n)
+        if out.local(n).numel() != hi - lo:
+            raise ShardingUnsupported(
+                f"rank {coord} holds {out.local(n).numel()} elements of {n!r} {shapes[n]}, expected {hi - lo} from its "
+                "FSDP1 flat parameter (are the parameters sharded now? call it between steps, not inside forward)"
             )
     return out
 
@@ -268,9 +379,8 @@ def _as(raw: torch.Tensor, dtype: torch.dtype, meter: Meter) -> torch.Tensor:
 
 
 def _plan_for(sharded: ShardedParams, names: Sequence[str], chunk: int) -> tuple[list[list[Piece]], list[Transfer]]:
-    shapes = {n: sharded.shapes[n] for n in names}
-    plan = chunk_plan([(n, shapes[n]) for n in names], chunk)
-    return plan, transfers(plan, shapes, sharded.world)
+    plan = chunk_plan([(n, sharded.shapes[n]) for n in names], chunk)
+    return plan, transfers(plan, sharded.lay)
 
 
 def _slice(sharded: ShardedParams, local: Mapping[str, torch.Tensor], piece: Piece) -> torch.Tensor:
@@ -302,8 +412,7 @@ def gather_chunks(
             incoming[t.src] += t.piece.size * local[t.piece.name].element_size()
     received = _exchange(sharded, outgoing, incoming, meter, device)
     out: dict[int, Chunk] = {}
-    shapes = {n: sharded.shapes[n] for n in names}
-    for k in owned_chunks(plan, shapes, sharded.world, me):
+    for k in owned_chunks(plan, sharded.lay, me):
         pieces: Chunk = []
         for p in plan[k]:
             lo, hi = sharded.local_range(p.name)

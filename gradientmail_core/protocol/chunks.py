@@ -87,6 +87,7 @@ then writes the snapshot record naming that ref.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -176,18 +177,49 @@ def holder(shape: Sequence[int], world: int, element: int) -> int:
     return (element // inner) // -(-rows // world)
 
 
-def chunk_owner(pieces: Sequence[Piece], shapes: Mapping[str, Sequence[int]], world: int) -> int:
+@dataclass(frozen=True)
+class Layout:
+    """How the ranks of a sharded node hold each tensor: rank ``r`` holds the flat elements
+    ``[bounds[name][r], bounds[name][r + 1])`` (one contiguous range per rank, in rank order; empty
+    ranges allowed). FSDP2's ``Shard(0)`` (``shard0``) and FSDP1's flat parameters both give one."""
+
+    world: int
+    bounds: Mapping[str, tuple[int, ...]]
+
+    @classmethod
+    def shard0(cls, shapes: Mapping[str, Sequence[int]], world: int) -> Layout:
+        """``Shard(0)`` on a 1-D mesh of ``world`` ranks (``shard_range``)."""
+        return cls(
+            world,
+            {
+                n: (*(shard_range(s, world, c)[0] for c in range(world)), shard_range(s, world, world - 1)[1])
+                for n, s in shapes.items()
+            },
+        )
+
+    def range(self, name: str, coord: int) -> tuple[int, int]:
+        b = self.bounds[name]
+        return b[coord], b[coord + 1]
+
+    def holder(self, name: str, element: int) -> int:
+        """The rank holding flat ``element`` of ``name``."""
+        return bisect.bisect_right(self.bounds[name], element) - 1
+
+    def renamed(self, names: Mapping[str, str]) -> Layout:
+        """The same ranges under other names (``{new: old}``): e.g. ``momentum/x`` held as ``x``."""
+        return Layout(self.world, {new: self.bounds[old] for new, old in names.items()})
+
+
+def chunk_owner(pieces: Sequence[Piece], layout: Layout) -> int:
     """The rank that builds (and uploads, and downloads) a chunk: the holder of its first element."""
     for p in pieces:
         if p.size:
-            return holder(shapes[p.name], world, p.start)
+            return layout.holder(p.name, p.start)
     return 0
 
 
-def owned_chunks(
-    plan: Sequence[Sequence[Piece]], shapes: Mapping[str, Sequence[int]], world: int, coord: int
-) -> list[int]:
-    return [k for k, pieces in enumerate(plan) if chunk_owner(pieces, shapes, world) == coord]
+def owned_chunks(plan: Sequence[Sequence[Piece]], layout: Layout, coord: int) -> list[int]:
+    return [k for k, pieces in enumerate(plan) if chunk_owner(pieces, layout) == coord]
 
 
 @dataclass(frozen=True, order=True)
@@ -202,20 +234,19 @@ class Transfer:
     piece: Piece
 
 
-def transfers(plan: Sequence[Sequence[Piece]], shapes: Mapping[str, Sequence[int]], world: int) -> list[Transfer]:
+def transfers(plan: Sequence[Sequence[Piece]], layout: Layout) -> list[Transfer]:
     """Every element a chunk's owner must receive, in (chunk, piece, element) order: the same
     list on every rank, so sender and receiver agree on sizes and order without talking."""
     out = []
     for k, pieces in enumerate(plan):
-        owner = chunk_owner(pieces, shapes, world)
+        owner = chunk_owner(pieces, layout)
         for i, p in enumerate(pieces):
             if not p.size:
                 continue
-            shape = shapes[p.name]
             at = p.start
             while at < p.stop:
-                h = holder(shape, world, at)
-                stop = min(p.stop, shard_range(shape, world, h)[1])
+                h = layout.holder(p.name, at)
+                stop = min(p.stop, layout.range(p.name, h)[1])
                 if h != owner:
                     out.append(Transfer(h, owner, k, i, Piece(p.name, at, stop)))
                 at = stop

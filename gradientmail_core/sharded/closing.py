@@ -9,7 +9,7 @@ thread, rank 0 on its node thread) and the ranks run it together (``RankCloser``
 gloo group of their own (``Comm``):
 
 - **What a rank holds**: of each tensor of the fragment, the flat range its FSDP2 shard holds
-  (``shard_range``): the outer state (master and momentum, float32) and the parameters of that
+  (``ShardedParams.layout``): the outer state (master and momentum, float32) and the parameters of that
   range only. A node of ``ws`` ranks holds one closer's state in all, ``1/ws`` of it per rank.
 - **Reading**: a rank reads (spool first, as ``streamed.read_chunk``) every chunk of a payload its
   ranges overlap, and uses the part inside them; a chunk that straddles two ranks is read by both.
@@ -55,7 +55,7 @@ from ..codec.stream import ELEMENTWISE
 from ..config import RDA
 from ..errors import MailboxUnavailable, MissingExtra, PayloadCorrupt, PayloadLayoutMismatch, SessionFailed
 from ..protocol import keys
-from ..protocol.chunks import Piece, is_whole, numel, shard_range
+from ..protocol.chunks import Piece, is_whole, numel
 from ..protocol.records import PayloadRef, RoundRecord, chunk_refs, digest_of, join_refs
 from ..protocol.run import RunInfo, payload_cap
 from ..protocol.store import CHUNK_HEADER_ALLOWANCE, RunStore
@@ -208,7 +208,7 @@ class RankCloser:
         run: RunInfo,
         store: RunStore,
         comm: Comm,
-        shapes: Mapping[str, tuple[int, ...]],
+        sharded: ShardedParams,
         *,
         spool_root: Any = None,
     ) -> None:
@@ -217,19 +217,26 @@ class RankCloser:
         c = run.chunk_elements
         assert c is not None, "a sharded node joins chunked runs only"
         self.C = int(c)
-        self.shapes = dict(shapes)
+        self.shapes = dict(sharded.shapes)
+        self.layout = sharded.lay
         self.states: dict[int, FragmentState] = {}  # this rank's ranges of each fragment it closed
         self.spool = Spool(spool_root)
-        self._visits: dict[tuple[int, bool], list[Visit]] = {}
         # gather/scatter of payload pieces between holders and owners, on the closer's group
-        self.frag = ShardedParams({}, self.shapes, self.world, self.rank, comm.group)
-        outer_shapes = {f"{p}/{n}": s for n, s in self.shapes.items() for p in ("momentum", "master")}
-        self.outer = ShardedParams({}, outer_shapes, self.world, self.rank, comm.group)
+        self.frag = ShardedParams({}, self.shapes, self.world, self.rank, comm.group, self.layout)
+        outer = {f"{p}/{n}": n for n in self.shapes for p in ("momentum", "master")}
+        self.outer = ShardedParams(
+            {},
+            {o: self.shapes[n] for o, n in outer.items()},
+            self.world,
+            self.rank,
+            comm.group,
+            self.layout.renamed(outer),
+        )
 
     # ---- layout ------------------------------------------------------------------------
 
     def ranges(self, f: int) -> Ranges:
-        return {n: shard_range(s, self.world, self.rank) for n, s in self.run.shapes[f].items()}
+        return {n: self.layout.range(n, self.rank) for n in self.run.shapes[f]}
 
     def visits(self, specs: Sequence[ChunkSpec], ranges: Mapping[str, tuple[int, int]]) -> list[Visit]:
         """The chunks whose pieces overlap ``ranges`` (names of other payloads map to their

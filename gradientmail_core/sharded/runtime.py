@@ -335,8 +335,7 @@ class ShardedRuntime:
         fragments = self._fragments(cfg)
         c = chunk_elements_of(cfg)
         dtypes = {t.name: t.dtype for t in self.s.adapter.schema()}
-        first = next(iter(self.sharded.params.values()))
-        device = first.to_local().device
+        device = self.sharded.device
         out = []
         for f, (names, shapes) in enumerate(zip(fragments, self._shapes(fragments))):
             local = {n: self.sharded.local(n) for n in names}
@@ -406,7 +405,7 @@ class ShardedRuntime:
 
     def _ranker(self, run: RunInfo, store: RunStore) -> RankCloser:
         comm = Comm(self.closing, self.rank, self.world)
-        return RankCloser(run, store, comm, self.sharded.shapes)
+        return RankCloser(run, store, comm, self.sharded)
 
     def _down_receiver(self) -> None:  # ranks > 0
         try:
