@@ -733,7 +733,20 @@ def run_check(name: str, args: argparse.Namespace) -> int:
 def main() -> int:
     if "--worker" in sys.argv:  # a node of a paired check (Lightning re-runs this line for its ranks)
         run_worker(sys.argv[1:])
-        return 0
+        # Everything is written. A gloo group alive at exit can abort the process in the
+        # interpreter's teardown ("terminate called without an active exception"): release the
+        # default group and leave without the teardown, as the test nodes do.
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            try:
+                dist.barrier()
+                dist.destroy_process_group()
+            except Exception as e:  # (a peer gone already: nothing left to release together)
+                print(f"could not release the process group: {e}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--skip", nargs="*", default=[], choices=sorted(CHECKS), help="checks to leave out")
     ap.add_argument("--only", nargs="*", choices=sorted(CHECKS), help="run only these checks")
