@@ -72,6 +72,20 @@ class Breaking(ForwardingMailbox):
         return super().put_stream(key, chunks, create_once=create_once)
 
 
+class FailingRecords(ForwardingMailbox):
+    """The first ``left`` writes of a round record fail as a store outage would."""
+
+    def __init__(self, inner: gm.Mailbox, left: int) -> None:
+        super().__init__(inner)
+        self.left = left
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        if key.startswith(keys.ROUNDS) and self.left > 0:
+            self.left -= 1
+            raise gm.MailboxUnavailable(f"injected: the write of {key} fails")
+        return super().put_if_absent(key, data)
+
+
 class Keeping(ForwardingMailbox):
     """Deletes nothing (GC included): a test recomputes every commit from what it read."""
 
@@ -113,6 +127,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--fsdp", type=int, choices=(1, 2), default=2, help="sharded: FSDP1 (flat parameters) or FSDP2")
     ap.add_argument("--anchors", default=None, help="sharded: where the ranks keep their anchors")
+    ap.add_argument("--fail-records", type=int, default=0, help="the first N writes of a round record fail")
     ap.add_argument("--keep", action="store_true", help="delete nothing (no GC): every commit can be recomputed")
     ap.add_argument("--role", default=None, help="the session's role (unset: the default, 'both')")
     ap.add_argument("--step-sleep", type=float, default=0.0)
@@ -141,6 +156,8 @@ def run(args: argparse.Namespace, net: torch.nn.Module, rank: int, world: int) -
     mailbox: gm.Mailbox = gm.FileMailbox(args.mailbox)
     if args.keep:
         mailbox = Keeping(mailbox)
+    if args.fail_records and rank == 0:
+        mailbox = FailingRecords(mailbox, args.fail_records)
     if args.break_rank == rank and world > 1:
         mailbox = Breaking(mailbox, args.break_after)
     session = gm.Session(

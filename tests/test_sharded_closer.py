@@ -134,3 +134,12 @@ def test_an_fsdp1_node_learns_and_closes_rounds_bit_identical_with_a_plain_node(
     for r in ranks:
         for peak, op_peak, fragment in zip(r["peak"], r["op_peak"], r["fragment_bytes"]):
             assert 0 < peak <= op_peak < fragment, r
+
+
+def test_a_commit_whose_record_could_not_be_written_is_computed_again_from_the_same_state(tmp_path):
+    # The sharded closer's first two round records fail to write (a store outage): its ranks
+    # keep the state each commit started from until the record lands, so the next poll commits
+    # the same round again, from the same state, and every commit is still the one-process one.
+    report, _ = _closed_by_shard(tmp_path, "--fail-records", "2", steps=16)
+    assert len(report["aligned"]) == 4 and all(a[3] == ["plain", "shard"] for a in report["aligned"])
+    assert recompute_every_round(tmp_path / "mailbox") == ["shard"] * 4

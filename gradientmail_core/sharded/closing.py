@@ -220,6 +220,9 @@ class RankCloser:
         self.shapes = dict(sharded.shapes)
         self.layout = sharded.lay
         self.states: dict[int, FragmentState] = {}  # this rank's ranges of each fragment it closed
+        # The state a commit started from, until rank 0 says its record landed (``landed``): a
+        # commit whose record could not be written is computed again from it.
+        self.previous: dict[int, FragmentState] = {}
         self.spool = Spool(spool_root)
         # gather/scatter of payload pieces between holders and owners, on the closer's group
         self.frag = ShardedParams({}, self.shapes, self.world, self.rank, comm.group, self.layout)
@@ -269,6 +272,11 @@ class RankCloser:
             return self.judge(op)
         if kind == "commit":
             return self.commit(op)
+        if kind == "landed":  # (no collective: every rank just lets the state before go)
+            f = int(op["f"])
+            if f in self.states and self.states[f].version == int(op["version"]):
+                self.previous.pop(f, None)
+            return None
         raise AssertionError(f"unknown closer op {kind!r}")
 
     def state(self, op: Mapping[str, Any]) -> int:
@@ -278,6 +286,7 @@ class RankCloser:
 
         def load() -> bool:
             self.states.pop(f, None)  # (a stale state is let go before the new one is read)
+            self.previous.pop(f, None)
             self.states[f] = self._load(f, version, op["theta"], op.get("outer"))
             return True
 
@@ -368,6 +377,9 @@ class RankCloser:
         f, r = int(op["f"]), int(op["round"])
         st = self.states.get(f)
         version = int(op["version"])
+        before = self.previous.get(f)
+        if st is not None and st.version != version and before is not None and before.version == version:
+            st = before  # the record of the last commit did not land: compute it again, from the same state
         self.comm.phase(lambda: _check_state(st, f, version))
         assert st is not None
         accepted = [
@@ -376,6 +388,7 @@ class RankCloser:
         final, checkpoint, compression = bool(op["final"]), bool(op["checkpoint"]), str(op["compression"])
         master, momentum, cosine = self._merge_and_step(f, r, st, accepted, final)
         theta, parts = self._payloads(f, r, st, master, momentum, checkpoint=checkpoint, compression=compression)
+        self.previous[f] = st
         self.states[f] = FragmentState(
             version + 1, theta, master, momentum, version + 1 if checkpoint else st.checkpoint
         )
@@ -736,6 +749,11 @@ class ShardCloser:
         except OpFailed as e:
             raise SessionFailed(f"fragment {f}: the ranks could not load the outer state: {e}") from None
         return FragmentState(version, {}, {}, {}, checkpoint=version)
+
+    def landed(self, f: int, version: int) -> None:
+        """The record of this node's commit of fragment ``f`` at ``version`` is written: the ranks
+        let the state it started from go."""
+        self._op({"op": "landed", "f": f, "version": version})
 
     def judge(self, store: RunStore, spool: Spool | None, run: RunInfo, f: int, ref: PayloadRef, round: int) -> Verdict:
         op = {"op": "judge", "f": f, "round": round, "refs": [_ref_wire(c) for c in chunk_refs(ref)]}

@@ -102,6 +102,8 @@ class Closing(Following):
             self._on_record(theirs, theta)
             return False
         self.stats.committed += 1
+        if self.bridge.closer is not None:  # a sharded node: the ranks let the state before go
+            self.bridge.closer.landed(rec.fragment, rec.version)
         for x in rec.rejected:
             if x.reason == "outlier":  # the others were reported as they were judged
                 self.stats.rejected["outlier"] = self.stats.rejected.get("outlier", 0) + 1
