@@ -104,7 +104,7 @@ class _Lost(Exception):
 
 
 class Comm:
-    """Collectives of the closer's ranks, JSON bytes over a gloo group of their own (no pickle)."""
+    """Collectives of the closer's ranks: JSON bytes over a gloo group of their own (never Python objects)."""
 
     def __init__(self, group: Any, rank: int, world: int) -> None:
         self.group, self.rank, self.world = group, rank, world
