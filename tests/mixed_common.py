@@ -38,6 +38,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--learners", type=int, default=2, help="wait for this many learners before training")
     ap.add_argument("--chunk-elements", type=int, default=None, help="store fragments in chunks of this many elements")
     ap.add_argument("--delta-dtype", default=None)
+    ap.add_argument("--quorum", type=int, default=None, help="the run's quorum (default: ALGORITHM's)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     return args
@@ -46,6 +47,8 @@ def parse_args() -> argparse.Namespace:
 def algorithm(args: argparse.Namespace) -> gm.DiLoCo:
     """``ALGORITHM`` with the run's payload layout and delta dtype from the flags."""
     extra: dict = {"delta_dtype": args.delta_dtype}
+    if args.quorum is not None:
+        extra["quorum_size"] = args.quorum
     if args.chunk_elements is not None:
         extra["chunk_elements"] = args.chunk_elements
     return dataclasses.replace(ALGORITHM, **extra)
