@@ -32,6 +32,9 @@ stops the checks after it.
   one bf16 layer: deltas, the chunk exchange and alignment on the GPU; the sharded runtime
   quantizes its chunks on the host in this version), beside a plain CUDA node (the device
   pipeline): bit-identical.
+- ``sharded-memory``: ``bench/sharded_memory.py --device cuda --anchors host`` on the GPUs (at
+  most 2 ranks): each rank's peak GPU memory with gradientmail over the same FSDP2 training
+  without it (goal <= 1.10), and its share of the node's bytes (its table printed).
 - ``overhead``: ``bench/overhead.py --device cuda --params 100M --dtype bf16 --pairs 2`` (its table printed).
 - ``tests``: the CUDA-parametrized cases of ``tests/test_torch_quant.py`` and
   ``tests/test_torch_pipeline.py`` (``pytest -k cuda``).
@@ -316,6 +319,17 @@ def sharded_worker(device: str) -> None:
     print(
         f"FSDP2 on one {device} rank ({backend}): {len(owned)} chunks of {chunk} == the unsharded model's; commit applied"
     )
+
+
+def check_sharded_memory(args: argparse.Namespace) -> str:
+    argv = [sys.executable, "bench/sharded_memory.py", "--device", "cuda", "--anchors", "host"]
+    argv += ["--ranks", str(_ranks()), "--params", "50e6", "--steps", "24"]
+    rc, out = _run(argv, args.budget - 2)
+    print(_tail(out, 12))
+    if rc != 0:
+        raise Failed(f"{' '.join(argv[1:])}: exit {rc}")
+    ratios = [line.split("(ratio ")[1].split(";")[0] for line in out.splitlines() if "(ratio " in line]
+    return f"{' '.join(argv[1:])}: memory ratio per rank {', '.join(ratios)} (goal <= 1.10)"
 
 
 def check_overhead(args: argparse.Namespace) -> str:
@@ -710,6 +724,7 @@ CHECKS: dict[str, tuple[Callable[[argparse.Namespace], str], float, bool]] = {
     "lightning-mp": (check_lightning_mp, 90, True),
     "accelerate-fsdp": (check_accelerate_fsdp, 90, True),
     "dtensor-pipeline": (check_dtensor_pipeline, 90, True),
+    "sharded-memory": (check_sharded_memory, 120, False),
     "overhead": (check_overhead, 240, False),
     "tests": (check_tests, 120, False),
 }

@@ -9,7 +9,13 @@ deltas). Every rank measures itself:
 
 - ``floor``: its RSS before the model is built (torch, the process group);
 - the peak RSS (``VmHWM``, reset at each mark through ``/proc/self/clear_refs``) over the training
-  steps (the session's opening and closing included in ``gm``);
+  steps (the session's opening and closing included in ``gm``); with ``--device cuda`` the GPU
+  allocator's instead (``memory_allocated`` before the model, ``max_memory_allocated`` reset
+  after the first step): what the device holds, the figure the goal is about on a GPU;
+- ``--anchors``: where the ranks keep their anchors (``device``, ``host``, ``disk``: one copy
+  of the shards beside the parameters, in host memory, or in files); ``--closer node``: the
+  sharded node closes the rounds itself (no syncer), its ranks holding their parts of the outer
+  state;
 - ``memory ratio`` = ``(peak_gm - floor) / (peak_train - floor)``: the node's memory with
   gradientmail over the same training without it (goal <= 1.10);
 - ``bytes``: what the rank uploaded and downloaded (its chunks), and its share of the node's total
@@ -70,7 +76,10 @@ def worker(args: argparse.Namespace) -> None:
     from gradientmail_core.sharded.wire import Exchange, new_group
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    cuda = args.device == "cuda"
+    if cuda:  # one GPU per rank; the training's group is NCCL (the session makes gloo groups of its own)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     out: dict[str, Any] = {"mode": args.worker, "rank": rank}
     if args.worker == "gm":
@@ -86,10 +95,12 @@ def worker(args: argparse.Namespace) -> None:
                 x(message, done=True, failed=False)
             out[name] = (time.perf_counter() - t0) / args.exchanges * 1e6
     dist.barrier()
-    out["floor"] = _status("VmRSS")
+    out["floor"] = torch.cuda.memory_allocated() if cuda else _status("VmRSS")
     torch.manual_seed(0)
     layers = max(1, round(args.params / (WIDTH * WIDTH + WIDTH)))
     net = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers)])
+    if cuda:
+        net = net.cuda()
     for layer in net:
         fully_shard(layer)
     fully_shard(net)
@@ -97,13 +108,17 @@ def worker(args: argparse.Namespace) -> None:
     gen = torch.Generator().manual_seed(rank)
 
     def step() -> None:
-        x = torch.randn(args.batch, WIDTH, generator=gen)
+        x = torch.randn(args.batch, WIDTH, generator=gen).to(args.device)
         opt.zero_grad()
         net(x).pow(2).mean().backward()
         opt.step()
 
     step()  # the optimizer's state exists from here on
-    _mark()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        _mark()
     session = None
     if args.worker == "gm":
         cfg = gm.DiLoCo(
@@ -133,7 +148,7 @@ def worker(args: argparse.Namespace) -> None:
         assert session._sharded is not None and session._sharded.io is not None
         out["anchors"] = session._sharded.io.anchors.nbytes  # (let go at close)
         session.close()
-    out["peak"] = _status("VmHWM")
+    out["peak"] = torch.cuda.max_memory_allocated() if cuda else _status("VmHWM")
     out["params"] = sum(p.numel() for p in net.parameters())
     if session is not None:
         rt = session._sharded
@@ -166,7 +181,18 @@ def run(args: argparse.Namespace, mode: str, mailbox: str) -> list[dict[str, Any
     }
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     cmd = [torchrun, "--standalone", f"--nproc_per_node={args.ranks}", __file__, "--worker", mode, "--mailbox", mailbox]
-    for name in ("params", "steps", "batch", "sync_every", "fragments", "chunk", "exchanges", "closer", "anchors"):
+    for name in (
+        "params",
+        "steps",
+        "batch",
+        "sync_every",
+        "fragments",
+        "chunk",
+        "exchanges",
+        "closer",
+        "anchors",
+        "device",
+    ):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if args.delta_dtype:
         cmd += ["--delta-dtype", args.delta_dtype]
@@ -223,6 +249,12 @@ def main() -> None:
     ap.add_argument("--delta-dtype", default=None)
     ap.add_argument("--exchanges", type=int, default=500)
     ap.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: one GPU per rank, NCCL; memory is the device's (torch.cuda.max_memory_allocated), not the RSS",
+    )
+    ap.add_argument(
         "--anchors",
         choices=("device", "host", "disk"),
         default="device",
@@ -251,7 +283,8 @@ def main() -> None:
     total_down = sum(r["bytes_down"] for r in gm_rows) or 1
     print(
         f"\n{args.ranks} ranks, {gm_rows[0]['params'] / 1e6:.1f}M params, P={args.fragments}, chunk={args.chunk}, "
-        f"anchors on {args.anchors}, rounds closed by {'the node' if args.closer == 'node' else 'a syncer'}"
+        f"anchors on {args.anchors}, rounds closed by {'the node' if args.closer == 'node' else 'a syncer'}, "
+        f"memory: {'the GPU allocator' if args.device == 'cuda' else 'the RSS'}"
     )
     for t, g in zip(train, gm_rows):
         ratio = (g["peak"] - g["floor"]) / max(t["peak"] - t["floor"], 1)

@@ -130,8 +130,12 @@ def test_owned_chunks_assembled_from_shards_equal_chunks_cut_from_the_full_tenso
         assert held + got_from_others == sum(p.size for p in pieces), "an element received that the owner holds"
         if world == 1:
             assert not moves
-        if pieces and pieces[0].size:
-            assert layout.holder(pieces[0].name, pieces[0].start) == me
+        held = [0] * world
+        for p in pieces:
+            for c in range(world):
+                lo, hi = layout.range(p.name, c)
+                held[c] += max(0, min(p.stop, hi) - max(p.start, lo))
+        assert held[me] == max(held), "the owner holds fewer of the chunk's elements than another rank"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,7 +248,8 @@ def test_fsdp2_ranks_build_the_chunks_of_the_unsharded_model_and_take_a_commit_b
     fragment_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     reports = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(WORLD)]
     assert sorted(k for report in reports for k in report["owned"]) == list(range(len(plan)))
-    assert all(report["owned"] for report in reports)
+    # (the owner of a chunk holds most of it: here a rank may own none, and still sends its parts)
+    assert sum(bool(report["owned"]) for report in reports) >= 2
     for report in reports:  # every rank learned every rank's refs, in chunk order
         want = {str(k): [f"{k:02x}{r:02x}" * 16, 1000 + k] for r, rep in enumerate(reports) for k in rep["owned"]}
         assert report["refs"] == want
@@ -277,7 +282,7 @@ def test_gpu_check_script_has_help_and_says_no_cuda_on_a_cpu_machine(capsys, mon
     monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--help"])
     with pytest.raises(SystemExit) as e:
         gpu_check.main()
-    assert e.value.code == 0 and "not built yet (issue 13)" in capsys.readouterr().out
+    assert e.value.code == 0 and "FSDPStrategy" in capsys.readouterr().out
     if torch.cuda.is_available():
         return
     monkeypatch.setattr(sys, "argv", ["gpu_check.py"])

@@ -10,7 +10,7 @@ straddles two chunks and a chunk's bytes are the same whichever node (and world 
 
 An FSDP2 rank holds, of each tensor, the rows ``torch.chunk`` gives it along dim 0 (``ceil(rows /
 world)`` rows per rank; the last ranks may hold fewer or none): one contiguous flat range. A chunk
-is owned by the rank holding its first element; the owner receives the elements it lacks from the
+is owned by the rank holding most of its elements; the owner receives the elements it lacks from the
 ranks holding them (``gather_chunks``) and, for a commit, sends each rank its part back
 (``scatter_chunks``). A rank never holds more than its own shard plus the chunks it owns.
 

@@ -211,11 +211,18 @@ class Layout:
 
 
 def chunk_owner(pieces: Sequence[Piece], layout: Layout) -> int:
-    """The rank that builds (and uploads, and downloads) a chunk: the holder of its first element."""
+    """The rank that builds (and uploads, and downloads) a chunk: the one holding most of its
+    elements (the lowest such rank on a tie; rank 0 for a chunk of empty pieces), so the fewest
+    elements move and a chunk straddling two shards goes to the rank with more of it."""
+    held = [0] * layout.world
     for p in pieces:
-        if p.size:
-            return layout.holder(p.name, p.start)
-    return 0
+        at = p.start
+        while at < p.stop:
+            h = layout.holder(p.name, at)
+            stop = min(p.stop, layout.range(p.name, h)[1])
+            held[h] += stop - at
+            at = stop
+    return max(range(layout.world), key=lambda r: (held[r], -r))
 
 
 def owned_chunks(plan: Sequence[Sequence[Piece]], layout: Layout, coord: int) -> list[int]:
