@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_sharded_session import finish, plain, sharded
 
 import gradientmail_core as gm
 from gradientmail_core.protocol import keys
@@ -22,7 +23,6 @@ from gradientmail_core.syncer.closer import Collector, Estimates, Judged, comput
 from gradientmail_core.syncer.replay import recover
 from gradientmail_core.syncer.spool import Spool
 from gradientmail_core.syncer.streamed import judge_payload
-from tests.test_sharded_session import finish, plain, sharded
 
 torch = pytest.importorskip("torch")
 

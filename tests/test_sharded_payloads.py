@@ -90,7 +90,7 @@ def _worker(out: Path) -> None:
         run = RunInfo.from_manifest(manifest)
         io = RankIO(sharded, run, store, learner="shard", compression=compression, exchange=x, up=up, down=down)
         for f in range(run.P):
-            io.anchors[f] = {n: _anchor(sharded.local(n)) for n in run.fragments[f]}
+            io.anchors.set(f, {n: _anchor(sharded.local(n)) for n in run.fragments[f]})
             cap = io.publish(f, seq + 1, seq)
             mine = io.upload_owned(cap)
             got = gather_refs(sharded, {k: (r.sha256, r.size) for k, r in mine.items()})

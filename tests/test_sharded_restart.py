@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from test_sharded_session import finish, plain, sharded
+from test_sharded_session import descendants, finish, plain, sharded
 
 torch = pytest.importorskip("torch")
 
@@ -24,25 +24,6 @@ from gradientmail_core.protocol.run import RunInfo, read_manifest  # noqa: E402
 from gradientmail_core.protocol.schedule import round_of  # noqa: E402
 from gradientmail_core.protocol.store import RunStore  # noqa: E402
 from gradientmail_core.protocol.tape import fetch_theta  # noqa: E402
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (from /proc), children first."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = open(f"/proc/{entry}/stat").read()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], list(children.get(pid, []))
-    while todo:
-        p = todo.pop(0)
-        out.append(p)
-        todo += children.get(p, [])
-    return out
 
 
 def alive(pid: int) -> bool:

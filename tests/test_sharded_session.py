@@ -60,6 +60,25 @@ def sharded(mailbox: Path, out: Path, *extra: str, ranks: int = 2, name: str = "
     return _start(cmd, out.with_suffix(".log"), start_new_session=True)
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc), children first."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        p = todo.pop(0)
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
 def finish(*procs: subprocess.Popen[bytes], timeout: float = 150) -> None:
     deadline = time.monotonic() + timeout
     try:
@@ -68,6 +87,12 @@ def finish(*procs: subprocess.Popen[bytes], timeout: float = 150) -> None:
     except subprocess.TimeoutExpired:
         for q in procs:
             if q.poll() is None:
+                # torchrun's workers live in process groups of their own: kill every descendant
+                for d in descendants(q.pid):
+                    try:
+                        os.kill(d, signal.SIGKILL)
+                    except OSError:
+                        pass
                 os.killpg(q.pid, signal.SIGKILL) if os.getpgid(q.pid) == q.pid else q.kill()
                 q.wait()
     outs = [f"--- {p.args[2:6]} rc={p.returncode}\n" + p.log.read_text(errors="replace")[-8000:] for p in procs]  # type: ignore[attr-defined]
