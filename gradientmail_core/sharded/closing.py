@@ -45,14 +45,11 @@ import torch
 import torch.distributed as dist
 
 from ..adapters.torch_sharded import ShardedParams, gather_chunks, scatter_chunks
-from ..aggregators import merge as merge_mod
 from ..aggregators import outer as outer_mod
-from ..aggregators.fused import LeafRange, combine_leaves, cosine_from, cosine_range, cosine_units, dot_range, dot_total
-from ..aggregators.fused import norm_of as fused_norm_of
+from ..aggregators.fused import LeafRange, combine_leaves, cosine_from, cosine_range, dot_range, dot_total
 from ..codec import quant
 from ..codec.chunked import ChunkSpec, chunk_specs, stream_chunk
 from ..codec.stream import ELEMENTWISE
-from ..config import RDA
 from ..errors import MailboxUnavailable, MissingExtra, PayloadCorrupt, PayloadLayoutMismatch, SessionFailed
 from ..protocol import keys
 from ..protocol.chunks import Piece, is_whole, numel
@@ -61,7 +58,7 @@ from ..protocol.run import RunInfo, payload_cap
 from ..protocol.store import CHUNK_HEADER_ALLOWANCE, RunStore
 from ..syncer.closer import FragmentState, Written
 from ..syncer.spool import Spool
-from ..syncer.streamed import Verdict, _merge_chunk, read_chunk
+from ..syncer.streamed import Verdict, _merge_chunk, merge_scales, merge_terms, read_chunk, write_plan
 from .wire import pack, unpack
 
 if TYPE_CHECKING:
@@ -414,16 +411,8 @@ class RankCloser:
         cap = payload_cap(run, f) + CHUNK_HEADER_ALLOWANCE * (len(specs) - 1)
         visits = self.visits(specs, ranges)
         n = len(accepted)
-        p = merge_mod._normalized([w for _, w, _ in accepted], n)
         sq = [norms for _, _, norms in accepted]
-        clips: list[np.float32 | None] = [None] * n
-        if cfg.clip_norm is not None:
-            for i in range(n):
-                norm = fused_norm_of(sq[i])
-                if not norm <= cfg.clip_norm:
-                    clips[i] = np.float32(cfg.clip_norm / norm)
-        units = cosine_units([fused_norm_of(s) for s in sq])
-        radial = {name for name in names if isinstance(cfg.merge, RDA) and not cfg.merge.is_direct(name)}
+        p, clips, units, radial = merge_terms(cfg, names, [w for _, w, _ in accepted], sq)
 
         def chunk(i: int, k: int, clipped: list[tuple[Piece, int, int]]) -> dict[str, np.ndarray]:
             ref = accepted[i][0][k]
@@ -458,22 +447,7 @@ class RankCloser:
             for i in clipped_i:
                 leaves = pooled[i].leaves([e[str(i)] for e in everyone])
                 x_sq[i] = {nm: dot_total(sizes[nm], leaves[nm]) for nm in radial}
-        scales: dict[str, list[Any]] = {}
-        radius: dict[str, float] = {}
-        for name in names:
-            if name not in radial:
-                scales[name] = [np.float32(p_i) for p_i in p]
-                continue
-            rad = 0.0
-            sc: list[Any] = []
-            for i, p_i in enumerate(p):
-                norm = math.sqrt(x_sq[i][name])
-                if norm > 0.0:
-                    rad += p_i * norm
-                    sc.append(np.float32(p_i / norm))
-                else:
-                    sc.append(None)
-            scales[name], radius[name] = sc, rad
+        scales, radius = merge_scales(names, radial, p, x_sq)
         # Pass 1 (RDA): each radial tensor's merged norm (a tensor split over ranks needs the others'
         # leaves, so every radial tensor takes this pass here, not only those spanning chunks).
         direction: dict[str, float] = {}
@@ -633,7 +607,7 @@ class RankCloser:
                         self.store.put_blob(key, data)
                     out.setdefault(f"{kind}/{int(written)}", {})[str(s.k)] = [data.sha256, len(data)]
 
-            plan = _write_plan(checkpoint, cd is not None, compression)
+            plan = write_plan(checkpoint, cd is not None, compression)
             for kind, written in plan:
                 zip_ = compression if written else ""
                 if kind == "theta":
@@ -669,20 +643,6 @@ class RankCloser:
             for kind, chunks in got.items():
                 parts.setdefault(kind, {}).update(chunks)
         return theta, parts
-
-
-def _write_plan(checkpoint: bool, change: bool, compression: str) -> list[tuple[str, bool]]:
-    """The payloads of a commit, in ``streamed.commit_by_chunks``'s order: (kind, written)."""
-    plan: list[tuple[str, bool]] = []
-    if checkpoint:
-        plan += [("theta", True), ("outer", True)]
-    if change:
-        plan.append(("change", True))
-    if not (checkpoint and compression == ""):
-        plan.append(("theta", False))
-    if not checkpoint:
-        plan.append(("outer", False))
-    return plan
 
 
 def _piece(s: ChunkSpec, name: str) -> Piece:

@@ -308,15 +308,15 @@ def commit_by_chunks(
 
     # (kind, what is done with it, the chunks' streams) in the whole-fragment closer's write order
     plan: list[tuple[str, bool, list[Callable[[], PayloadStream]]]] = []
-    if checkpoint:
-        plan.append(("theta", True, streams(theta, shapes, dtypes, "theta", compression)))
-        plan.append(("outer", True, streams(outer, outer_shapes, "F32", "outer", compression)))
-    if cfg.commit_dtype is not None:
-        plan.append(("change", True, _change_streams(run, f, st.theta, master, cfg.commit_dtype, compression)))
-    if not (checkpoint and compression == ""):
-        plan.append(("theta", False, streams(theta, shapes, dtypes, "theta", "")))  # for theta_digest only
-    if not checkpoint:
-        plan.append(("outer", False, streams(outer, outer_shapes, "F32", "outer", "")))  # for outer_digest only
+    for kind, written in write_plan(checkpoint, cfg.commit_dtype is not None, compression):
+        zip_ = compression if written else ""
+        if kind == "theta":
+            plan.append((kind, written, streams(theta, shapes, dtypes, "theta", zip_)))
+        elif kind == "outer":
+            plan.append((kind, written, streams(outer, outer_shapes, "F32", "outer", zip_)))
+        else:
+            assert cfg.commit_dtype is not None
+            plan.append((kind, written, _change_streams(run, f, st.theta, master, cfg.commit_dtype, compression)))
     payloads: dict[str, bytes | PayloadStream | Written] = {}
     parts: dict[tuple[str, bool], list[PayloadRef]] = {}
     jobs = [(kind, written, make) for kind, written, makes in plan for make in makes]
@@ -376,6 +376,23 @@ def _record(
     return Commit(record, state, payloads)
 
 
+def write_plan(checkpoint: bool, change: bool, compression: str) -> list[tuple[str, bool]]:
+    """A commit's payloads in the order they are written: ``(kind, written)``. A checkpoint writes
+    the parameters and the outer state; ``change`` (``commit_dtype``) writes the quantized change;
+    the parameters and outer state not written are still hashed uncompressed, for the record's
+    ``theta_digest``/``outer_digest``."""
+    plan: list[tuple[str, bool]] = []
+    if checkpoint:
+        plan += [("theta", True), ("outer", True)]
+    if change:
+        plan.append(("change", True))
+    if not (checkpoint and compression == ""):
+        plan.append(("theta", False))
+    if not checkpoint:
+        plan.append(("outer", False))
+    return plan
+
+
 def _threaded_bytes() -> int:
     from . import closer
 
@@ -432,6 +449,53 @@ def _close(stream: PayloadStream) -> None:
 # ---- the merge passes -------------------------------------------------------------------------
 
 
+def merge_terms(
+    cfg: Any, names: Sequence[str], weights: Sequence[float], sq: Sequence[Mapping[str, float]]
+) -> tuple[list[float], list[np.float32 | None], list[float | None] | None, set[str]]:
+    """What the merge needs of the accepted contributions before reading any: their normalized
+    weights, clipping factors (``merge.clip``: ``float32(c / |d_i|)`` from each one's judged
+    whole-fragment norm, None when not clipped), the cosine's unit factors, and the tensors RDA
+    merges radially."""
+    n = len(weights)
+    p = merge_mod._normalized(list(weights), n)
+    clips: list[np.float32 | None] = [None] * n
+    if cfg.clip_norm is not None:
+        if not cfg.clip_norm > 0:
+            raise ValueError(f"clip_norm={cfg.clip_norm!r}: expected a number > 0")
+        for i in range(n):
+            norm = norm_of(sq[i])
+            if not norm <= cfg.clip_norm:
+                clips[i] = np.float32(cfg.clip_norm / norm)
+    units = cosine_units([norm_of(s) for s in sq])
+    radial = {name for name in names if isinstance(cfg.merge, RDA) and not cfg.merge.is_direct(name)}
+    return p, clips, units, radial
+
+
+def merge_scales(
+    names: Sequence[str], radial: set[str], p: Sequence[float], x_sq: Sequence[Mapping[str, float]]
+) -> tuple[dict[str, list[Any]], dict[str, float]]:
+    """Each tensor's merge scales: ``float32(p_i)`` (weighted mean), or RDA's
+    ``float32(p_i / |x_i|)`` (None for a zero contribution) and its length ``sum_i p_i |x_i|``
+    (``fused.merge_tensor``); ``x_sq``: each contribution's squared norm of each radial tensor."""
+    scales: dict[str, list[Any]] = {}  # np.float32, or None
+    radius: dict[str, float] = {}
+    for name in names:
+        if name not in radial:
+            scales[name] = [np.float32(p_i) for p_i in p]
+            continue
+        r = 0.0
+        sc: list[Any] = []
+        for i, p_i in enumerate(p):
+            norm = math.sqrt(x_sq[i][name])
+            if norm > 0.0:
+                r += p_i * norm
+                sc.append(np.float32(p_i / norm))
+            else:
+                sc.append(None)
+        scales[name], radius[name] = sc, r
+    return scales, radius
+
+
 def _merge_and_step(
     c: Collector,
     source: _Contributions,
@@ -446,19 +510,8 @@ def _merge_and_step(
     shapes = run.shapes[f]
     names = list(shapes)
     n = len(accepted)
-    p = merge_mod._normalized([j.weight for j in accepted], n)
     sq = [j.norms or {} for j in accepted]
-    # Clipping (``merge.clip``): each contribution's whole-fragment norm, from its judging.
-    clips: list[np.float32 | None] = [None] * n
-    if cfg.clip_norm is not None:
-        if not cfg.clip_norm > 0:
-            raise ValueError(f"clip_norm={cfg.clip_norm!r}: expected a number > 0")
-        for i in range(n):
-            norm = norm_of(sq[i])
-            if not norm <= cfg.clip_norm:
-                clips[i] = np.float32(cfg.clip_norm / norm)
-    units = cosine_units([norm_of(s) for s in sq])
-    radial = {name for name in names if isinstance(cfg.merge, RDA) and not cfg.merge.is_direct(name)}
+    p, clips, units, radial = merge_terms(cfg, names, [j.weight for j in accepted], sq)
     specs = source.specs
     chunks_of = {name: [k for k, s in enumerate(specs) if any(pc.name == name for pc in s.pieces)] for name in names}
     # RDA divides each contribution by its norm, of the clipped values when clipped: those norms
@@ -477,24 +530,7 @@ def _merge_and_step(
                             dots[i][pc.name].feed(got[pc.name] * clips[i])
         for i in clipped:
             x_sq[i] = {name: d.total() for name, d in dots[i].items()}
-    # Each tensor's merge scales: float32(p_i) (weighted mean), or RDA's float32(p_i / |x_i|)
-    # (None for a zero contribution) and its length sum_i p_i |x_i| (``fused.merge_tensor``).
-    scales: dict[str, list[Any]] = {}  # np.float32, or None
-    radius: dict[str, float] = {}
-    for name in names:
-        if name not in radial:
-            scales[name] = [np.float32(p_i) for p_i in p]
-            continue
-        r = 0.0
-        sc: list[Any] = []
-        for i, p_i in enumerate(p):
-            norm = math.sqrt(x_sq[i][name])
-            if norm > 0.0:
-                r += p_i * norm
-                sc.append(np.float32(p_i / norm))
-            else:
-                sc.append(None)
-        scales[name], radius[name] = sc, r
+    scales, radius = merge_scales(names, radial, p, x_sq)
     # Pass 1 (RDA): the norm of each radial tensor that spans chunks, merged but not yet scaled.
     direction: dict[str, float] = {}
     split = {name for name in radial if len(chunks_of[name]) > 1}
