@@ -4,9 +4,9 @@ it holds, and the node commits what a one-process closer commits, byte for byte
 
 Rank 0's node runs the election, the quorum and the records as any closer (``syncer/closing.py``).
 Where a one-process closer reads, merges or writes tensors, rank 0 hands the work to every rank
-(``ShardCloser``: the op goes down the ``down`` channel; each rank > 0 runs it on its closer
-thread, rank 0 on its node thread) and the ranks run it together (``RankCloser``), talking on a
-gloo group of their own (``Comm``):
+(``leading.ShardCloser``: the op goes down the ``down`` channel; each rank > 0 runs it on its
+closer thread, rank 0 on its node thread) and the ranks run it together (``RankCloser``, here),
+talking on a gloo group of their own (``pooling.Comm``):
 
 - **What a rank holds**: of each tensor of the fragment, the flat range its FSDP2 shard holds
   (``ShardedParams.layout``): the outer state (master and momentum, float32) and the parameters of that
@@ -15,7 +15,7 @@ gloo group of their own (``Comm``):
   ranges overlap, and uses the part inside them; a chunk that straddles two ranks is read by both.
 - **Whole-tensor quantities** (norms for clipping, outliers, RDA; the cosine): each rank sums the
   reduction leaves inside its ranges and keeps the values of the leaves its ranges cut
-  (``fused.LeafRange``); the ranks pool them (``Comm.phase``) and sum each cut leaf over its
+  (``fused.LeafRange``); the ranks pool them (``pooling.Comm.phase``) and sum each cut leaf over its
   elements joined (``fused.combine_leaves``): the one-process sums, bit for bit. F8 scales take
   the maximum of the ranks' maxima (exact).
 - **Payloads**: the theta, change and outer chunks are built by their owners (``chunk_owner``, as
@@ -31,169 +31,35 @@ would (``MailboxUnavailable``: the node tries again on its next poll).
 
 from __future__ import annotations
 
-import base64
 import logging
 import math
-import queue
-import threading
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from ..adapters.torch_sharded import ShardedParams, gather_chunks, scatter_chunks
 from ..aggregators import outer as outer_mod
-from ..aggregators.fused import LeafRange, combine_leaves, cosine_from, cosine_range, dot_range, dot_total
+from ..aggregators.fused import cosine_from, cosine_range, dot_range, dot_total
 from ..codec import quant
 from ..codec.chunked import ChunkSpec, chunk_specs, stream_chunk
 from ..codec.stream import ELEMENTWISE
-from ..errors import MailboxUnavailable, MissingExtra, PayloadCorrupt, PayloadLayoutMismatch, SessionFailed
+from ..errors import MailboxUnavailable, MissingExtra, PayloadCorrupt, PayloadLayoutMismatch
 from ..protocol import keys
 from ..protocol.chunks import Piece, is_whole, numel
-from ..protocol.records import PayloadRef, RoundRecord, chunk_refs, digest_of, join_refs
+from ..protocol.records import PayloadRef
 from ..protocol.run import RunInfo, payload_cap
 from ..protocol.store import CHUNK_HEADER_ALLOWANCE, RunStore
-from ..syncer.closer import FragmentState, Written
+from ..syncer.closer import FragmentState
 from ..syncer.spool import Spool
-from ..syncer.streamed import Verdict, _merge_chunk, merge_scales, merge_terms, read_chunk, write_plan
-from .wire import pack, unpack
-
-if TYPE_CHECKING:
-    from ..syncer.closer import Collector, Judged
-    from .wire import Channel
+from ..syncer.streamed import _merge_chunk, merge_scales, merge_terms, read_chunk, write_plan
+from .pooling import Comm, Lost, Pooled, hexf, ref_unwire, unhexf
 
 _log = logging.getLogger(__name__)
 
 Ranges = dict[str, tuple[int, int]]
 Visit = tuple[int, list[tuple[Piece, int, int]]]  # chunk k; each piece clipped to this rank, its slice of the piece
-
-
-# ---- the ranks' collectives ---------------------------------------------------------------------
-
-
-class OpFailed(Exception):
-    """A closer op failed on some rank (every rank raises it at the same phase)."""
-
-    def __init__(self, errors: list[tuple[int, dict[str, Any]]]) -> None:
-        self.errors = errors
-        super().__init__("; ".join(f"rank {r}: {e['e']}" for r, e in errors))
-
-    @property
-    def unavailable(self) -> bool:
-        return all(e.get("t") == "unavailable" for _, e in self.errors)
-
-    @property
-    def lost(self) -> tuple[int, str, str] | None:
-        """A contribution's chunk no rank could read: (its index in the op, reason, why)."""
-        for _, e in self.errors:
-            if e.get("t") == "lost":
-                return int(e["i"]), str(e["reason"]), str(e["e"])
-        return None
-
-
-class _Lost(Exception):
-    def __init__(self, i: int, reason: str, why: str) -> None:
-        super().__init__(why)
-        self.i, self.reason = i, reason
-
-
-class Comm:
-    """Collectives of the closer's ranks: JSON bytes over a gloo group of their own (never Python objects)."""
-
-    def __init__(self, group: Any, rank: int, world: int) -> None:
-        self.group, self.rank, self.world = group, rank, world
-
-    def all(self, value: Any) -> list[Any]:
-        """Every rank's ``value``, in rank order, on every rank."""
-        data = pack(value)
-        size = torch.tensor([len(data)], dtype=torch.int64)
-        sizes = [torch.empty_like(size) for _ in range(self.world)]
-        dist.all_gather(sizes, size, group=self.group)
-        most = max(int(s.item()) for s in sizes)
-        buf = torch.zeros(most, dtype=torch.uint8)
-        if data:
-            buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        bufs = [torch.empty(most, dtype=torch.uint8) for _ in range(self.world)]
-        dist.all_gather(bufs, buf, group=self.group)
-        return [unpack(b[: int(s.item())].numpy().tobytes()) for b, s in zip(bufs, sizes, strict=True)]
-
-    def phase(self, fn: Callable[[], Any]) -> list[Any]:
-        """Run ``fn`` here, then pool every rank's result; ``OpFailed`` on every rank if any failed."""
-        try:
-            mine: dict[str, Any] = {"v": fn()}
-        except _Lost as e:
-            mine = {"e": str(e), "t": "lost", "i": e.i, "reason": e.reason}
-        except MailboxUnavailable as e:
-            mine = {"e": str(e), "t": "unavailable"}
-        except Exception as e:
-            _log.debug("closer op failed here", exc_info=True)
-            mine = {"e": f"{type(e).__name__}: {e}", "t": "error"}
-        got = self.all(mine)
-        errors = [(r, g) for r, g in enumerate(got) if "e" in g]
-        if errors:
-            raise OpFailed(errors)
-        return [g["v"] for g in got]
-
-
-def _f(x: Any) -> str:
-    return float(x).hex()
-
-
-def _unf(s: str) -> float:
-    return float.fromhex(s)
-
-
-def _wire_parts(parts: Mapping[int, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for i, p in parts.items():
-        if isinstance(p, tuple):
-            out[str(i)] = [p[0], base64.b64encode(np.ascontiguousarray(p[1]).tobytes()).decode()]
-        else:
-            out[str(i)] = _f(p)
-    return out
-
-
-def _unwire_parts(got: Mapping[str, Any], kind: str) -> dict[int, Any]:
-    dtype = np.float32 if kind == "dot" else np.float64
-    out: dict[int, Any] = {}
-    for i, p in got.items():
-        out[int(i)] = (
-            (int(p[0]), np.frombuffer(base64.b64decode(p[1]), dtype=dtype)) if isinstance(p, list) else _unf(p)
-        )
-    return out
-
-
-def _ref_wire(r: PayloadRef) -> list[Any]:
-    return [r.key, r.sha256, r.size]
-
-
-def _ref_unwire(v: Sequence[Any]) -> PayloadRef:
-    return PayloadRef(key=str(v[0]), sha256=str(v[1]), size=int(v[2]))
-
-
-# ---- one rank's part -----------------------------------------------------------------------------
-
-
-@dataclass
-class _Pooled:
-    """The leaves of several tensors, one ``LeafRange`` each, pooled over the ranks in one phase."""
-
-    kind: str
-    sizes: dict[Any, int]
-    ranges: dict[Any, LeafRange]
-
-    def wire(self) -> dict[str, Any]:
-        return {pack(k).decode(): _wire_parts(r.finish()) for k, r in self.ranges.items()}
-
-    def leaves(self, pooled: Sequence[Mapping[str, Any]]) -> dict[Any, list[float]]:
-        out = {}
-        for k, size in self.sizes.items():
-            key = pack(k).decode()
-            out[k] = combine_leaves(size, self.kind, [_unwire_parts(p.get(key, {}), self.kind) for p in pooled])
-        return out
 
 
 class RankCloser:
@@ -293,12 +159,12 @@ class RankCloser:
     def _load(self, f: int, version: int, theta_refs: Sequence[Any], outer_refs: Sequence[Any] | None) -> FragmentState:
         run, ranges = self.run, self.ranges(f)
         theta = self._read_ranges(
-            [_ref_unwire(r) for r in theta_refs], run.shapes[f], run.fragment_dtypes(f), ranges, what="parameters"
+            [ref_unwire(r) for r in theta_refs], run.shapes[f], run.fragment_dtypes(f), ranges, what="parameters"
         )
         if outer_refs is None:
             return FragmentState.initial(theta)
         outer = self._read_ranges(
-            [_ref_unwire(r) for r in outer_refs], run.outer_shapes(f), "F32", ranges, what="outer state"
+            [ref_unwire(r) for r in outer_refs], run.outer_shapes(f), "F32", ranges, what="outer state"
         )
         master, momentum = run.split_outer(f, outer, theta)
         if run.cfg.commit_dtype is None:
@@ -333,11 +199,11 @@ class RankCloser:
         f, r = int(op["f"]), int(op["round"])
         run = self.run
         shapes, dtypes = run.shapes[f], run.delta_dtypes(f)
-        refs = [_ref_unwire(x) for x in op["refs"]]
+        refs = [ref_unwire(x) for x in op["refs"]]
         specs = chunk_specs(shapes, self.C)
         cap = payload_cap(run, f) + CHUNK_HEADER_ALLOWANCE * (len(refs) - 1)
         ranges = self.ranges(f)
-        dots = _Pooled("dot", {n: numel(s) for n, s in shapes.items()}, {})
+        dots = Pooled("dot", {n: numel(s) for n, s in shapes.items()}, {})
 
         def local() -> dict[str, Any]:
             if len(refs) != len(specs) or sum(x.size for x in refs) > cap:
@@ -364,7 +230,7 @@ class RankCloser:
         if fails:
             return {"status": min(fails, key=lambda x: x[0])[1]}
         leaves = dots.leaves([p["dots"] for p in pooled])
-        norms = {n: _f(dot_total(dots.sizes[n], leaves[n])) for n in shapes}
+        norms = {n: hexf(dot_total(dots.sizes[n], leaves[n])) for n in shapes}
         return {"status": "ok", "finite": all(p["finite"] for p in pooled), "norms": norms}
 
     # ---- the commit ----------------------------------------------------------------------
@@ -380,7 +246,8 @@ class RankCloser:
         self.comm.phase(lambda: _check_state(st, f, version))
         assert st is not None
         accepted = [
-            ([_ref_unwire(x) for x in a[0]], _unf(a[1]), {n: _unf(v) for n, v in a[2].items()}) for a in op["accepted"]
+            ([ref_unwire(x) for x in a[0]], unhexf(a[1]), {n: unhexf(v) for n, v in a[2].items()})
+            for a in op["accepted"]
         ]
         final, checkpoint, compression = bool(op["final"]), bool(op["checkpoint"]), str(op["compression"])
         master, momentum, cosine = self._merge_and_step(f, r, st, accepted, final)
@@ -389,7 +256,7 @@ class RankCloser:
         self.states[f] = FragmentState(
             version + 1, theta, master, momentum, version + 1 if checkpoint else st.checkpoint
         )
-        return {"parts": parts, "cosine": None if cosine is None else _f(cosine)}
+        return {"parts": parts, "cosine": None if cosine is None else hexf(cosine)}
 
     def _merge_and_step(
         self,
@@ -419,16 +286,16 @@ class RankCloser:
             try:
                 got = self._read(ref, specs[k], dtypes, cap, r, True)
             except (PayloadCorrupt, MissingExtra) as e:
-                raise _Lost(i, "corrupt", f"{ref.key}: {e}") from e
+                raise Lost(i, "corrupt", f"{ref.key}: {e}") from e
             if got is None:
-                raise _Lost(i, "missing", f"{ref.key} is gone")
+                raise Lost(i, "missing", f"{ref.key} is gone")
             return {pc.name: got[pc.name][a:b] for pc, a, b in clipped}
 
         # Pass 0 (RDA with clipping): the norms of the clipped contributions' radial tensors.
         x_sq: list[dict[str, float]] = [{name: sq[i][name] for name in radial} for i in range(n)]
         clipped_i = [i for i in range(n) if clips[i] is not None]
         if radial and clipped_i:
-            pooled = {i: _Pooled("dot", {nm: sizes[nm] for nm in radial}, {}) for i in clipped_i}
+            pooled = {i: Pooled("dot", {nm: sizes[nm] for nm in radial}, {}) for i in clipped_i}
 
             def pass0() -> dict[str, Any]:
                 for i in clipped_i:
@@ -452,7 +319,7 @@ class RankCloser:
         # leaves, so every radial tensor takes this pass here, not only those spanning chunks).
         direction: dict[str, float] = {}
         if radial:
-            dirs = _Pooled("dot", {nm: sizes[nm] for nm in radial}, {})
+            dirs = Pooled("dot", {nm: sizes[nm] for nm in radial}, {})
 
             def pass1() -> dict[str, Any]:
                 dirs.ranges = {nm: dot_range(sizes[nm], *ranges[nm]) for nm in radial}
@@ -472,7 +339,7 @@ class RankCloser:
         lr, beta = cfg.outer_lr, cfg.outer_momentum
         new_master = {nm: np.empty(hi - lo, np.float32) for nm, (lo, hi) in ranges.items()}
         new_momentum = {nm: np.empty(hi - lo, np.float32) for nm, (lo, hi) in ranges.items()} if not final else {}
-        cos = _Pooled("cosine", dict(sizes), {})
+        cos = Pooled("cosine", dict(sizes), {})
 
         def pass2() -> dict[str, Any]:
             cos.ranges = {nm: cosine_range(sizes[nm], *ranges[nm]) for nm in names} if units is not None else {}
@@ -554,12 +421,12 @@ class RankCloser:
                     for (pc, m), (_, pv) in zip(pieces, owned_prev[k], strict=True):
                         diff = np.subtract(m.numpy(), pv.numpy(), dtype=np.float32)
                         out[pc.name] = max(out.get(pc.name, np.float32(0)), quant.e4m3_amax(diff))
-                return {nm: _f(a) for nm, a in out.items()}
+                return {nm: hexf(a) for nm, a in out.items()}
 
             most: dict[str, float] = {}
             for got in self.comm.phase(amax):
                 for nm, a in got.items():
-                    most[nm] = max(most.get(nm, 0.0), _unf(a))
+                    most[nm] = max(most.get(nm, 0.0), unhexf(a))
             change_scales = {nm: quant.e4m3_scale_byte(np.float32(a)) for nm, a in most.items()}
         # Each owned chunk: the new parameters (with commit_dtype, rebuilt from the quantized
         # change, as a learner does) and the change, piece by piece (``streamed._new_theta``).
@@ -660,161 +527,3 @@ def _check_state(st: FragmentState | None, f: int, version: int) -> bool:
         have = None if st is None else st.version
         raise MailboxUnavailable(f"fragment {f}: this rank holds version {have} of the outer state, not {version}")
     return True
-
-
-# ---- rank 0's side: the engine's hooks ------------------------------------------------------------
-
-
-class ShardCloser:
-    """Rank 0's hooks for ``syncer/closing.py`` and ``streamed.py`` (``Bridge.closer``): each sends
-    its op to the other ranks, runs it here and returns what a one-process closer returns."""
-
-    def __init__(self, ranker: RankCloser, down: Channel, stopping: threading.Event) -> None:
-        self.ranker, self.down, self.stopping = ranker, down, stopping
-        self.lock = threading.Lock()
-
-    def _op(self, op: dict[str, Any]) -> Any:
-        with self.lock:
-            if self.stopping.is_set():
-                raise SessionFailed("the node is stopping")
-            for r in range(1, self.ranker.world):
-                self.down.send(r, {"close": op})
-            try:
-                return self.ranker.run_op(op)
-            except OpFailed as e:
-                if e.unavailable:
-                    raise MailboxUnavailable(f"a rank of this node could not read the store: {e}") from None
-                raise
-
-    def state(self, run: RunInfo, f: int, rec: RoundRecord | None, held: FragmentState | None) -> FragmentState:
-        version = rec.version if rec is not None else 0
-        if held is not None and held.version == version:
-            return held  # this node's own commit: every rank holds its ranges of it
-        if rec is None:
-            theta, outer = run.manifest.init[f], None
-        else:
-            if rec.theta is None or rec.outer is None:
-                raise SessionFailed(f"round {rec.round} names no parameters or outer state: not for sharded closers")
-            theta, outer = rec.theta, rec.outer
-        op: dict[str, Any] = {
-            "op": "state",
-            "f": f,
-            "version": version,
-            "theta": [_ref_wire(c) for c in chunk_refs(theta)],
-        }
-        if outer is not None:
-            op["outer"] = [_ref_wire(c) for c in chunk_refs(outer)]
-        try:
-            self._op(op)
-        except OpFailed as e:
-            raise SessionFailed(f"fragment {f}: the ranks could not load the outer state: {e}") from None
-        return FragmentState(version, {}, {}, {}, checkpoint=version)
-
-    def landed(self, f: int, version: int) -> None:
-        """The record of this node's commit of fragment ``f`` at ``version`` is written: the ranks
-        let the state it started from go."""
-        self._op({"op": "landed", "f": f, "version": version})
-
-    def judge(self, store: RunStore, spool: Spool | None, run: RunInfo, f: int, ref: PayloadRef, round: int) -> Verdict:
-        op = {"op": "judge", "f": f, "round": round, "refs": [_ref_wire(c) for c in chunk_refs(ref)]}
-        got = self._op(op)
-        if got["status"] != "ok":
-            return Verdict(got["status"])
-        return Verdict("ok", bool(got["finite"]), {n: _unf(v) for n, v in got["norms"].items()})
-
-    def commit(
-        self, c: Collector, accepted: list[Judged], *, final: bool, checkpoint: bool, compression: str
-    ) -> tuple[dict[str, PayloadRef], str, str | None, float | None, dict[str, Any]]:
-        """The commit's payloads, written by the ranks: (refs of the written kinds, theta digest,
-        outer digest, cosine, ``Written`` of each key)."""
-        run, f, r = c.run, c.fragment, c.round
-        op = {
-            "op": "commit",
-            "f": f,
-            "round": r,
-            "version": c.state.version,
-            "final": final,
-            "checkpoint": checkpoint,
-            "compression": compression,
-            "accepted": [
-                [
-                    [_ref_wire(x) for x in chunk_refs(j.snapshot.payload)] if j.snapshot is not None else [],
-                    _f(j.weight),
-                    {n: _f(v) for n, v in (j.norms or {}).items()},
-                ]
-                for j in accepted
-            ],
-        }
-        try:
-            got = self._op(op)
-        except OpFailed as e:
-            lost = e.lost
-            if lost is not None:
-                from ..syncer.streamed import _Lost as Lost
-
-                raise Lost(accepted[lost[0]], lost[1], lost[2]) from None
-            raise
-        counts = {
-            "theta": len(run.plan(f)),
-            "change": len(run.plan(f)),
-            "outer": len(chunk_specs(run.outer_shapes(f), run.chunk_elements)),
-        }
-        refs: dict[str, PayloadRef] = {}
-        shas: dict[str, list[str]] = {}
-        payloads: dict[str, Any] = {}
-        for kind_written, chunks in got["parts"].items():
-            kind, written = kind_written.split("/")
-            n = counts[kind]
-            if sorted(int(k) for k in chunks) != list(range(n)):
-                raise SessionFailed(f"round {r}: the ranks wrote chunks {sorted(chunks)} of the {kind}'s {n}")
-            ordered = [chunks[str(k)] for k in range(n)]
-            shas[kind_written] = [sha for sha, _ in ordered]
-            if written == "1":
-                zip_ = compression
-                made = [
-                    PayloadRef(key=keys.round_blob_key(r, kind, sha, zip_), sha256=sha, size=size)
-                    for sha, size in ordered
-                ]
-                refs[kind] = join_refs(made)
-                for ref in made:
-                    payloads[ref.key] = Written(ref.size, ref.sha256)
-        theta_digest = digest_of(shas["theta/1" if checkpoint and compression == "" else "theta/0"])
-        outer_digest = None if checkpoint else digest_of(shas["outer/0"])
-        cosine = None if got["cosine"] is None else _unf(got["cosine"])
-        return refs, theta_digest, outer_digest, cosine, payloads
-
-
-class CloserThread:
-    """Ranks > 0: runs the ops rank 0 sends, one at a time, on a thread of its own."""
-
-    def __init__(self, name: str) -> None:
-        self.ops: queue.Queue[Mapping[str, Any] | None] = queue.Queue()
-        self.ranker: RankCloser | None = None
-        self.thread: threading.Thread | None = None
-        self.name = name
-
-    def start(self, ranker: RankCloser) -> None:
-        self.ranker = ranker
-        self.thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
-        self.thread.start()
-
-    def put(self, op: Mapping[str, Any]) -> None:
-        self.ops.put(op)
-
-    def stop(self, timeout: float) -> None:
-        self.ops.put(None)
-        if self.thread is not None:
-            self.thread.join(timeout=timeout)
-        if self.ranker is not None:
-            self.ranker.spool.close()
-
-    def _loop(self) -> None:
-        assert self.ranker is not None
-        while True:
-            op = self.ops.get()
-            if op is None:
-                return
-            try:
-                self.ranker.run_op(op)
-            except OpFailed as e:  # every rank learned it; rank 0 decides what it means
-                _log.debug("closer op %s failed: %s", op.get("op"), e)

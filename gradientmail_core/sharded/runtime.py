@@ -53,7 +53,9 @@ from ..protocol.store import RunStore
 from ..syncer.bridge import View
 from ..syncer.join import join_run
 from .anchors import check_place
-from .closing import CloserThread, Comm, RankCloser, ShardCloser
+from .closing import RankCloser
+from .leading import CloserThread, ShardCloser
+from .pooling import Comm
 from .rank import Captured, RankIO, chunk_elements, chunk_elements_of
 from .wire import Channel, Exchange, new_group
 
@@ -197,7 +199,7 @@ class ShardedRuntime:
         self.exchange: Exchange | None = None
         self.up: Channel | None = None
         self.down: Channel | None = None
-        self.closing: Any = None  # the gloo group of the closer's ops (``closing.Comm``)
+        self.closing: Any = None  # the gloo group of the closer's ops (``pooling.Comm``)
         self.ranker: RankCloser | None = None  # this rank's part of closing rounds
         self.closer_thread = CloserThread(f"gradientmail-r{self.rank}-closer")  # ranks > 0
         self.io: RankIO | None = None
