@@ -46,14 +46,27 @@ def commits(store: RunStore) -> dict[int, list[str]]:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds torchrun's workers through /proc")
-def test_a_sharded_node_killed_mid_round_restarts_under_its_id_and_trains_on(tmp_path):
+@pytest.mark.parametrize("closer", ["plain", "shard"])
+def test_a_sharded_node_killed_mid_round_restarts_under_its_id_and_trains_on(tmp_path, closer):
+    # closer "shard": the sharded node creates the run and closes its rounds until it is killed
+    # (every rank dies mid-round); the plain node then takes the open round over, recovering the
+    # outer state the sharded closer's ranks wrote chunk by chunk.
     mailbox = tmp_path / "mailbox"
     mailbox.mkdir()
     common = ("--lease-timeout", "3")
     done = str(tmp_path / "done")  # the restarted node's training is over: the plain node stops too,
     # so no commit after the ones the restarted node aligned with is collected before the check
-    keeper = plain(mailbox, tmp_path / "plain", "--steps", "2000", "--step-sleep", "0.02", "--until", done, *common)
-    first = sharded(mailbox, tmp_path / "first", "--steps", "1000", "--stop-after", "14", *common)
+    keep = ("--steps", "2000", "--step-sleep", "0.02", "--until", done, *common)
+    if closer == "shard":
+        first = sharded(mailbox, tmp_path / "first", "--steps", "1000", "--stop-after", "14", *common)
+        deadline = time.monotonic() + 60
+        while not (mailbox / "manifest.json").exists():
+            assert first.poll() is None and time.monotonic() < deadline, "the sharded node did not create the run"
+            time.sleep(0.05)
+        keeper = plain(mailbox, tmp_path / "plain", *keep)
+    else:
+        keeper = plain(mailbox, tmp_path / "plain", *keep)
+        first = sharded(mailbox, tmp_path / "first", "--steps", "1000", "--stop-after", "14", *common)
     deadline = time.monotonic() + 90
     while not (tmp_path / "first.stopped0").exists():
         assert first.poll() is None and keeper.poll() is None, "a node ended before the kill"
@@ -71,6 +84,9 @@ def test_a_sharded_node_killed_mid_round_restarts_under_its_id_and_trains_on(tmp
     # Restarted before that, the node would take its lease over at once and nobody would notice.
     store = RunStore(FileMailbox(str(mailbox)))
     killed_at = max(commits(store), default=-1)
+    if closer == "shard":
+        closers = {store.read_record(keys.round_key(r), RoundRecord).closer for r in range(killed_at + 1)}
+        assert closers == {"shard"}, f"the sharded node did not close the rounds before the kill: {closers}"
     deadline = time.monotonic() + 90
     while not any(r > killed_at and who == ["plain"] for r, who in commits(store).items()):
         assert keeper.poll() is None, "the plain node ended"
