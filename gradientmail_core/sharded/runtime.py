@@ -2,7 +2,8 @@
 id, and this keeps them in step (``docs/sharding.md``, section 6).
 
 Rank 0 runs the engine as any node does (``join_run``, the ``Node`` thread, the ``Learner``), with
-``RecordingIO`` in place of ``FragmentIO``: what its learner does to the model (capture fragment f
+``RecordingIO`` in place of ``FragmentIO`` (``handles.py``, with the contribution and commit
+handles the engine holds): what its learner does to the model (capture fragment f
 for round r, write commit (f, v) with ``mixing``) is recorded, not done. The records go to every
 rank in one ``Exchange`` on the training threads, and every rank (rank 0 too) then performs them
 on its shards, in the same order, at the same step: ``RankIO.publish``/``write`` are collectives.
@@ -31,17 +32,14 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from .. import events as ev
-from ..adapters.handles import Contribution, Incoming
-from ..adapters.torch_sharded import ShardedParams, ShardingUnsupported, gather_chunks, gather_refs
+from ..adapters.handles import Incoming
+from ..adapters.torch_sharded import ShardedParams, gather_chunks, gather_refs
 from ..codec.payload import schema_digest
-from ..codec.quant import QTensor
-from ..codec.stream import PayloadStream
-from ..config import Adaptive, Carry, DiLoCo
+from ..config import DiLoCo
 from ..errors import SessionFailed
 from ..mailbox import CreateOutcome
 from ..protocol import keys
@@ -54,9 +52,10 @@ from ..syncer.bridge import View
 from ..syncer.join import join_run
 from .anchors import check_place
 from .closing import RankCloser
+from .handles import RecordingIO, ShardContribution, ShardIncoming, Together, check_config, mesh_matches
 from .leading import CloserThread, ShardCloser
 from .pooling import Comm
-from .rank import Captured, RankIO, chunk_elements, chunk_elements_of
+from .rank import RankIO, chunk_elements, chunk_elements_of
 from .wire import Channel, Exchange, new_group
 
 if TYPE_CHECKING:
@@ -68,132 +67,12 @@ _log = logging.getLogger(__name__)
 LINGER = 10.0  # seconds a failing rank waits for its peers' threads to stop
 
 
-class _Together(SessionFailed):
-    """A failure every rank learned at the same exchange: nothing more to tell the others."""
-
-
-def check_config(cfg: DiLoCo) -> None:
-    """What a sharded node does not do in this version, refused before any I/O (on every rank)."""
-    if getattr(cfg, "chunk_elements", None) is None:
-        raise ShardingUnsupported(
-            "chunk_elements=None stores whole fragments, which no rank of a sharded node holds: keep the "
-            "default chunk size (gm.DiLoCo(chunk_elements=...))"
-        )
-    if cfg.checkpoint_every > 1:
-        raise ShardingUnsupported(
-            f"checkpoint_every={cfg.checkpoint_every}: a sharded node reads each commit's parameters chunk by "
-            "chunk, and rounds between checkpoints name none (only changes from a checkpoint); run with "
-            "checkpoint_every=1 (the default)"
-        )
-    if isinstance(cfg.alignment, Carry | Adaptive):
-        raise ShardingUnsupported(
-            f"alignment={cfg.alignment!r} is not supported by sharded nodes yet: use gm.Overwrite() (the default) "
-            "or gm.Blend(mixing)"
-        )
-    if cfg.error_feedback:
-        raise ShardingUnsupported(
-            "error_feedback=True is not supported by sharded nodes yet (each rank would keep the residuals of "
-            "the chunks it owns): run without it"
-        )
-
-
-def _mesh_matches(sharded: ShardedParams) -> tuple[int, int]:
-    if not dist.is_available() or not dist.is_initialized():
-        raise ShardingUnsupported(
-            "the parameters are FSDP2 DTensors but no default process group is initialised: open the "
-            "gm.Session on every rank after torch.distributed.init_process_group (torchrun does it)"
-        )
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if sharded.world != world or sharded.coord != rank:
-        raise ShardingUnsupported(
-            f"the parameters are sharded over a mesh of {sharded.world} ranks (this rank at {sharded.coord}), "
-            f"the job has {world} processes (this one rank {rank}): gradientmail needs one FSDP2 mesh of every "
-            "process, in rank order (fully_shard's default mesh)"
-        )
-    return rank, world
-
-
-class ShardIncoming:
-    """A commit of fragment ``f`` on its way in: writing it records the action for every rank."""
-
-    def __init__(self, rt: ShardedRuntime, f: int, v: int) -> None:
-        self.rt, self.f, self.v = rt, f, v
-
-    def write(self, mixing: float = 0.0) -> None:
-        self.rt.record({"a": "write", "f": self.f, "v": self.v, "m": float(mixing)})
-
-    def carry(self, since: Contribution | None, anchor: Mapping[str, np.ndarray]) -> None:
-        raise ShardingUnsupported("a sharded node does not carry local steps across commits yet")
-
-
-class ShardContribution:
-    """Rank 0's handle on one publish: ``upload`` (the node's hook, on its thread) uploads rank 0's
-    chunks once every rank captured them, adds the other ranks' refs and returns the joined ref."""
-
-    def __init__(self, rt: ShardedRuntime, f: int, r: int, seq: int) -> None:
-        self.rt, self.fragment, self.round, self.seq = rt, f, r, seq
-        self.captured: Captured | None = None
-        self.ready = threading.Event()
-        self.ref: PayloadRef | None = None
-
-    def upload(self, store: Any, run: Any, fragment: int, round: int, learner: str, compression: str) -> PayloadRef:
-        if self.ref is not None:  # a retry after the snapshot record's write failed
-            return self.ref
-        io = self.rt.io
-        assert io is not None and fragment == self.fragment and round == self.round
-        while not self.ready.wait(0.2):
-            if io.stopping.is_set() or io.failure is not None:
-                raise SessionFailed(f"round {round}: the node stopped before its ranks captured fragment {fragment}")
-        assert self.captured is not None
-        mine = io.upload_owned(self.captured)
-        refs = {**mine, **io.others_refs(self.seq)}
-        n = len(io.plans[fragment])
-        if sorted(refs) != list(range(n)):
-            raise SessionFailed(f"round {round}: the ranks uploaded chunks {sorted(refs)} of fragment {fragment}'s {n}")
-        self.ref = join_refs([refs[k] for k in range(n)])
-        self.captured = None
-        return self.ref
-
-    def encode(self, dtypes: Mapping[str, str], *, compression: str) -> bytes:
-        raise AssertionError("a sharded contribution is uploaded by its ranks (upload), never encoded whole")
-
-    def quantized(self, dtypes: Mapping[str, str]) -> dict[str, QTensor]:
-        raise AssertionError("a sharded contribution is uploaded by its ranks (upload), never quantized whole")
-
-    def stream(self, dtypes: Mapping[str, str], *, compression: str) -> PayloadStream:
-        raise AssertionError("a sharded contribution is uploaded by its ranks (upload), never streamed whole")
-
-
-class RecordingIO:
-    """Rank 0's ``FragmentIO``: the learner's captures are recorded for every rank to perform."""
-
-    def __init__(self, rt: ShardedRuntime) -> None:
-        self.rt = rt
-
-    def capture(
-        self,
-        names: Sequence[str],
-        anchor: Mapping[str, np.ndarray],
-        *,
-        keep: bool = True,
-        slot: tuple[int, int] | None = None,
-    ) -> Contribution:
-        assert slot is not None
-        return self.rt.record_publish(*slot)
-
-    def settle(self, fragment: int, round: int, *, merged: bool) -> None:
-        pass
-
-    def stage(self, theta: Mapping[str, np.ndarray]) -> Incoming:
-        raise AssertionError("a sharded node's follower hands records to bridge.follow, never whole parameters")
-
-
 class ShardedRuntime:
     """The sharded part of one rank's ``Session`` (see the module docstring)."""
 
     def __init__(self, session: Session, sharded: ShardedParams) -> None:
         self.s, self.sharded = session, sharded
-        self.rank, self.world = _mesh_matches(sharded)
+        self.rank, self.world = mesh_matches(sharded)
         check_config(session.algorithm)
         check_place(session.anchors)
         self.exchange: Exchange | None = None
@@ -286,7 +165,7 @@ class ShardedRuntime:
             s._thread.start()
             opening = {"learner": s.learner_id, "compression": s.options.compression, "run": run.manifest.run_id}
             self.flush(done=True, extra={"open": opening})
-        except _Together as e:
+        except Together as e:
             self._teardown()
             raise SessionFailed(str(e)) from e.__cause__
         except BaseException as e:
@@ -364,10 +243,10 @@ class ShardedRuntime:
             except Exception as e:
                 failure = e
             if not self._x.agree(failure is None):
-                raise _Together(f"the initial parameters could not be uploaded: {failure or 'see the other ranks'}")
+                raise Together(f"the initial parameters could not be uploaded: {failure or 'see the other ranks'}")
             got = gather_refs(self.sharded, mine, device)
             if sorted(got) != list(range(n_chunks)):
-                raise _Together(f"fragment {f}: the ranks uploaded chunks {sorted(got)} of {n_chunks}")
+                raise Together(f"fragment {f}: the ranks uploaded chunks {sorted(got)} of {n_chunks}")
             chunks = [
                 PayloadRef(key=key_for_sha(sha), sha256=sha, size=size)
                 for sha, size in (got[k] for k in range(n_chunks))
@@ -498,9 +377,9 @@ class ShardedRuntime:
         _, _, failed = self._x(message or None, done=done, failed=False)
         self.exchange_seconds += time.perf_counter() - t0
         if failed:
-            raise _Together(f"rank(s) {failed} of this node failed (their logs say why)")
+            raise Together(f"rank(s) {failed} of this node failed (their logs say why)")
         if "open" in message and not self._x.agree(True):
-            raise _Together("a rank of this node could not open the run (its log says why)")
+            raise Together("a rank of this node could not open the run (its log says why)")
         self._execute([a for a, _ in batch], [h for _, h in batch])
 
     def before_wait(self) -> None:
@@ -516,7 +395,7 @@ class ShardedRuntime:
             self.exchange_seconds += time.perf_counter() - t0
             if failed:
                 why = message.get("error") if isinstance(message, dict) and 0 in failed else None
-                raise _Together(why or f"rank(s) {failed} of this node failed (their logs say why)")
+                raise Together(why or f"rank(s) {failed} of this node failed (their logs say why)")
             if message:
                 if "create" in message:  # rank 0 creates the run: the initial chunks of this rank
                     self._upload_init(
@@ -532,7 +411,7 @@ class ShardedRuntime:
                         self._local_failure(e)
                         ok = False
                     if not self._x.agree(ok):
-                        raise _Together(f"a rank of this node could not open the run: {self.failure or 'see its log'}")
+                        raise Together(f"a rank of this node could not open the run: {self.failure or 'see its log'}")
                 if "view" in message:
                     head, live, seen, closer = message["view"]
                     self.s.bridge.view = View(head=head, live=live, rounds_seen=seen, closer_of=closer)
@@ -563,7 +442,7 @@ class ShardedRuntime:
                 try:
                     io.write(int(a["f"]), int(a["v"]), float(a["m"]))
                 except SessionFailed as e:  # every rank agreed it failed (RankIO.write)
-                    raise _Together(str(e)) from e
+                    raise Together(str(e)) from e
             elif kind == "newest":
                 io.newest()
             else:
@@ -574,7 +453,7 @@ class ShardedRuntime:
     def _guard(self, fn: Any, *args: Any) -> Any:
         try:
             return fn(*args)
-        except _Together as e:
+        except Together as e:
             self._teardown()
             raise SessionFailed(str(e)) from e.__cause__
         except BaseException as e:
