@@ -430,26 +430,32 @@ class RankCloser:
             change_scales = {nm: quant.e4m3_scale_byte(np.float32(a)) for nm, a in most.items()}
         # Each owned chunk: the new parameters (with commit_dtype, rebuilt from the quantized
         # change, as a learner does) and the change, piece by piece (``streamed._new_theta``).
+        # (A phase: a rank failing here fails the op on every rank before the collectives below.)
         theta_owned: dict[int, list[tuple[Piece, torch.Tensor]]] = {}
         change_owned: dict[int, dict[str, np.ndarray]] = {}
-        for k, pieces in owned_master.items():
-            s = specs[k]
-            chunk_theta: list[tuple[Piece, torch.Tensor]] = []
-            change: dict[str, np.ndarray] = {}
-            for i, (pc, m) in enumerate(pieces):
-                mf = m.numpy()
-                if cd is None:
-                    values = mf
-                else:
-                    pf = owned_prev[k][i][1].numpy()
-                    diff = np.subtract(mf, pf, dtype=np.float32)
-                    change[pc.name] = diff.reshape(s.expected[pc.name])
-                    values = pf + quant.dequantize(quant.quantize(diff, cd, f8_scale=change_scales.get(pc.name)))
-                if dtypes[pc.name] != "F32":
-                    values = quant.dequantize(quant.quantize(values, dtypes[pc.name]))
-                chunk_theta.append((pc, torch.from_numpy(np.ascontiguousarray(values, np.float32).reshape(-1))))
-            theta_owned[k] = chunk_theta
-            change_owned[k] = change
+
+        def build() -> bool:
+            for k, pieces in owned_master.items():
+                s = specs[k]
+                chunk_theta: list[tuple[Piece, torch.Tensor]] = []
+                change: dict[str, np.ndarray] = {}
+                for i, (pc, m) in enumerate(pieces):
+                    mf = m.numpy()
+                    if cd is None:
+                        values = mf
+                    else:
+                        pf = owned_prev[k][i][1].numpy()
+                        diff = np.subtract(mf, pf, dtype=np.float32)
+                        change[pc.name] = diff.reshape(s.expected[pc.name])
+                        values = pf + quant.dequantize(quant.quantize(diff, cd, f8_scale=change_scales.get(pc.name)))
+                    if dtypes[pc.name] != "F32":
+                        values = quant.dequantize(quant.quantize(values, dtypes[pc.name]))
+                    chunk_theta.append((pc, torch.from_numpy(np.ascontiguousarray(values, np.float32).reshape(-1))))
+                theta_owned[k] = chunk_theta
+                change_owned[k] = change
+            return True
+
+        self.comm.phase(build)
         # The new parameters of this rank's ranges, kept for the next change (with commit_dtype:
         # collective, every owner sends each holder its part); without a change they are not read
         # again, and the master stands for them.

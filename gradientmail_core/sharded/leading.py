@@ -185,3 +185,5 @@ class CloserThread:
                 self.ranker.run_op(op)
             except OpFailed as e:  # every rank learned it; rank 0 decides what it means
                 _log.debug("closer op %s failed: %s", op.get("op"), e)
+            except Exception:  # outside a phase (a collective itself failed): keep serving ops
+                _log.exception("closer op %s failed on this rank", op.get("op"))
