@@ -86,6 +86,27 @@ class FailingRecords(ForwardingMailbox):
         return super().put_if_absent(key, data)
 
 
+class FailingReads(ForwardingMailbox):
+    """The first ``left`` reads of contribution payloads fail as a store outage would."""
+
+    def __init__(self, inner: gm.Mailbox, left: int) -> None:
+        super().__init__(inner)
+        self.left = left
+
+    def _fail(self, key: str) -> None:
+        if key.startswith(keys.SNAPSHOT_BLOBS) and self.left > 0:
+            self.left -= 1
+            raise gm.MailboxUnavailable(f"injected: the read of {key} fails")
+
+    def get(self, key: str) -> bytes | None:
+        self._fail(key)
+        return super().get(key)
+
+    def get_stream(self, key: str, *, part_size: int | None = None):  # type: ignore[no-untyped-def]
+        self._fail(key)
+        return super().get_stream(key, part_size=part_size)
+
+
 class Keeping(ForwardingMailbox):
     """Deletes nothing (GC included): a test recomputes every commit from what it read."""
 
@@ -127,6 +148,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--fsdp", type=int, choices=(1, 2), default=2, help="sharded: FSDP1 (flat parameters) or FSDP2")
     ap.add_argument("--anchors", default=None, help="sharded: where the ranks keep their anchors")
+    ap.add_argument("--fail-reads", type=int, default=0, help="the last rank's first N contribution reads fail")
     ap.add_argument("--fail-records", type=int, default=0, help="the first N writes of a round record fail")
     ap.add_argument("--keep", action="store_true", help="delete nothing (no GC): every commit can be recomputed")
     ap.add_argument("--role", default=None, help="the session's role (unset: the default, 'both')")
@@ -158,6 +180,8 @@ def run(args: argparse.Namespace, net: torch.nn.Module, rank: int, world: int) -
         mailbox = Keeping(mailbox)
     if args.fail_records and rank == 0:
         mailbox = FailingRecords(mailbox, args.fail_records)
+    if args.fail_reads and rank == world - 1 and world > 1:  # the last rank of a sharded node
+        mailbox = FailingReads(mailbox, args.fail_reads)
     if args.break_rank == rank and world > 1:
         mailbox = Breaking(mailbox, args.break_after)
     session = gm.Session(

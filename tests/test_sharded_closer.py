@@ -143,3 +143,13 @@ def test_a_commit_whose_record_could_not_be_written_is_computed_again_from_the_s
     report, _ = _closed_by_shard(tmp_path, "--fail-records", "2", steps=16)
     assert len(report["aligned"]) == 4 and all(a[3] == ["plain", "shard"] for a in report["aligned"])
     assert recompute_every_round(tmp_path / "mailbox") == ["shard"] * 4
+
+
+def test_a_rank_that_cannot_read_a_contribution_for_a_while_delays_the_commit_and_changes_no_byte(tmp_path):
+    # The last rank's first reads of contribution chunks fail (the store unavailable to it): the
+    # op fails on every rank at the same phase, rank 0's node tries again on its next poll, and
+    # the commits are the same bytes.
+    report, ranks = _closed_by_shard(tmp_path, "--fail-reads", "3", steps=16)
+    assert len(report["aligned"]) == 4 and all(a[3] == ["plain", "shard"] for a in report["aligned"])
+    assert recompute_every_round(tmp_path / "mailbox") == ["shard"] * 4
+    assert "StoreFailure" in ranks[0]["events"], "no read failed: the test exercised nothing"
