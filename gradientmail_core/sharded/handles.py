@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch.distributed as dist
@@ -18,10 +18,18 @@ from ..codec.stream import PayloadStream
 from ..config import Adaptive, Carry, DiLoCo
 from ..errors import SessionFailed
 from ..protocol.records import PayloadRef, join_refs
-from .rank import Captured
+from .rank import Captured, RankIO
 
-if TYPE_CHECKING:
-    from .runtime import ShardedRuntime
+
+class Recorder(Protocol):
+    """What the handles need of the node's runtime (``runtime.ShardedRuntime``): its rank's IO,
+    and the actions it sends every rank at the next exchange."""
+
+    io: RankIO | None
+
+    def record(self, action: dict[str, Any], handle: ShardContribution | None = None) -> None: ...
+
+    def record_publish(self, f: int, r: int) -> ShardContribution: ...
 
 
 class Together(SessionFailed):
@@ -72,7 +80,7 @@ def mesh_matches(sharded: ShardedParams) -> tuple[int, int]:
 class ShardIncoming:
     """A commit of fragment ``f`` on its way in: writing it records the action for every rank."""
 
-    def __init__(self, rt: ShardedRuntime, f: int, v: int) -> None:
+    def __init__(self, rt: Recorder, f: int, v: int) -> None:
         self.rt, self.f, self.v = rt, f, v
 
     def write(self, mixing: float = 0.0) -> None:
@@ -86,7 +94,7 @@ class ShardContribution:
     """Rank 0's handle on one publish: ``upload`` (the node's hook, on its thread) uploads rank 0's
     chunks once every rank captured them, adds the other ranks' refs and returns the joined ref."""
 
-    def __init__(self, rt: ShardedRuntime, f: int, r: int, seq: int) -> None:
+    def __init__(self, rt: Recorder, f: int, r: int, seq: int) -> None:
         self.rt, self.fragment, self.round, self.seq = rt, f, r, seq
         self.captured: Captured | None = None
         self.ready = threading.Event()
@@ -123,7 +131,7 @@ class ShardContribution:
 class RecordingIO:
     """Rank 0's ``FragmentIO``: the learner's captures are recorded for every rank to perform."""
 
-    def __init__(self, rt: ShardedRuntime) -> None:
+    def __init__(self, rt: Recorder) -> None:
         self.rt = rt
 
     def capture(
