@@ -28,6 +28,7 @@ stops the checks after it.
   plain CUDA node in lockstep (quorum 2): both end bit-identical at the newest commit.
 - ``accelerate-fsdp``: Accelerate's FSDP plugin at ``fsdp_version=2`` under torchrun, with
   ``accelerator.register_gradientmail``, beside a plain CUDA node: bit-identical.
+- ``accelerate-fsdp1``: the same at ``fsdp_version=1`` with ``use_orig_params=True`` (FSDP1).
 - ``dtensor-pipeline``: a sharded ``gm.Session`` on CUDA DTensor shards (FSDP2 under torchrun,
   one bf16 layer: deltas, the chunk exchange and alignment on the GPU; the sharded runtime
   quantizes its chunks on the host in this version), beside a plain CUDA node (the device
@@ -43,9 +44,10 @@ The paired checks run the sharded node and the plain node as separate processes 
 ``FileMailbox`` in a temporary directory, with 1024-element chunks (``chunk_elements``), so with
 two GPUs chunks straddle the ranks' shards.
 
-``--cpu-dry-run`` runs quant, session, sharded, lightning-mp, accelerate-fsdp and
-dtensor-pipeline on CPU tensors (2 gloo ranks; accelerate-fsdp with ``fully_shard`` applied by
-hand, since Accelerate's FSDP plugin does not start on CPU): it tries the script, not CUDA.
+``--cpu-dry-run`` runs quant, session, sharded, lightning-mp, accelerate-fsdp, accelerate-fsdp1
+and dtensor-pipeline on CPU tensors (2 gloo ranks; the accelerate checks with ``fully_shard`` or
+``FullyShardedDataParallel`` applied by hand, since Accelerate's FSDP plugin does not start on
+CPU): it tries the script, not CUDA.
 
 Exit status: 1 if any check failed or timed out, else 0 (``unsupported`` and ``skip`` are not
 failures). Without CUDA it says so and checks nothing (status 0; ``--require-cuda`` makes that
@@ -429,6 +431,10 @@ def check_accelerate_fsdp(args: argparse.Namespace) -> str:
     return _paired(args, "accelerate-fsdp2", lambda argv: _torchrun(_ranks(), argv))
 
 
+def check_accelerate_fsdp1(args: argparse.Namespace) -> str:
+    return _paired(args, "accelerate-fsdp1", lambda argv: _torchrun(_ranks(), argv))
+
+
 def check_dtensor_pipeline(args: argparse.Namespace) -> str:
     return _paired(args, "sharded-session", lambda argv: _torchrun(_ranks(), argv), "--bf16-head")
 
@@ -643,9 +649,10 @@ def worker_lightning(w: argparse.Namespace, fsdp1: bool = False) -> None:
         print(f"{RESULT}{name}: {trainer.world_size} ranks, {callback.driver.steps} session steps")
 
 
-def worker_accelerate(w: argparse.Namespace) -> None:
-    """Accelerate under torchrun: the FSDP plugin at fsdp_version=2 on CUDA; on CPU (dry run)
-    ``fully_shard`` by hand with ``Accelerator(cpu=True)``, since the plugin does not start there."""
+def worker_accelerate(w: argparse.Namespace, fsdp1: bool = False) -> None:
+    """Accelerate under torchrun: the FSDP plugin at fsdp_version=2 (or 1, ``use_orig_params=True``)
+    on CUDA; on CPU (dry run) ``fully_shard`` (or ``FullyShardedDataParallel``) by hand with
+    ``Accelerator(cpu=True)``, since the plugin does not start there."""
     import torch
     import torch.distributed as dist
     from accelerate import Accelerator
@@ -657,16 +664,26 @@ def worker_accelerate(w: argparse.Namespace) -> None:
     if w.device == "cpu":
         accelerator = Accelerator(cpu=True)
         model = _node_net("cpu", w.bf16_head)
-        _shard(model)
+        if fsdp1:
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            model = FullyShardedDataParallel(model, use_orig_params=True, device_id=torch.device("cpu"))
+        else:
+            _shard(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)  # not prepared: every step counts
-        how = "fully_shard by hand, Accelerator(cpu=True)"
+        how = f"{'FullyShardedDataParallel' if fsdp1 else 'fully_shard'} by hand, Accelerator(cpu=True)"
     else:  # the model is built on the CPU; prepare shards it onto this process's GPU
-        accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+        plugin = (
+            FullyShardedDataParallelPlugin(fsdp_version=1, use_orig_params=True)
+            if fsdp1
+            else FullyShardedDataParallelPlugin(fsdp_version=2)
+        )
+        accelerator = Accelerator(fsdp_plugin=plugin)
         model = _node_net("cpu", w.bf16_head)
         model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05))
-        how = f"FSDP plugin fsdp_version=2, distributed_type={accelerator.distributed_type.value}"
-    if find_sharded(accelerator.unwrap_model(model)) is None:
-        raise SystemExit(f"{how}: the prepared model's parameters are not DTensors")
+        how = f"FSDP plugin fsdp_version={1 if fsdp1 else 2}, distributed_type={accelerator.distributed_type.value}"
+    if find_sharded(model if fsdp1 else accelerator.unwrap_model(model)) is None:
+        raise SystemExit(f"{how}: the prepared model's parameters are not sharded")
     handle = accelerator.register_gradientmail(
         model, optimizer, algorithm=_algorithm(), mailbox=w.mailbox, samples_per_step=16,
         wait_for_learners=2, wait_timeout=120, **_options(w, "both"),
@@ -679,7 +696,13 @@ def worker_accelerate(w: argparse.Namespace) -> None:
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
-    full = _full(accelerator.unwrap_model(model))
+    if fsdp1:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        with FullyShardedDataParallel.summon_full_params(model):
+            full = {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in model.named_parameters()}
+    else:
+        full = _full(accelerator.unwrap_model(model))
     if rank == 0:
         _save(w, full, ranks=accelerator.num_processes, backend=dist.get_backend())
         print(f"{RESULT}Accelerate ({how}): {accelerator.num_processes} ranks, {handle.steps} session steps")
@@ -691,6 +714,7 @@ WORKERS: dict[str, Callable[[argparse.Namespace], None]] = {
     "lightning-mp": worker_lightning,
     "lightning-fsdp1": lambda w: worker_lightning(w, fsdp1=True),
     "accelerate-fsdp2": worker_accelerate,
+    "accelerate-fsdp1": lambda w: worker_accelerate(w, fsdp1=True),
 }
 
 
@@ -723,6 +747,7 @@ CHECKS: dict[str, tuple[Callable[[argparse.Namespace], str], float, bool]] = {
     "fsdp-strategy": (check_fsdp_strategy, 60, False),
     "lightning-mp": (check_lightning_mp, 90, True),
     "accelerate-fsdp": (check_accelerate_fsdp, 90, True),
+    "accelerate-fsdp1": (check_accelerate_fsdp1, 90, True),
     "dtensor-pipeline": (check_dtensor_pipeline, 90, True),
     "sharded-memory": (check_sharded_memory, 120, False),
     "overhead": (check_overhead, 240, False),

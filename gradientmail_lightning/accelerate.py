@@ -15,11 +15,14 @@ With the FSDP plugin at ``fsdp_version=2`` the prepared model's parameters are D
 hook, which runs on every process after the same real optimizer step, steps each of them (the
 session's per-step decision is a collective of the node's processes). A step the GradScaler
 skips is skipped on every process alike (DTensor all-reduces the inf/NaN flag over the mesh).
-FSDP1 (flat parameters) is refused.
+FSDP1 (``fsdp_version=1``) with ``use_orig_params=True`` works the same way (each rank holds a
+range of each of the model's tensors; the session opens on the wrapped root module); FSDP1's
+flat parameters (``use_orig_params=False``, Accelerate's FSDP1 default) are refused.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
@@ -39,27 +42,39 @@ from .driver import SessionDriver
 from .options import SessionOptions
 
 _UNSUPPORTED = {
-    DistributedType.FSDP: "FSDP1 shards the parameters as flat parameters (use fsdp_version=2)",
+    DistributedType.FSDP: (
+        "FSDP1 without use_orig_params=True shards flat parameters that no longer name the model's tensors "
+        "(FullyShardedDataParallelPlugin(use_orig_params=True), or fsdp_version=2)"
+    ),
     DistributedType.DEEPSPEED: "DeepSpeed owns the optimizer step and may shard the parameters",
     DistributedType.MEGATRON_LM: "Megatron-LM shards the parameters",
     DistributedType.XLA: "XLA runs outside torch.distributed",
 }
 
 
-def check_distributed_type(distributed_type: DistributedType, fsdp_version: int | None = None) -> None:
-    """Refuse Accelerate setups whose parameters gradientmail cannot read: FSDP1, DeepSpeed,
-    Megatron-LM, XLA. FSDP with ``fsdp_version=2`` (DTensor parameters) is accepted."""
-    if distributed_type == DistributedType.FSDP and fsdp_version == 2:
+def check_distributed_type(
+    distributed_type: DistributedType, fsdp_version: int | None = None, use_orig_params: bool | None = None
+) -> None:
+    """Refuse Accelerate setups whose parameters gradientmail cannot read: FSDP1 with flat
+    parameters (``use_orig_params`` not set), DeepSpeed, Megatron-LM, XLA. FSDP with
+    ``fsdp_version=2`` (DTensor parameters), or ``fsdp_version=1`` with ``use_orig_params=True``
+    (each rank a range of each of the model's tensors), is accepted."""
+    if distributed_type == DistributedType.FSDP and (fsdp_version == 2 or use_orig_params):
         return
     why = _UNSUPPORTED.get(distributed_type)
     if why is not None:
         raise ValueError(
             f"register_gradientmail cannot train with distributed_type={distributed_type.value}: {why}, and "
             "gradientmail reads and writes whole parameters on rank 0, or FSDP2 DTensor shards on every rank. "
-            "Use the FSDP plugin with fsdp_version=2, or launch the node as plain data parallel "
+            "Use the FSDP plugin with fsdp_version=2 (or 1 with use_orig_params=True), or launch the node as plain data parallel "
             "(accelerate launch --multi_gpu, or torchrun) so every rank holds the full model, or use one process "
             "per node."
         )
+
+
+def _fsdp1_root(model: Any) -> bool:
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(model, fsdp.FullyShardedDataParallel)
 
 
 class GradientMailHandle:
@@ -196,7 +211,9 @@ def register_gradientmail(
     process moves its part of the payloads).
     """
     plugin = getattr(self.state, "fsdp_plugin", None)
-    check_distributed_type(self.distributed_type, getattr(plugin, "fsdp_version", None))
+    check_distributed_type(
+        self.distributed_type, getattr(plugin, "fsdp_version", None), getattr(plugin, "use_orig_params", None)
+    )
     if samples_per_step is not None and (not isinstance(samples_per_step, int) or samples_per_step < 0):
         raise ValueError(f"register_gradientmail(samples_per_step={samples_per_step!r}): expected an int >= 0")
     if isinstance(optimizer, AcceleratedOptimizer):
@@ -213,7 +230,10 @@ def register_gradientmail(
         owner, {"algorithm": algorithm, "mailbox": mailbox, **options}, also=("samples_per_step",)
     )
     driver = SessionDriver(session_options, owner=owner)
-    handle = GradientMailHandle(self, self.unwrap_model(model), inner, driver, samples_per_step)
+    # FSDP1: the session opens on the wrapped root (its flat parameter holds what no inner unit
+    # holds; its names are the model's); anything else, on the unwrapped model.
+    module = model if _fsdp1_root(model) else self.unwrap_model(model)
+    handle = GradientMailHandle(self, module, inner, driver, samples_per_step)
     self.register_for_checkpointing(handle)
     return handle
 

@@ -119,3 +119,10 @@ def test_sharded_setups_are_refused_naming_the_alternative(kind: DistributedType
     with pytest.raises(ValueError, match="torchrun"):
         check_distributed_type(kind)
     check_distributed_type(DistributedType.MULTI_GPU)  # plain data parallel is fine
+
+
+def test_fsdp_is_accepted_with_the_models_own_parameters_and_refused_with_flat_ones() -> None:
+    check_distributed_type(DistributedType.FSDP, 2)  # FSDP2: DTensors
+    check_distributed_type(DistributedType.FSDP, 1, True)  # FSDP1, use_orig_params=True
+    with pytest.raises(ValueError, match="use_orig_params=True"):
+        check_distributed_type(DistributedType.FSDP, 1, False)  # Accelerate's FSDP1 default: flat parameters
