@@ -87,3 +87,21 @@ def test_two_process_accelerate_node_stays_in_sync_and_only_the_main_process_use
     newest = newest_params(make_model(), mb)
     for out, rank in ((tmp_path / "pair", 0), (tmp_path / "pair", 1), (tmp_path / "one", 0)):
         assert_same_params(params(out, rank), newest)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("check", ["accelerate-fsdp", "accelerate-fsdp1"])
+def test_register_gradientmail_on_a_sharded_model_learns_closes_and_ends_bit_identical(check: str) -> None:
+    # ``accelerator.register_gradientmail`` on a 2-process node whose model is sharded by hand on
+    # the CPU (FSDP2 ``fully_shard``, or FSDP1 ``FullyShardedDataParallel(use_orig_params=True)``:
+    # Accelerate's FSDP plugin does not start on a CPU), beside a plain node that only learns: the
+    # sharded node closes every round and both end bit-identical (``bench/gpu_check.py``'s check,
+    # run in its CPU dry-run mode; on a GPU the same check runs the plugin itself).
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    argv = [sys.executable, str(root / "bench" / "gpu_check.py"), "--check", check, "--cpu-dry-run", "--budget", "150"]
+    done = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "final parameters bit-identical" in done.stdout, done.stdout[-2000:]
