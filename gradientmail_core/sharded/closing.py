@@ -45,21 +45,20 @@ from ..aggregators.fused import cosine_from, cosine_range, dot_range, dot_total
 from ..codec import quant
 from ..codec.chunked import ChunkSpec, chunk_specs, stream_chunk
 from ..codec.stream import ELEMENTWISE
-from ..errors import MailboxUnavailable, MissingExtra, PayloadCorrupt, PayloadLayoutMismatch
+from ..errors import MailboxUnavailable, MissingExtra, PayloadCorrupt
 from ..protocol import keys
 from ..protocol.chunks import Piece, is_whole, numel
-from ..protocol.records import PayloadRef
+from ..protocol.records import PayloadRef, join_refs
 from ..protocol.run import RunInfo, payload_cap
 from ..protocol.store import CHUNK_HEADER_ALLOWANCE, RunStore
 from ..syncer.closer import FragmentState
 from ..syncer.spool import Spool
-from ..syncer.streamed import _merge_chunk, merge_scales, merge_terms, read_chunk, write_plan
+from ..syncer.streamed import Visit, _merge_chunk, merge_scales, merge_terms, read_chunk, read_chunks, write_plan
 from .pooling import Comm, Lost, Pooled, hexf, ref_unwire, unhexf
 
 _log = logging.getLogger(__name__)
 
 Ranges = dict[str, tuple[int, int]]
-Visit = tuple[int, list[tuple[Piece, int, int]]]  # chunk k; each piece clipped to this rank, its slice of the piece
 
 
 class RankCloser:
@@ -197,32 +196,24 @@ class RankCloser:
     def judge(self, op: Mapping[str, Any]) -> dict[str, Any]:
         """``streamed.judge_payload`` over this rank's ranges; the verdict pooled over the ranks."""
         f, r = int(op["f"]), int(op["round"])
-        run = self.run
-        shapes, dtypes = run.shapes[f], run.delta_dtypes(f)
-        refs = [ref_unwire(x) for x in op["refs"]]
-        specs = chunk_specs(shapes, self.C)
-        cap = payload_cap(run, f) + CHUNK_HEADER_ALLOWANCE * (len(refs) - 1)
+        shapes = self.run.shapes[f]
+        ref = join_refs([ref_unwire(x) for x in op["refs"]])
         ranges = self.ranges(f)
         dots = Pooled("dot", {n: numel(s) for n, s in shapes.items()}, {})
 
         def local() -> dict[str, Any]:
-            if len(refs) != len(specs) or sum(x.size for x in refs) > cap:
-                return {"fail": [-1, "corrupt"]}
             dots.ranges = {n: dot_range(numel(s), *ranges[n]) for n, s in shapes.items()}
             finite = True
-            for k, clipped in self.visits(specs, ranges):
-                try:
-                    got = self._read(refs[k], specs[k], dtypes, cap, r, True)
-                except PayloadLayoutMismatch:
-                    return {"fail": [k, "schema"]}
-                except (PayloadCorrupt, MissingExtra):
-                    return {"fail": [k, "corrupt"]}
-                if got is None:
-                    return {"fail": [k, "missing"]}
-                for pc, a, b in clipped:
-                    v = got[pc.name][a:b]
-                    finite = finite and bool(np.isfinite(v).all())
-                    dots.ranges[pc.name].feed(v)
+
+            def feed(name: str, v: np.ndarray) -> None:
+                nonlocal finite
+                finite = finite and bool(np.isfinite(v).all())
+                dots.ranges[name].feed(v)
+
+            visits = self.visits(chunk_specs(shapes, self.C), ranges)
+            failed = read_chunks(self.store, self.spool, self.run, f, ref, r, visits, feed)
+            if failed is not None:
+                return {"fail": list(failed)}
             return {"finite": finite, "dots": dots.wire()}
 
         pooled = self.comm.phase(local)

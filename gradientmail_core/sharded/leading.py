@@ -22,7 +22,7 @@ from ..protocol.run import RunInfo
 from ..protocol.store import RunStore
 from ..syncer.closer import FragmentState, Written
 from ..syncer.spool import Spool
-from ..syncer.streamed import Verdict
+from ..syncer.streamed import Made, Verdict
 from ..syncer.streamed import _Lost as ContributionLost
 from .closing import RankCloser
 from .pooling import OpFailed, hexf, ref_wire, unhexf
@@ -91,11 +91,9 @@ class ShardCloser:
             return Verdict(got["status"])
         return Verdict("ok", bool(got["finite"]), {n: unhexf(v) for n, v in got["norms"].items()})
 
-    def commit(
-        self, c: Collector, accepted: list[Judged], *, final: bool, checkpoint: bool, compression: str
-    ) -> tuple[dict[str, PayloadRef], str, str | None, float | None, dict[str, Any]]:
-        """The commit's payloads, written by the ranks: (refs of the written kinds, theta digest,
-        outer digest, cosine, ``Written`` of each key)."""
+    def commit(self, c: Collector, accepted: list[Judged], *, final: bool, checkpoint: bool, compression: str) -> Made:
+        """The commit's payloads, written by the ranks. Its state here is the version only: the
+        ranks hold the arrays (``RankCloser.states``)."""
         run, f, r = c.run, c.fragment, c.round
         op = {
             "op": "commit",
@@ -148,7 +146,9 @@ class ShardCloser:
         theta_digest = digest_of(shas["theta/1" if checkpoint and compression == "" else "theta/0"])
         outer_digest = None if checkpoint else digest_of(shas["outer/0"])
         cosine = None if got["cosine"] is None else unhexf(got["cosine"])
-        return refs, theta_digest, outer_digest, cosine, payloads
+        v = c.state.version + 1
+        state = FragmentState(v, {}, {}, {}, v if checkpoint else c.state.checkpoint)
+        return Made(refs, theta_digest, outer_digest, cosine, payloads, state)
 
 
 class CloserThread:

@@ -66,7 +66,7 @@ from ..codec.stream import ELEMENTWISE, PayloadStream
 from ..config import RDA
 from ..errors import MailboxUnavailable, MissingExtra, PayloadCorrupt, PayloadLayoutMismatch
 from ..protocol import keys
-from ..protocol.chunks import is_whole, numel
+from ..protocol.chunks import Piece, is_whole, numel
 from ..protocol.records import PayloadRef, chunk_refs, digest_of, join_refs
 from ..protocol.run import RunInfo, payload_cap
 from ..protocol.store import CHUNK_HEADER_ALLOWANCE, RunStore
@@ -164,30 +164,61 @@ def judge_payload(store: RunStore, spool: Spool | None, run: RunInfo, f: int, re
     its chunks stay in ``spool``. The statuses are ``RunStore.get_payload``'s, decided by the same
     checks in the same order (the chunk count, the declared total against the cap, then each chunk
     in order: the first one gone, damaged or of another layout)."""
-    shapes, dtypes = run.shapes[f], run.delta_dtypes(f)
-    specs = chunk_specs(shapes, run.chunk_elements)
-    refs = chunk_refs(ref)
-    if len(refs) != len(specs):
-        return Verdict("corrupt")
-    cap = payload_cap(run, f) + CHUNK_HEADER_ALLOWANCE * (len(refs) - 1)
-    if sum(r.size for r in refs) > cap:
-        return Verdict("corrupt")
+    shapes = run.shapes[f]
     sq = {n: StreamedDot(numel(s)) for n, s in shapes.items()}
     finite = True
-    for r, s in zip(refs, specs, strict=True):
-        try:
-            got = read_chunk(store, spool, r, s, dtypes=dtypes, max_bytes=cap, round=round)
-        except PayloadLayoutMismatch:
-            return Verdict("schema")
-        except (PayloadCorrupt, MissingExtra):  # MissingExtra: a zstd payload, zstandard absent
-            return Verdict("corrupt")
-        if got is None:
-            return Verdict("missing")
-        for p in s.pieces:
-            v = got[p.name]
-            finite = finite and bool(np.isfinite(v).all())
-            sq[p.name].feed(v)
+
+    def feed(name: str, v: np.ndarray) -> None:
+        nonlocal finite
+        finite = finite and bool(np.isfinite(v).all())
+        sq[name].feed(v)
+
+    specs = chunk_specs(shapes, run.chunk_elements)
+    failed = read_chunks(
+        store, spool, run, f, ref, round, [(s.k, [(p, 0, p.size) for p in s.pieces]) for s in specs], feed
+    )
+    if failed is not None:
+        return Verdict(failed[1])
     return Verdict("ok", finite, {n: d.total() for n, d in sq.items()})
+
+
+Visit = tuple[int, list[tuple[Piece, int, int]]]  # chunk k; each piece read, and its slice of the chunk's piece
+
+
+def read_chunks(
+    store: RunStore,
+    spool: Spool | None,
+    run: RunInfo,
+    f: int,
+    ref: PayloadRef,
+    round: int,
+    visits: Sequence[Visit],
+    feed: Callable[[str, np.ndarray], None],
+) -> tuple[int, PayloadStatus] | None:
+    """Judging's reads of a contribution to fragment ``f``: the chunk count and the declared total
+    against the cap, then each chunk ``visits`` names, in order, verified and decoded (spooled),
+    each of its listed pieces' values (``[a:b]`` of the chunk's piece) given to ``feed``. The first
+    failure as ``(chunk, status)`` (chunk -1: the ref itself), or None."""
+    specs = chunk_specs(run.shapes[f], run.chunk_elements)
+    refs = chunk_refs(ref)
+    if len(refs) != len(specs):
+        return -1, "corrupt"
+    cap = payload_cap(run, f) + CHUNK_HEADER_ALLOWANCE * (len(refs) - 1)
+    if sum(r.size for r in refs) > cap:
+        return -1, "corrupt"
+    dtypes = run.delta_dtypes(f)
+    for k, pieces in visits:
+        try:
+            got = read_chunk(store, spool, refs[k], specs[k], dtypes=dtypes, max_bytes=cap, round=round)
+        except PayloadLayoutMismatch:
+            return k, "schema"
+        except (PayloadCorrupt, MissingExtra):  # MissingExtra: a zstd payload, zstandard absent
+            return k, "corrupt"
+        if got is None:
+            return k, "missing"
+        for p, a, b in pieces:
+            feed(p.name, got[p.name][a:b])
+    return None
 
 
 # ---- committing -------------------------------------------------------------------------------
@@ -254,29 +285,61 @@ def commit_by_chunks(
     result, byte for byte). A contribution whose chunk can no longer be read (the spool's copy
     damaged and the store's gone or damaged) is rejected (``corrupt``/``missing``) and the commit
     given up with ``MailboxUnavailable``: the next poll decides again whether the round may close."""
-    from .closer import FragmentState, Written
+    from .closer import Commit, commit_record
 
     assert c.store is not None, "a chunk-by-chunk collector keeps the store it judged from"
     run, cfg, f = c.run, c.run.cfg, c.fragment
-    extra = {"closer": closer, "live": live, "now": now, "sync_seconds": sync_seconds}
     if outliers and cfg.outlier_factor is not None:
         c.reject_outliers(cfg.outlier_factor)
     accepted = sorted(c.accepted(), key=lambda j: j.learner)
     assert accepted, "a round closes with at least one accepted snapshot"
     st = c.state
     final = all(j.snapshot is not None and j.snapshot.final for j in accepted)
-    out, c.reserved = c.reserved, None  # taken: a second attempt writes into fresh arrays
-    threaded = run.fragment_bytes(f) >= _threaded_bytes()
-    source = _Contributions(c, c.store, accepted, threaded=threaded)
     checkpoint = run.checkpoint_due(f, st.version + 1, final=final, participants=len(accepted))
+    if c.sharded is not None:  # a sharded node: its ranks merge, step and write their chunks
+        assert write is not None, "a sharded closer writes as it commits"
+        with _rejecting_lost(c):
+            made = c.sharded.commit(c, accepted, final=final, checkpoint=checkpoint, compression=compression)
+    else:
+        made = _commit_here(c, accepted, final, checkpoint, compression, write)
+    record = commit_record(
+        c,
+        accepted,
+        made.refs,
+        theta_digest=made.theta_digest,
+        outer_digest=made.outer_digest,
+        cosine=made.cosine,
+        final=final,
+        checkpoint=checkpoint,
+        closer=closer,
+        live=live,
+        now=now,
+        sync_seconds=sync_seconds,
+    )
+    return Commit(record, made.state, made.payloads)
+
+
+@dataclass
+class Made:
+    """What a commit made before its record: the refs of the payloads written (by kind), the
+    digests of the parameters and outer state, the cosine, each payload handed to ``write``
+    (``closer.Commit.payloads``) and the fragment's new state."""
+
+    refs: dict[str, PayloadRef]
+    theta_digest: str
+    outer_digest: str | None
+    cosine: float | None
+    payloads: dict[str, Any]
+    state: Any  # closer.FragmentState
+
+
+@contextlib.contextmanager
+def _rejecting_lost(c: Collector, out: Any = None) -> Generator[None, None, None]:
+    """A contribution whose chunk can no longer be read is rejected and the commit given up with
+    ``MailboxUnavailable`` (``commit_by_chunks``); ``out``: the arrays the commit would have
+    written, given back to the collector for the next attempt."""
     try:
-        if c.sharded is not None:  # a sharded node: its ranks merge, step and write their chunks
-            assert write is not None, "a sharded closer writes as it commits"
-            refs, theta_digest, outer_digest, cosine, written = c.sharded.commit(
-                c, accepted, final=final, checkpoint=checkpoint, compression=compression
-            )
-            return _record(c, accepted, refs, theta_digest, outer_digest, cosine, final, checkpoint, written, extra)
-        master, momentum, cosine = _merge_and_step(c, source, accepted, final, out)
+        yield
     except _Lost as lost:
         c.reserved = out  # nothing was committed: the next attempt writes every element again
         j = lost.judged
@@ -288,6 +351,26 @@ def commit_by_chunks(
             f"round {c.round}: {j.learner}'s contribution can no longer be read ({lost}); rejected as "
             f"{lost.reason}, the round closes on the next poll if it still may"
         ) from lost
+
+
+def _commit_here(
+    c: Collector,
+    accepted: list[Judged],
+    final: bool,
+    checkpoint: bool,
+    compression: str,
+    write: Callable[[str, bytes | PayloadStream], object] | None,
+) -> Made:
+    """The merge, the outer step and the payloads of a commit in this process."""
+    from .closer import FragmentState, Written
+
+    assert c.store is not None
+    run, cfg, f, st = c.run, c.run.cfg, c.fragment, c.state
+    out, c.reserved = c.reserved, None  # taken: a second attempt writes into fresh arrays
+    threaded = run.fragment_bytes(f) >= _threaded_bytes()
+    source = _Contributions(c, c.store, accepted, threaded=threaded)
+    with _rejecting_lost(c, out):
+        master, momentum, cosine = _merge_and_step(c, source, accepted, final, out)
     theta = _new_theta(run, f, st.theta, master)
     shapes, outer_shapes, dtypes = run.shapes[f], run.outer_shapes(f), run.fragment_dtypes(f)
     outer = {f"momentum/{n}": v for n, v in momentum.items()}
@@ -339,41 +422,7 @@ def commit_by_chunks(
     outer_digest = None if checkpoint else digest_of([p.sha256 for p in parts[("outer", False)]])
     version = st.version + 1
     state = FragmentState(version, theta, master, momentum, version if checkpoint else st.checkpoint)
-    return _record(c, accepted, refs, theta_digest, outer_digest, cosine, final, checkpoint, payloads, extra, state)
-
-
-def _record(
-    c: Collector,
-    accepted: list[Judged],
-    refs: dict[str, PayloadRef],
-    theta_digest: str,
-    outer_digest: str | None,
-    cosine: float | None,
-    final: bool,
-    checkpoint: bool,
-    payloads: dict[str, Any],
-    extra: Mapping[str, Any],
-    state: Any = None,
-) -> Commit:
-    """The commit's record (``closer.commit_record``) and result. ``state`` None: a sharded
-    node's (its ranks hold the arrays; rank 0 keeps the version)."""
-    from .closer import Commit, FragmentState, commit_record
-
-    record = commit_record(
-        c,
-        accepted,
-        refs,
-        theta_digest=theta_digest,
-        outer_digest=outer_digest,
-        cosine=cosine,
-        final=final,
-        checkpoint=checkpoint,
-        **extra,
-    )
-    if state is None:
-        version = c.state.version + 1
-        state = FragmentState(version, {}, {}, {}, version if checkpoint else c.state.checkpoint)
-    return Commit(record, state, payloads)
+    return Made(refs, theta_digest, outer_digest, cosine, payloads, state)
 
 
 def write_plan(checkpoint: bool, change: bool, compression: str) -> list[tuple[str, bool]]:
