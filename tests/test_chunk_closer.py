@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import gradientmail_core as gm
 from gradientmail_core.adapters.base import NumpyAdapter
-from gradientmail_core.aggregators import fused
+from gradientmail_core.aggregators import fused, leaves
 from gradientmail_core.errors import MailboxUnavailable
 from gradientmail_core.mailbox.memory import MemoryMailbox
 from gradientmail_core.protocol import keys
@@ -259,7 +259,7 @@ def test_a_streamed_norm_is_dot_of_the_whole_tensor_bit_for_bit(size: int, cuts:
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal(size) * 2.0**magnitude).astype(np.float32)
     bounds = sorted({0, size, *(min(size, 32 * c) for c in cuts)})
-    d, cos = fused.StreamedDot(size), fused.StreamedCosine(size)
+    d, cos = leaves.StreamedDot(size), leaves.StreamedCosine(size)
     a = x.astype(np.float64) * 0.37
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
         d.feed(x[lo:hi])
@@ -268,6 +268,40 @@ def test_a_streamed_norm_is_dot_of_the_whole_tensor_bit_for_bit(size: int, cuts:
     squares: list[float] = []
     fused.merge_tensor([], [], radial=False, cosine=[(x, 0.37)], squares=squares)
     assert cos.squares() == squares
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    size=st.one_of(st.integers(0, 3000), st.integers(30_000, 140_000), st.integers((1 << 20) - 50, (1 << 20) + 70_000)),
+    ranks=st.lists(st.integers(0, 1 << 21), max_size=6),
+    pieces=st.integers(1, 4),
+    seed=st.integers(0, 2**31),
+)
+def test_a_tensor_split_between_ranks_pools_to_the_whole_tensors_sums_bit_for_bit(
+    size: int, ranks: list[int], pieces: int, seed: int
+):
+    # A sharded closer's ranks each hold any contiguous range (any cut, not only 32-aligned), fed
+    # in a few pieces; their parts pooled give the one-process norm and cosine squares.
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(size).astype(np.float32)
+    a = x.astype(np.float64) * 0.37
+    bounds = sorted({0, size, *(min(size, c) for c in ranks)})
+    dots, coss = [], []
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        d, c = leaves.dot_range(size, lo, hi), leaves.cosine_range(size, lo, hi)
+        steps = sorted({lo, hi, *rng.integers(lo, hi + 1, size=pieces - 1).tolist()})
+        for p, q in zip(steps[:-1], steps[1:], strict=True):
+            d.feed(x[p:q])
+            c.feed(a[p:q])
+        dots.append(d.finish())
+        coss.append(c.finish())
+    assert leaves.dot_total(size, leaves.combine_leaves(size, "dot", dots)) == fused._dot(x, x)
+    squares: list[float] = []
+    fused.merge_tensor([], [], radial=False, cosine=[(x, 0.37)], squares=squares)
+    assert leaves.combine_leaves(size, "cosine", coss) == squares
+    if len(dots) > 1:  # a rank's parts missing: a leaf is not covered, and it says so
+        with pytest.raises(ValueError):
+            leaves.combine_leaves(size, "dot", dots[1:])
 
 
 # ---- memory ---------------------------------------------------------------------------------------

@@ -15,8 +15,8 @@ talking on a gloo group of their own (``pooling.Comm``):
   ranges overlap, and uses the part inside them; a chunk that straddles two ranks is read by both.
 - **Whole-tensor quantities** (norms for clipping, outliers, RDA; the cosine): each rank sums the
   reduction leaves inside its ranges and keeps the values of the leaves its ranges cut
-  (``fused.LeafRange``); the ranks pool them (``pooling.Comm.phase``) and sum each cut leaf over its
-  elements joined (``fused.combine_leaves``): the one-process sums, bit for bit. F8 scales take
+  (``leaves.LeafRange``); the ranks pool them (``pooling.Comm.phase``) and sum each cut leaf over its
+  elements joined (``leaves.combine_leaves``): the one-process sums, bit for bit. F8 scales take
   the maximum of the ranks' maxima (exact).
 - **Payloads**: the theta, change and outer chunks are built by their owners (``chunk_owner``, as
   for a contribution), from the pieces the ranks hold (``gather_chunks`` on the closer's group),
@@ -41,7 +41,8 @@ import torch
 
 from ..adapters.torch_sharded import ShardedParams, gather_chunks, scatter_chunks
 from ..aggregators import outer as outer_mod
-from ..aggregators.fused import cosine_from, cosine_range, dot_range, dot_total
+from ..aggregators.fused import cosine_from
+from ..aggregators.leaves import cosine_range, dot_range, dot_total
 from ..codec import quant
 from ..codec.chunked import ChunkSpec, chunk_specs, stream_chunk
 from ..codec.stream import ELEMENTWISE

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..aggregators.fused import LeafRange, combine_leaves
+from ..aggregators.leaves import LeafRange, combine_leaves
 from ..errors import MailboxUnavailable
 from ..protocol.records import PayloadRef
 from .wire import pack, unpack

@@ -9,7 +9,7 @@ order, only visited a chunk at a time.
 
 - **Judging** (``judge_payload``): each chunk of a snapshot is fetched (or found in the node's
   ``Spool``), size- and sha256-checked, checked against its place in the plan and decoded, in chunk
-  order; its values are checked finite and fed to each tensor's ``fused.StreamedDot`` (the squared
+  order; its values are checked finite and fed to each tensor's ``leaves.StreamedDot`` (the squared
   norm ``sq_norms`` gives, bit for bit). The encoded bytes are kept in the spool as they arrive.
   The first chunk missing, damaged or of another layout decides the status, as
   ``RunStore.get_payload`` does.
@@ -51,15 +51,8 @@ import numpy as np
 from ..aggregators import merge as merge_mod
 from ..aggregators import outer as outer_mod
 from ..aggregators.acceptance import PayloadStatus
-from ..aggregators.fused import (
-    StreamedCosine,
-    StreamedDot,
-    cosine_from,
-    cosine_into,
-    cosine_units,
-    merge_into,
-    norm_of,
-)
+from ..aggregators.fused import cosine_from, cosine_into, cosine_units, merge_into, norm_of
+from ..aggregators.leaves import StreamedCosine, StreamedDot
 from ..codec import quant
 from ..codec.chunked import ChunkSpec, chunk_specs, decode_chunk, f8_scales, split, stream_chunk
 from ..codec.stream import ELEMENTWISE, PayloadStream
@@ -643,7 +636,7 @@ def _merge_chunk(
     scales: Mapping[str, Sequence[np.float32 | None]],
     clips: Sequence[np.float32 | None],
     units: Sequence[float | None] | None,
-    cos: Mapping[str, Any] | None,  # StreamedCosine, or a rank's fused.LeafRange
+    cos: Mapping[str, Any] | None,  # StreamedCosine, or a rank's leaves.LeafRange
 ) -> list[np.ndarray]:
     """The ``pieces`` of one chunk merged (not scaled) from ``chunks`` (that chunk of each
     contribution, decoded, in learner order; each taken, used and dropped in turn): each piece's
