@@ -276,7 +276,7 @@ def main() -> None:
         bytes_down=rt.io.bytes_down,
         owned=[len(o) for o in rt.io.owned],
         chunks=[len(p) for p in rt.io.plans],
-        straddling=[len({t.chunk for t in transfers(p, rt.sharded.lay)}) for f, p in enumerate(rt.io.plans)],
+        straddling=[len({t.chunk for t in transfers(p, rt.sharded.layout)}) for f, p in enumerate(rt.io.plans)],
         fragment_bytes=[rt.io.run.fragment_bytes(f) for f in range(rt.io.run.P)],
         anchors_place=rt.io.anchors.place,
         anchors_dir=str(rt.io.anchors.made) if rt.io.anchors.made else None,

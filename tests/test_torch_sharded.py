@@ -78,7 +78,7 @@ def test_shard_ranges_follow_torch_chunk():
     # 5 rows over 4 ranks: torch.chunk gives 2, 2, 1 and nothing for the last rank.
     rows = [ts.shard_range((5, 3), 4, c) for c in range(4)]
     assert rows == [(0, 6), (6, 12), (12, 15), (15, 15)]
-    assert [ts.holder((5, 3), 4, e) for e in (0, 5, 6, 12, 14)] == [0, 0, 1, 2, 2]
+    assert [ts.Layout.shard0({"w": (5, 3)}, 4).holder("w", e) for e in (0, 5, 6, 12, 14)] == [0, 0, 1, 2, 2]
     for rows_, world in [(7, 3), (1, 2), (8, 4), (3, 5)]:
         pieces = [t.shape[0] for t in torch.chunk(torch.empty(rows_), world)]
         got = [ts.shard_range((rows_,), world, c) for c in range(world)]

@@ -14,7 +14,7 @@ is owned by the rank holding most of its elements; the owner receives the elemen
 ranks holding them (``gather_chunks``) and, for a commit, sends each rank its part back
 (``scatter_chunks``). A rank never holds more than its own shard plus the chunks it owns.
 
-The plan functions (``chunk_plan``, ``shard_range``, ``holder``, ``chunk_owner``, ``transfers``)
+The plan functions (``chunk_plan``, ``shard_range``, ``Layout``, ``chunk_owner``, ``transfers``)
 are pure and take no tensors; the rest moves torch tensors through ``torch.distributed``.
 """
 
@@ -44,7 +44,6 @@ from ..protocol.chunks import (  # noqa: E402 (the plan is pure: it lives with t
     check_chunk,
     chunk_owner,
     chunk_plan,
-    holder,
     numel,
     offsets,
     owned_chunks,
@@ -69,7 +68,6 @@ __all__ = [
     "find_sharded",
     "gather_chunks",
     "gather_refs",
-    "holder",
     "Layout",
     "numel",
     "offsets",
@@ -129,17 +127,8 @@ class ShardedParams:
     world: int
     coord: int  # this rank's coordinate on the mesh
     group: Any  # the mesh's process group
-    layout: Layout | None = None  # None: ``Shard(0)`` of ``shapes``
+    layout: Layout  # each rank's range of each tensor (``Layout.shard0`` for FSDP2)
     kind: str = "fsdp2"  # or "fsdp1"
-
-    def __post_init__(self) -> None:
-        if self.layout is None:
-            self.layout = Layout.shard0(self.shapes, self.world)
-
-    @property
-    def lay(self) -> Layout:
-        assert self.layout is not None
-        return self.layout
 
     def local(self, name: str) -> torch.Tensor:
         """The flat view of this rank's shard of ``name``, detached (writes go into the parameter)."""
@@ -152,7 +141,7 @@ class ShardedParams:
         return self.local(next(iter(self.params))).device
 
     def local_range(self, name: str) -> tuple[int, int]:
-        return self.lay.range(name, self.coord)
+        return self.layout.range(name, self.coord)
 
 
 def find_sharded(model: Any) -> ShardedParams | None:
@@ -193,7 +182,7 @@ def find_sharded(model: Any) -> ShardedParams | None:
     assert mesh is not None
     world, coord = mesh.size(), mesh.get_local_rank()
     shapes = {n: tuple(int(d) for d in p.shape) for n, p in params.items()}
-    out = ShardedParams(params=params, shapes=shapes, world=world, coord=coord, group=mesh.get_group())
+    out = ShardedParams(params, shapes, world, coord, mesh.get_group(), Layout.shard0(shapes, world))
     for n, p in params.items():
         lo, hi = out.local_range(n)
         if p.to_local().numel() != hi - lo:
@@ -380,7 +369,7 @@ def _as(raw: torch.Tensor, dtype: torch.dtype, meter: Meter) -> torch.Tensor:
 
 def _plan_for(sharded: ShardedParams, names: Sequence[str], chunk: int) -> tuple[list[list[Piece]], list[Transfer]]:
     plan = chunk_plan([(n, sharded.shapes[n]) for n in names], chunk)
-    return plan, transfers(plan, sharded.lay)
+    return plan, transfers(plan, sharded.layout)
 
 
 def _slice(sharded: ShardedParams, local: Mapping[str, torch.Tensor], piece: Piece) -> torch.Tensor:
@@ -412,7 +401,7 @@ def gather_chunks(
             incoming[t.src] += t.piece.size * local[t.piece.name].element_size()
     received = _exchange(sharded, outgoing, incoming, meter, device)
     out: dict[int, Chunk] = {}
-    for k in owned_chunks(plan, sharded.lay, me):
+    for k in owned_chunks(plan, sharded.layout, me):
         pieces: Chunk = []
         for p in plan[k]:
             lo, hi = sharded.local_range(p.name)

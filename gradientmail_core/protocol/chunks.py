@@ -169,14 +169,6 @@ def shard_range(shape: Sequence[int], world: int, coord: int) -> tuple[int, int]
     return lo * inner, hi * inner
 
 
-def holder(shape: Sequence[int], world: int, element: int) -> int:
-    """The mesh coordinate holding flat ``element`` of a ``Shard(0)`` tensor."""
-    if not shape:
-        return 0
-    rows, inner = int(shape[0]), numel(shape[1:])
-    return (element // inner) // -(-rows // world)
-
-
 @dataclass(frozen=True)
 class Layout:
     """How the ranks of a sharded node hold each tensor: rank ``r`` holds the flat elements

@@ -72,8 +72,6 @@ class RankCloser:
         store: RunStore,
         comm: Comm,
         sharded: ShardedParams,
-        *,
-        spool_root: Any = None,
     ) -> None:
         self.run, self.store, self.comm = run, store, comm
         self.rank, self.world = comm.rank, comm.world
@@ -81,12 +79,12 @@ class RankCloser:
         assert c is not None, "a sharded node joins chunked runs only"
         self.C = int(c)
         self.shapes = dict(sharded.shapes)
-        self.layout = sharded.lay
+        self.layout = sharded.layout
         self.states: dict[int, FragmentState] = {}  # this rank's ranges of each fragment it closed
         # The state a commit started from, until rank 0 says its record landed (``landed``): a
         # commit whose record could not be written is computed again from it.
         self.previous: dict[int, FragmentState] = {}
-        self.spool = Spool(spool_root)
+        self.spool = Spool()
         # gather/scatter of payload pieces between holders and owners, on the closer's group
         self.frag = ShardedParams({}, self.shapes, self.world, self.rank, comm.group, self.layout)
         outer = {f"{p}/{n}": n for n in self.shapes for p in ("momentum", "master")}

@@ -118,7 +118,7 @@ class RankIO:
         self.rank, self.world = sharded.coord, sharded.world
         self.C = chunk_elements(run)
         self.plans = [fragment_plan(run.shapes[f], self.C) for f in range(run.P)]
-        self.owned = [owned_chunks(self.plans[f], sharded.lay, self.rank) for f in range(run.P)]
+        self.owned = [owned_chunks(self.plans[f], sharded.layout, self.rank) for f in range(run.P)]
         self.device = sharded.device
         self.anchors = Anchors(sharded, anchors or default_place(self.device), rank=self.rank)
         # This rank's allocations (the largest, and the most one operation made), in all and by fragment.
