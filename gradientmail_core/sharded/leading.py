@@ -40,20 +40,20 @@ class ShardCloser:
 
     def __init__(self, ranker: RankCloser, down: Channel, stopping: threading.Event) -> None:
         self.ranker, self.down, self.stopping = ranker, down, stopping
-        self.lock = threading.Lock()
 
     def _op(self, op: dict[str, Any]) -> Any:
-        with self.lock:
-            if self.stopping.is_set():
-                raise SessionFailed("the node is stopping")
-            for r in range(1, self.ranker.world):
-                self.down.send(r, {"close": op})
-            try:
-                return self.ranker.run_op(op)
-            except OpFailed as e:
-                if e.unavailable:
-                    raise MailboxUnavailable(f"a rank of this node could not read the store: {e}") from None
-                raise
+        """Send ``op`` to the other ranks and run it here (rank 0's node thread, the only caller:
+        the ops go out one at a time, in order)."""
+        if self.stopping.is_set():
+            raise SessionFailed("the node is stopping")
+        for r in range(1, self.ranker.world):
+            self.down.send(r, {"close": op})
+        try:
+            return self.ranker.run_op(op)
+        except OpFailed as e:
+            if e.unavailable:
+                raise MailboxUnavailable(f"a rank of this node could not read the store: {e}") from None
+            raise
 
     def state(self, run: RunInfo, f: int, rec: RoundRecord | None, held: FragmentState | None) -> FragmentState:
         version = rec.version if rec is not None else 0
