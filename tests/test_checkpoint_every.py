@@ -27,6 +27,7 @@ from gradientmail_core.protocol.tape import fetch_theta, load_newest
 from gradientmail_core.syncer import replay
 from gradientmail_core.syncer.bridge import Bridge
 from gradientmail_core.syncer.closer import theta_digest
+from gradientmail_core.syncer.kernel import FragmentCloser
 from gradientmail_core.syncer.learner import Learner
 from gradientmail_core.syncer.node import Node
 
@@ -172,7 +173,7 @@ def between_checkpoints(c: Cluster, f: int) -> bool:
 def test_a_takeover_between_checkpoints_gives_the_same_parameters_as_a_run_without_one(monkeypatch):
     replayed: list[int] = []
     orig = replay.replay_round
-    monkeypatch.setattr(replay, "replay_round", lambda *a: replayed.append(a[3].round) or orig(*a))
+    monkeypatch.setattr(replay, "replay_round", lambda *a: replayed.append(a[-1].round) or orig(*a))
 
     def run(kill_at: int | None) -> Lockstep:
         ls = Lockstep(cfg(in_flight=1))
@@ -200,7 +201,7 @@ def test_a_takeover_between_checkpoints_gives_the_same_parameters_as_a_run_witho
             assert np.array_equal(x.params[n], y.params[n]), (x.name, n)
     # the outer state the new closer holds is the one the old closer would hold
     for f in range(2):
-        s_plain, s_taken = plain.syncers["s1"].closer_states[f], taken.syncers["s2"].closer_states[f]
+        s_plain, s_taken = plain.syncers["s1"].closer.held(f), taken.syncers["s2"].closer.held(f)
         assert s_plain.version == s_taken.version
         for n in s_plain.master:
             assert np.array_equal(s_plain.master[n], s_taken.master[n])
@@ -215,10 +216,10 @@ def test_a_closer_killed_between_checkpoints_is_taken_over_and_the_new_closer_re
     c.settle(4)
     f = (c.head() + 1) % 2
     assert between_checkpoints(c, f)
-    held = a.node.closer_states[f]
+    held = a.node.closer.held(f)
     c.crash(a)
     newest = [r for r in records(c) if r.fragment == f][-1]
-    rebuilt = replay.recover(b.node.store, b.node.run, f, newest, None)
+    rebuilt = replay.recover(_closer(b.node), b.node.store, b.node.run, f, newest)
     assert rebuilt.version == held.version == newest.version and rebuilt.checkpoint == newest.checkpoint
     for n in held.master:
         for what in ("theta", "master", "momentum"):
@@ -244,15 +245,16 @@ def test_a_missing_contribution_makes_the_new_closer_wait_and_a_wrong_one_is_ref
     forged = dataclasses.replace(
         newest, participants=[dataclasses.replace(p0, weight=p0.weight * 2), *newest.participants[1:]]
     )
-    before = replay.recover(store, run, f, newest, None)
-    state = replay.recover(store, run, f, [r for r in records(c) if r.fragment == f][-2], None)
+    before = replay.recover(_closer(b.node), store, run, f, newest)
+    k = _closer(b.node)
+    state = replay.recover(k, store, run, f, [r for r in records(c) if r.fragment == f][-2])
     with pytest.raises(ProtocolError, match="does not give the committed"):
-        replay.replay_round(store, run, state, forged)
+        replay.replay_round(k, store, run, state, forged)
     assert before.version == newest.version
     # a contribution gone (no newer checkpoint yet): the node waits, with the key in the message
     c.mailbox.delete([newest.contributions[-1].key])
     with pytest.raises(MailboxUnavailable, match=newest.contributions[-1].key):
-        replay.recover(store, run, f, newest, None)
+        replay.recover(_closer(b.node), store, run, f, newest)
 
 
 def test_a_learner_joining_between_checkpoints_rebuilds_the_parameters_from_the_checkpoint():
@@ -323,4 +325,9 @@ def test_a_recovery_racing_gc_on_an_old_chain_waits_for_the_newer_records():
     store, run = b.node.store, b.node.run
     assert fetch_theta(store, run, 0, old) is None  # gone: the reader lists the tape again
     with pytest.raises(MailboxUnavailable, match="newer commits exist"):
-        replay.recover(store, run, 0, old, None)
+        replay.recover(_closer(b.node), store, run, 0, old)
+
+
+def _closer(node):
+    """A one-process closer of ``node``'s run, holding nothing yet."""
+    return FragmentCloser.one_process(node.run, node.store)

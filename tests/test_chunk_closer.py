@@ -1,7 +1,8 @@
-"""The closer that merges chunk by chunk (``syncer/streamed.py``; docs/protocol.md section 10):
-the same committed bytes as the whole-fragment closer for every merge option, dtype and payload
-form; the streamed norms equal ``fused._dot`` bit for bit; memory bounded by chunks, not
-fragments; the spool emptied after each round and never trusted."""
+"""The closer (``syncer/kernel.py``; docs/protocol.md section 10): every commit is the one an
+independent whole-tensor reference computes (``closer_reference.py``), bit for bit, for every merge
+option, dtype and payload form, with fragments of many chunks (spooled on disk) and of one chunk
+(held decoded in memory); the streamed norms equal ``fused._dot`` bit for bit; memory bounded by
+chunks, not fragments; the spool emptied after each round and never trusted."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from closer_reference import reference_commit
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -29,7 +31,7 @@ from gradientmail_core.protocol.records import Snapshot, TensorSpec, chunk_refs
 from gradientmail_core.protocol.run import RunInfo, open_run
 from gradientmail_core.protocol.schedule import version_before
 from gradientmail_core.protocol.store import RunStore
-from gradientmail_core.syncer import streamed
+from gradientmail_core.syncer import kernel
 from gradientmail_core.syncer.closer import Collector, Commit, Estimates, FragmentState, compute_commit
 from gradientmail_core.syncer.spool import Spool
 
@@ -38,6 +40,7 @@ from gradientmail_core.syncer.spool import Spool
 SHAPES = {"embed.weight": (300, 130), "h.0.w": (257, 129), "h.0.b": (33,), "h.1.w": (70_000,)}
 C = 32 * 1000
 SMALL = {"embed.weight": (10, 7), "layers.0.w": (4, 4), "layers.1.w": (9, 5), "head.b": (4,)}
+WHOLE = "whole"  # a run of one chunk per fragment (``chunk_elements=None``): held decoded in memory
 
 
 class TypedAdapter(NumpyAdapter):
@@ -79,7 +82,6 @@ def _deltas(rng: np.random.Generator, shapes: dict[str, tuple[int, ...]], n: int
 def close_rounds(
     cfg: gm.DiLoCo,
     *,
-    by_chunks: bool,
     shapes: dict[str, tuple[int, ...]] = SHAPES,
     n: int = 3,
     rounds: int = 2,
@@ -89,14 +91,14 @@ def close_rounds(
     param_dtypes: dict[str, str] | None = None,
     spool_root: Path | None = None,
 ) -> Closed:
-    """Close ``rounds`` consecutive rounds of a one-fragment chunked run with ``n`` snapshots each,
-    through ``Collector`` and ``compute_commit``: the payloads written (in order) and each record."""
+    """Close ``rounds`` consecutive rounds of a one-fragment run with ``n`` snapshots each, through
+    ``Collector`` and ``compute_commit``: the payloads written (in order) and each record. Each
+    commit is checked against the whole-tensor reference, bit for bit."""
     rng = np.random.default_rng(7)
     params = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
     store = RunStore(MemoryMailbox())
     adapter = TypedAdapter(params, param_dtypes or {})
     run, _ = open_run(store, adapter, cfg, learner="c", compression=compression, rng=random.Random(0))
-    assert run.chunk_elements is not None and len(run.plan(0)) > 1
     theta = store.get_payload(run.manifest.init[0], run.shapes[0], chunk_elements=run.chunk_elements)
     assert theta is not None
     state = FragmentState.initial(theta)
@@ -128,19 +130,36 @@ def close_rounds(
             )
             store.put_record(keys.snapshot_key(r, learner), snap)
         spool = Spool(spool_root) if spool_root is not None else None
-        c = Collector(r, run, state, 0.0, Estimates(), streamed=by_chunks, spool=spool)
+        c = Collector(r, run, state, 0.0, Estimates(), spool=spool)
         for i in reversed(range(n)):
             c.judge_snapshot(store, f"l{i}")
         c.update({f"l{i}" for i in range(n)}, 1.0, quorum_size=n, gap=1, in_flight=1, overlap_steps=None)
+        mine: list[tuple[str, bytes]] = []
 
-        def write(key: str, data) -> None:
-            written.append((key, data if isinstance(data, bytes) else data.read()))
+        def write(key: str, data, mine=mine) -> None:
+            mine.append((key, data if isinstance(data, bytes) else data.read()))
 
+        before = state
         commit = compute_commit(c, closer="c", live=n, compression=compression, sync_seconds=0.5, now=2.0, write=write)
+        _check(store, run, commit, mine, before, compression)
+        written += mine
         records.append(store.encode_record(commit.record))
         commits.append(commit)
         state = commit.state
     return Closed(b"\n".join(records), written, commits)
+
+
+def _check(store: RunStore, run: RunInfo, commit: Commit, written: list, before: FragmentState, compression: str):
+    """``commit`` is the reference's: payloads (keys, bytes, order), digests, cosine, new state."""
+    ref = reference_commit(store, run, commit.record, before.theta, before.master, before.momentum, compression)
+    rec = commit.record
+    assert [k for k, _ in written] == list(ref.payloads), rec.round
+    assert all(data == ref.payloads[k] for k, data in written), rec.round
+    assert (rec.theta_digest, rec.outer_digest, rec.cosine) == (ref.theta_digest, ref.outer_digest, ref.cosine)
+    for part in ("theta", "master", "momentum"):
+        for name, v in getattr(ref, part).items():
+            got = getattr(commit.state, part)[name]
+            assert np.asarray(got).tobytes() == np.asarray(v, np.float32).tobytes(), (rec.round, part, name)
 
 
 def assert_same(a: Closed, b: Closed) -> None:
@@ -153,6 +172,10 @@ def assert_same(a: Closed, b: Closed) -> None:
         for part in ("theta", "master", "momentum"):
             for name, v in getattr(sx, part).items():
                 assert v.tobytes() == getattr(sy, part)[name].tobytes(), (part, name)
+
+
+def cfg_of(chunks: int | str, **kw) -> gm.DiLoCo:
+    return gm.DiLoCo(sync_every=4, fragments=1, chunk_elements=None if chunks == WHOLE else chunks, **kw)  # type: ignore[arg-type]
 
 
 CONFIGS = {
@@ -174,18 +197,17 @@ CONFIGS = {
 }
 
 
+@pytest.mark.parametrize("chunks", [C, WHOLE])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_the_chunk_by_chunk_closer_commits_the_whole_fragment_closers_bytes(name: str) -> None:
-    cfg = gm.DiLoCo(sync_every=4, fragments=1, chunk_elements=C, **CONFIGS[name])  # type: ignore[arg-type]
+def test_every_commit_is_the_whole_tensor_references_bytes(name: str, chunks: int | str) -> None:
+    cfg = cfg_of(chunks, **CONFIGS[name])
     special = {"rda-clip": "large", "mean-clip-f4": "large", "rda-outliers": "large"}.get(name, "")
     rounds = 4 if name == "rda-checkpoints-f8" else 2  # versions 1, 2 between checkpoints, 3 one
-    whole = close_rounds(cfg, by_chunks=False, special=special, rounds=rounds)
-    chunks = close_rounds(cfg, by_chunks=True, special=special, rounds=rounds)
-    assert_same(whole, chunks)
+    closed = close_rounds(cfg, special=special, rounds=rounds)
     if name == "rda-outliers":
-        assert b'"outlier"' in chunks.record
+        assert b'"outlier"' in closed.record
     if name == "rda-checkpoints-f8":
-        assert chunks.commits[0].record.checkpoint == 0 and chunks.commits[2].record.checkpoint is None
+        assert closed.commits[0].record.checkpoint == 0 and closed.commits[2].record.checkpoint is None
 
 
 @pytest.mark.parametrize(
@@ -198,21 +220,18 @@ def test_the_chunk_by_chunk_closer_commits_the_whole_fragment_closers_bytes(name
         ("large", dict(clip_norm=0.3, commit_dtype="F4")),
     ],
 )
-def test_zero_clipped_and_nonfinite_contributions_commit_the_same_bytes(special: str, kw: dict) -> None:
-    cfg = gm.DiLoCo(sync_every=4, fragments=1, chunk_elements=C, **kw)  # type: ignore[arg-type]
-    chunks = close_rounds(cfg, by_chunks=True, special=special)
-    assert_same(close_rounds(cfg, by_chunks=False, special=special), chunks)
+@pytest.mark.parametrize("chunks", [C, WHOLE])
+def test_zero_clipped_and_nonfinite_contributions_commit_the_references_bytes(special: str, kw: dict, chunks) -> None:
+    closed = close_rounds(cfg_of(chunks, **kw), special=special)
     if special == "nonfinite":
-        assert b'"nonfinite"' in chunks.record
+        assert b'"nonfinite"' in closed.record
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_one_two_and_four_contributions_and_final_rounds(n: int) -> None:
     for final in (False, True):
-        cfg = gm.DiLoCo(sync_every=4, fragments=1, chunk_elements=C, commit_dtype="BF16")
-        assert_same(
-            close_rounds(cfg, by_chunks=False, n=n, final=final), close_rounds(cfg, by_chunks=True, n=n, final=final)
-        )
+        for chunks in (C, WHOLE):
+            close_rounds(cfg_of(chunks, commit_dtype="BF16"), n=n, final=final)
 
 
 @pytest.mark.parametrize("compression", ["", "zstd"])
@@ -221,28 +240,23 @@ def test_bf16_and_f16_parameters_and_compressed_payloads(compression: str) -> No
         pytest.importorskip("zstandard")
     dtypes = {"embed.weight": "BF16", "h.1.w": "F16"}
     for kw in (dict(), dict(commit_dtype="F8_E4M3", delta_dtype="F4", checkpoint_every=2)):
-        cfg = gm.DiLoCo(sync_every=4, fragments=1, chunk_elements=C, **kw)  # type: ignore[arg-type]
-        whole = close_rounds(cfg, by_chunks=False, compression=compression, param_dtypes=dtypes, rounds=3)
-        assert_same(whole, close_rounds(cfg, by_chunks=True, compression=compression, param_dtypes=dtypes, rounds=3))
+        for chunks in (C, WHOLE):
+            close_rounds(cfg_of(chunks, **kw), compression=compression, param_dtypes=dtypes, rounds=3)
 
 
-def test_a_tensor_over_a_reduction_chunk_commits_the_same_bytes() -> None:
-    # 2**20 + 4000 elements: the norms' pairwise trees span two of fused._CHUNK; chunks of 96*1024
+def test_a_tensor_over_a_reduction_chunk_commits_the_references_bytes() -> None:
+    # 2**20 + 4000 elements: the norms' pairwise trees span two of fused._CHUNK; chunks of 96*1024,
+    # and one chunk (a tensor over the in-memory merge's block)
     shapes = {"big": (1024 + 4, 1024), "b": (100,)}
-    cfg = gm.DiLoCo(sync_every=4, fragments=1, chunk_elements=96 * 1024, clip_norm=2.0, delta_dtype="F4")
-    assert_same(
-        close_rounds(cfg, by_chunks=False, shapes=shapes, special="large", rounds=1),
-        close_rounds(cfg, by_chunks=True, shapes=shapes, special="large", rounds=1),
-    )
+    for chunks in (96 * 1024, WHOLE):
+        close_rounds(cfg_of(chunks, clip_norm=2.0, delta_dtype="F4"), shapes=shapes, special="large", rounds=1)
 
 
-def test_threaded_payload_encoding_commits_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gradientmail_core.syncer import closer
-
-    cfg = gm.DiLoCo(sync_every=4, fragments=1, chunk_elements=C, commit_dtype="I2", delta_dtype="F4")
-    inline = close_rounds(cfg, by_chunks=True)
-    monkeypatch.setattr(closer, "_THREADED_BYTES", 0)
-    assert_same(inline, close_rounds(cfg, by_chunks=True))
+def test_threaded_reads_and_payload_encoding_commit_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = cfg_of(C, commit_dtype="I2", delta_dtype="F4")
+    inline = close_rounds(cfg)
+    monkeypatch.setattr(kernel, "THREADED_BYTES", 0)
+    assert_same(inline, close_rounds(cfg))
 
 
 # ---- the streamed norm ---------------------------------------------------------------------------
@@ -311,11 +325,13 @@ CHUNK = 1 << 14  # elements: 128 chunks of the fragment below
 
 
 def _round_peak(by_chunks: bool, tmp_path: Path) -> tuple[int, int]:
-    """tracemalloc's peak while a closer judges 3 snapshots of a fragment of 128 chunks and commits
-    them (F32, no commit dtype: the new parameters are the master), above what it held before, and
-    the fragment's float32 bytes."""
+    """tracemalloc's peak while a closer judges 3 snapshots of a fragment of 128 chunks (or, not
+    ``by_chunks``, of one chunk: held decoded in memory) and commits them (F32, no commit dtype:
+    the new parameters are the master), above what it held before, and the fragment's float32
+    bytes."""
     shapes = {f"w{i}": (1 << 18,) for i in range(8)}  # 8 MiB of float32
-    cfg = gm.DiLoCo(sync_every=4, fragments=1, chunk_elements=CHUNK, merge=gm.WeightedMean(), clip_norm=1e6)
+    chunks = CHUNK if by_chunks else None
+    cfg = gm.DiLoCo(sync_every=4, fragments=1, chunk_elements=chunks, merge=gm.WeightedMean(), clip_norm=1e6)
     rng = np.random.default_rng(1)
     params = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
     store = RunStore(MemoryMailbox())
@@ -335,8 +351,8 @@ def _round_peak(by_chunks: bool, tmp_path: Path) -> tuple[int, int]:
                         step_seconds=0.1, schema_digest=run.digest, payload=ref, final=False, nonce="0123abcd")  # fmt: skip
         store.put_record(keys.snapshot_key(0, f"l{i}"), snap)
         del delta
-    c = Collector(0, run, FragmentState.initial(params), 0.0, Estimates(), streamed=by_chunks, spool=Spool(tmp_path))
-    c.reserve()  # the new master and momentum: state, allocated before quorum either way
+    c = Collector(0, run, FragmentState.initial(params), 0.0, Estimates(), spool=Spool(tmp_path))
+    c.closer_for(store).reserve(0)  # the new master and momentum: state, allocated before quorum either way
 
     def write(key: str, data) -> None:
         for _ in data.chunks():  # sent, not kept
@@ -380,7 +396,7 @@ def test_the_closers_memory_is_chunks_not_fragments(tmp_path: Path) -> None:
     # its bytes, the outer step's scratch), the reductions' carried leaves and the bookkeeping
     assert peak < 12 * 4 * CHUNK + 2 * 8 * fused._LEAF + (512 << 10), (peak, fragment)
     assert peak < fragment // 4
-    # the meter sees a closer that holds whole fragments: the whole-fragment path holds 3 deltas
+    # the meter sees a closer that holds whole fragments: a fragment of one chunk is held, 3 deltas
     whole, _ = _peak_in_a_process(False, tmp_path)
     assert whole > 2 * fragment, (whole, fragment)
 
@@ -390,22 +406,22 @@ def test_the_closers_memory_is_chunks_not_fragments(tmp_path: Path) -> None:
 
 def test_a_damaged_spool_file_is_read_again_from_the_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = gm.DiLoCo(sync_every=4, fragments=1, chunk_elements=C, delta_dtype="F4", commit_dtype="I2")
-    expected = close_rounds(cfg, by_chunks=False, rounds=1)
+    expected = close_rounds(cfg, rounds=1)
     flipped: list[Path] = []
-    orig = streamed.commit_by_chunks
+    orig = kernel.FragmentCloser.commit
 
-    def flip_then_commit(c, **kw):
-        assert c.spool is not None and c.spool.entries
-        for sha in sorted(c.spool.entries)[:3]:  # a byte of a few chunks, on disk
-            path = c.spool.path(sha)
+    def flip_then_commit(self, op, put):
+        assert self.spool.entries
+        for sha in sorted(self.spool.entries)[:3]:  # a byte of a few chunks, on disk
+            path = self.spool.path(sha)
             data = bytearray(path.read_bytes())
             data[len(data) // 2] ^= 0x40
             path.write_bytes(bytes(data))
             flipped.append(path)
-        return orig(c, **kw)
+        return orig(self, op, put)
 
-    monkeypatch.setattr(streamed, "commit_by_chunks", flip_then_commit)
-    got = close_rounds(cfg, by_chunks=True, rounds=1, spool_root=tmp_path)
+    monkeypatch.setattr(kernel.FragmentCloser, "commit", flip_then_commit)
+    got = close_rounds(cfg, rounds=1, spool_root=tmp_path)
     assert flipped
     assert_same(expected, got)
 
@@ -435,21 +451,21 @@ def test_a_damaged_spool_file_whose_store_copy_is_gone_rejects_the_contribution(
 
     def collector(learners: list[str]) -> Collector:
         c = Collector(0, run, FragmentState.initial(params), 0.0, Estimates(), spool=Spool(tmp_path))
-        assert c.by_chunks
         for lr in learners:
             c.judge_snapshot(store, lr)
         c.update(set(learners), 1.0, quorum_size=len(learners), gap=1, in_flight=1, overlap_steps=None)
         return c
 
     c = collector(["l0", "l1", "l2"])
-    assert c.spool is not None
+    assert c.closer is not None
+    spool = c.closer.spool
     victim = chunk_refs(refs["l1"])[2]
-    path = c.spool.path(victim.sha256)
+    path = spool.path(victim.sha256)
     path.write_bytes(b"\0" + path.read_bytes()[1:])
     store.delete([victim.key])  # GC'd, or the store lost it
     with pytest.raises(MailboxUnavailable):
         compute_commit(c, closer="c", live=3, compression="", sync_seconds=None, now=2.0)
-    assert c.judged["l1"].reason == "missing" and not c.spool.has(victim.sha256)
+    assert c.judged["l1"].reason == "missing" and not spool.has(victim.sha256)
     # the next attempt commits without it: the parameters of a round that never had it
     commit = compute_commit(c, closer="c", live=3, compression="", sync_seconds=None, now=2.0)
     assert [p.learner for p in commit.record.participants] == ["l0", "l2"]
@@ -527,7 +543,7 @@ def test_an_abandoned_rounds_spool_is_emptied_when_another_node_commits_it() -> 
 
 def test_the_spool_keeps_nothing_past_its_bound(tmp_path: Path) -> None:
     cfg = gm.DiLoCo(sync_every=4, fragments=1, chunk_elements=C, commit_dtype="BF16")
-    expected = close_rounds(cfg, by_chunks=False, rounds=1)
+    expected = close_rounds(cfg, rounds=1)
     tiny = Spool(tmp_path, max_bytes=1)
     assert not tiny.put("0" * 64, [b"ab"], 2, 0) and not tiny.entries
     # a closer whose spool has no room reads each chunk from the store again: the same commit
@@ -539,19 +555,19 @@ def test_the_spool_keeps_nothing_past_its_bound(tmp_path: Path) -> None:
     mp = pytest.MonkeyPatch()
     mp.setattr(Spool, "__init__", small)
     try:
-        assert_same(expected, close_rounds(cfg, by_chunks=True, rounds=1))
+        assert_same(expected, close_rounds(cfg, rounds=1))
     finally:
         mp.undo()
 
 
 def test_a_spool_that_cannot_write_reads_from_the_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = gm.DiLoCo(sync_every=4, fragments=1, chunk_elements=C, delta_dtype="F4", merge=gm.RDA(), clip_norm=0.2)
-    expected = close_rounds(cfg, by_chunks=False, rounds=1, special="large")
+    expected = close_rounds(cfg, rounds=1, special="large")
     blocked = tmp_path / "a-file"
     blocked.write_bytes(b"not a directory")
     orig = Spool.__init__
     monkeypatch.setattr(Spool, "__init__", lambda self, root=None, **kw: orig(self, blocked / "spool", **kw))
-    assert_same(expected, close_rounds(cfg, by_chunks=True, rounds=1, special="large"))
+    assert_same(expected, close_rounds(cfg, rounds=1, special="large"))
 
 
 def test_a_spool_left_by_a_dead_process_is_swept(tmp_path: Path) -> None:
@@ -585,7 +601,7 @@ RUNS = {
 @pytest.mark.parametrize(
     "name,compression", [(name, "") for name in sorted(RUNS)] + [("f4-i2-error-feedback-clip", "zstd")]
 )
-def test_a_chunked_run_stores_the_same_objects_closed_either_way(
+def test_a_chunked_run_stores_the_same_objects_whatever_the_spool_and_threads(
     name: str, compression: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if compression:
@@ -596,34 +612,41 @@ def test_a_chunked_run_stores_the_same_objects_closed_either_way(
     kw = dict(sync_every=4, fragments=2, quorum_size=3, chunk_elements=32) | RUNS[name]
     cfg = gm.DiLoCo(**kw)  # type: ignore[arg-type]
 
-    commits: list[int] = []
-    orig = streamed.commit_by_chunks
-    monkeypatch.setattr(streamed, "commit_by_chunks", lambda c, **kw: commits.append(c.round) or orig(c, **kw))
-
-    def run(by_chunks: bool) -> dict[str, bytes]:
-        monkeypatch.setattr(streamed, "ENABLED", by_chunks)
-        commits.clear()
+    def run() -> dict[str, bytes]:
         cluster = Cluster(cfg, shapes=dict(SMALL), compression=compression)
         ms = cluster.join_all("abc")
         cluster.run(40)
         finish(cluster)
         assert_identical(ms)
-        assert (len(commits) >= 8) if by_chunks else not commits  # it did close chunk by chunk, or never
         return _objects(cluster.mailbox)
 
-    whole, chunks = run(False), run(True)
-    assert sorted(whole) == sorted(chunks)
-    assert [k for k in whole if whole[k] != chunks[k]] == []
-    assert len([k for k in whole if k.startswith(keys.ROUNDS)]) >= 8
+    spooled = run()
+    # no room in the spool (every pass reads the store again) and every read and encoding threaded
+    orig = Spool.__init__
+    monkeypatch.setattr(Spool, "__init__", lambda self, root=None, **kw: orig(self, root, max_bytes=0))
+    monkeypatch.setattr(kernel, "THREADED_BYTES", 0)
+    unspooled = run()
+    assert sorted(spooled) == sorted(unspooled)
+    assert [k for k in spooled if spooled[k] != unspooled[k]] == []
+    assert len([k for k in spooled if k.startswith(keys.ROUNDS)]) >= 8
 
 
-def test_every_fragment_of_one_chunk_keeps_the_whole_fragment_closer() -> None:
-    store = RunStore(MemoryMailbox())
-    params = {k: np.zeros(s, np.float32) for k, s in SMALL.items()}
-    for c, expected in ((None, False), (1 << 24, False), (32, True)):
-        cfg = gm.DiLoCo(sync_every=4, fragments=1, chunk_elements=c)
-        run = RunInfo.from_manifest(open_run(RunStore(MemoryMailbox()), NumpyAdapter(params), cfg, learner="c",
-                                             compression="", rng=random.Random(0))[0].manifest)  # fmt: skip
-        assert streamed.chunk_by_chunk(run, 0) is expected
-        assert Collector(0, run, FragmentState.initial(params), 0.0, Estimates()).by_chunks is expected
-    del store
+def test_a_fragment_of_one_chunk_is_held_decoded_and_a_larger_one_spooled() -> None:
+    params = {k: np.ones(s, np.float32) for k, s in SMALL.items()}
+    for chunks, held in ((None, True), (1 << 24, True), (32, False)):
+        cfg = gm.DiLoCo(sync_every=4, fragments=1, chunk_elements=chunks)
+        store = RunStore(MemoryMailbox())
+        run, _ = open_run(store, NumpyAdapter(params), cfg, learner="c", compression="", rng=random.Random(0))
+        delta = {k: np.full(s, 0.5, np.float32) for k, s in SMALL.items()}
+        ref = store.put_fragment(
+            lambda sha: keys.snapshot_blob_key(0, "l0", sha, ""), delta, shapes=run.shapes[0],
+            dtypes=run.delta_dtypes(0), chunk_elements=run.chunk_elements, kind="delta", compression="",
+        )  # fmt: skip
+        snap = Snapshot(learner="l0", round=0, local_step=4, steps=4, tokens=16, base_version=0, step_seconds=0.1,
+                        schema_digest=run.digest, payload=ref, final=False, nonce="0123abcd")  # fmt: skip
+        store.put_record(keys.snapshot_key(0, "l0"), snap)
+        c = Collector(0, run, FragmentState.initial(params), 0.0, Estimates())
+        assert c.judge_snapshot(store, "l0").reason is None and c.closer is not None
+        spool = c.closer.spool
+        assert (len(spool.held), len(spool.entries)) == ((1, 0) if held else (0, len(chunk_refs(ref))))
+        spool.close()

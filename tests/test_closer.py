@@ -16,7 +16,7 @@ from gradientmail_core.protocol import keys
 from gradientmail_core.protocol.records import Snapshot
 from gradientmail_core.protocol.run import open_run
 from gradientmail_core.protocol.store import RunStore
-from gradientmail_core.syncer import closer
+from gradientmail_core.syncer import kernel
 from gradientmail_core.syncer.closer import Collector, Estimates, FragmentState, compute_commit
 
 SHAPES = {"embed.weight": (40, 16), "h.0.w": (64, 33), "h.0.b": (33,)}
@@ -58,26 +58,25 @@ def collected(cfg: DiLoCo, n: int, *, stale: int | None = None) -> tuple[Collect
 def commit_bytes(cfg: DiLoCo, n: int, compression: str = "") -> tuple[bytes, dict[str, bytes], list[str]]:
     c, store = collected(cfg, n)
     written: list[str] = []
-    commit = compute_commit(
-        c,
-        closer="c",
-        live=n,
-        compression=compression,
-        sync_seconds=None,
-        now=1.0,
-        write=lambda key, data: written.append(key),
-    )
-    payloads = {k: v if isinstance(v, bytes) else v.read() for k, v in commit.payloads.items()}  # written as streams
+    payloads: dict[str, bytes] = {}
+
+    def write(key: str, data) -> None:  # a stream, read as it is written
+        written.append(key)
+        payloads[key] = data.read()
+
+    commit = compute_commit(c, closer="c", live=n, compression=compression, sync_seconds=None, now=1.0, write=write)
+    assert list(commit.payloads) == written
     return store.encode_record(commit.record), payloads, written
 
 
 def test_an_accepted_snapshot_carries_its_tensor_norms_and_a_rejected_one_none() -> None:
-    c, _ = collected(DiLoCo(sync_every=4, fragments=1), 3, stale=1)
+    c, store = collected(DiLoCo(sync_every=4, fragments=1), 3, stale=1)
     assert c.judged["l1"].reason == "stale" and c.judged["l1"].norms is None
     for lr in ("l0", "l2"):
         j = c.judged[lr]
-        assert j.reason is None and j.delta is not None
-        assert j.norms == sq_norms(j.delta)
+        assert j.reason is None and j.snapshot is not None
+        delta = store.get_payload(j.snapshot.payload, c.run.shapes[0])
+        assert delta is not None and j.norms == sq_norms(delta)
 
 
 @pytest.mark.parametrize("compression", ["", "zstd"])
@@ -95,7 +94,7 @@ def test_payloads_are_written_in_a_fixed_order_before_the_record_exists(compress
 def test_hashing_on_threads_commits_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = DiLoCo(sync_every=4, fragments=1)
     inline = commit_bytes(cfg, 3)
-    monkeypatch.setattr(closer, "_THREADED_BYTES", 0)
+    monkeypatch.setattr(kernel, "THREADED_BYTES", 0)
     assert commit_bytes(cfg, 3) == inline
 
 
@@ -119,10 +118,10 @@ def test_a_failed_write_stops_the_commit_before_the_next_payload() -> None:
 
 def test_the_commit_writes_its_new_state_into_the_arrays_reserved_before_quorum() -> None:
     c, _ = collected(DiLoCo(sync_every=4, fragments=1), 2)
-    assert c.reserved is not None
-    master, momentum = c.reserved
+    assert isinstance(c.closer, kernel.FragmentCloser) and 0 in c.closer.reserved
+    master, momentum = c.closer.reserved[0]
     commit = compute_commit(c, closer="c", live=2, compression="", sync_seconds=None, now=1.0)
-    assert c.reserved is None
+    assert 0 not in c.closer.reserved
     assert all(commit.state.master[n] is master[n] and commit.state.momentum[n] is momentum[n] for n in SHAPES)
 
 

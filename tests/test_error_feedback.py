@@ -284,7 +284,7 @@ def test_the_closer_feeds_its_commits_rounding_error_into_the_next_change():
     states = []
     for _ in range(60):
         c.run(1)
-        st = a.node.closer_states.get(0)
+        st = a.node.closer.held(0)
         if st is not None and (not states or st.version > states[-1].version):
             states.append(st)
     assert len(states) >= 10 and all(y.version == x.version + 1 for x, y in zip(states, states[1:]))

@@ -139,7 +139,7 @@ def _collector() -> Collector:
 
 
 def _accept(c: Collector, learner: str) -> None:
-    c.judged[learner] = Judged(learner, None, delta={"w": np.ones(2, np.float32)}, weight=1.0)
+    c.judged[learner] = Judged(learner, None, weight=1.0, norms={"w": 2.0})
 
 
 def test_grace_window_ends_early_once_every_live_learner_contributed() -> None:

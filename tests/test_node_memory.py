@@ -155,7 +155,7 @@ def test_node_that_stops_closing_releases_the_outer_state():
     a, b = c.join_all("ab")
     c.run(8)
     c.settle(4)
-    assert a.node.closer_states, "a closes the first rounds"
+    assert a.node.closer.holds_any(), "a closes the first rounds"
     for _ in range(40):  # a stalls; b takes the rounds over (timeout) and commits both fragments
         b.train()
         b.node.tick()
@@ -163,13 +163,17 @@ def test_node_that_stops_closing_releases_the_outer_state():
         c.clock.advance(0.05)
     c.run(8)  # a resumes as a follower
     assert {a.node.newest[f].closer for f in (0, 1)} == {"b"}
-    assert a.node.closer_states == {}
+    assert not a.node.closer.holds_any()
     finish(c)
     assert_identical([a, b])
 
 
 def test_a_new_closer_recovers_from_the_parameters_it_already_holds():
     from gradientmail_core.syncer import replay
+    from gradientmail_core.syncer.kernel import FragmentCloser
+
+    def recover(*args):  # with a closer of its own, holding nothing yet
+        return replay.recover(FragmentCloser.one_process(b.node.run, b.node.store), b.node.store, b.node.run, *args)
 
     # Carry: the learner keeps its anchors, which the node's parameters share (a learner that
     # consumes them gets them lent: the node then holds none and downloads them when elected).
@@ -181,11 +185,11 @@ def test_a_new_closer_recovers_from_the_parameters_it_already_holds():
         assert theta is not None
         rec = b.node.newest[f]
         assert rec.version == version and rec.is_checkpoint
-        held = replay.recover(b.node.store, b.node.run, f, rec, None, (version, theta))
+        held = recover(f, rec, (version, theta))
         # The arrays it holds, not a download of them (a fragment more while the first round merges) ...
         assert all(held.theta[n] is theta[n] for n in theta)
         # ... and the state the download gives, bit for bit.
-        fetched = replay.recover(b.node.store, b.node.run, f, rec, None)
+        fetched = recover(f, rec)
         for mine, theirs in (
             (held.theta, fetched.theta),
             (held.master, fetched.master),
@@ -193,7 +197,7 @@ def test_a_new_closer_recovers_from_the_parameters_it_already_holds():
         ):
             assert all(mine[n].tobytes() == theirs[n].tobytes() for n in theirs)
         # A version it does not hold is downloaded.
-        stale = replay.recover(b.node.store, b.node.run, f, rec, None, (version - 1, theta))
+        stale = recover(f, rec, (version - 1, theta))
         assert not any(stale.theta[n] is theta[n] for n in theta)
     finish(c)
     assert_identical([a, b])

@@ -1,5 +1,5 @@
 """A sharded node that closes rounds (issue 13): every rank judges, merges and steps the part of
-each fragment it holds (``gradientmail_core/sharded/closing.py``), and the commits are the bytes a
+each fragment it holds (``gradientmail_core/syncer/kernel.py`` over its ranges), and the commits are the bytes a
 one-process closer writes. Real processes: a 2-rank FSDP2 node under ``torchrun`` (gloo, CPU) and
 a plain node that only learns (``role="learner"``), so the sharded node closes every round; the
 two end bit-identical, so the sharded closer's parameters are the ones a plain closer would have
@@ -20,9 +20,8 @@ from gradientmail_core.protocol.records import RoundRecord, Snapshot, chunk_refs
 from gradientmail_core.protocol.run import RunInfo, read_manifest
 from gradientmail_core.protocol.store import RunStore
 from gradientmail_core.syncer.closer import Collector, Estimates, Judged, compute_commit
+from gradientmail_core.syncer.kernel import FragmentCloser
 from gradientmail_core.syncer.replay import recover
-from gradientmail_core.syncer.spool import Spool
-from gradientmail_core.syncer.streamed import judge_payload
 
 torch = pytest.importorskip("torch")
 
@@ -41,20 +40,19 @@ def recompute_every_round(mailbox: Path) -> list[str]:
     r = 0
     while (rec := store.try_record(keys.round_key(r), RoundRecord)) is not None:
         f = rec.fragment
-        state = recover(store, run, f, newest.get(f), None)
-        spool = Spool()
-        c = Collector(r, run, state, opened_at=0.0, estimates=Estimates(), quorum_at=0.0, streamed=True, spool=spool)
-        c.store = store
+        closer = FragmentCloser.one_process(run, store)
+        state = recover(closer, store, run, f, newest.get(f))
+        c = Collector(r, run, state, opened_at=0.0, estimates=Estimates(), quorum_at=0.0, closer=closer)
         for p in rec.participants:
             snap = store.read_record(keys.snapshot_key(r, p.learner), Snapshot)
-            verdict = judge_payload(store, spool, run, f, snap.payload, r)
+            verdict = closer.judge(f, r, snap.payload)
             assert verdict.status == "ok" and verdict.norms is not None, (r, p.learner)
-            c.judged[p.learner] = Judged(p.learner, None, snap, None, p.weight, verdict.norms)
+            c.judged[p.learner] = Judged(p.learner, None, snap, p.weight, verdict.norms)
         compression = keys.compression_of(chunk_refs(rec.theta)[0].key) if rec.theta else ""
         mine = compute_commit(
             c, closer=rec.closer, live=rec.live, compression=compression, sync_seconds=None, now=0.0, outliers=False
         ).record
-        spool.close()
+        closer.close()
         for field in ("theta", "outer", "change"):
             ours, theirs = getattr(mine, field), getattr(rec, field)
             assert (ours is None) == (theirs is None), (r, field)

@@ -65,15 +65,14 @@ def _patch_points() -> tuple:
     from gradientmail_core.aggregators import fused, merge, outer
     from gradientmail_core.protocol import store
     from gradientmail_core.protocol.lease import LeaseWriter
-    from gradientmail_core.syncer import closer, node, replay
+    from gradientmail_core.syncer import collector, kernel, node, replay
 
     return (
         mailbox.create_once,
         store.create_once,
-        closer.version_before,
-        closer.merge_with_cosine,
-        closer.outer_step_tensor,
-        closer.final_step_tensor,
+        collector.version_before,
+        kernel.merge_and_step,
+        fused.rda_radius,
         node.Node._collect_garbage,
         node.Node._try_claim,
         node.Node._list_leases,
@@ -83,6 +82,8 @@ def _patch_points() -> tuple:
         replay._same,
         LeaseWriter.renew,
         store.RunStore.get_payload,
+        store.RunStore.get_chunk,
+        merge.normalized,
         merge._normalized,
         fused.merge_tensor,
         outer.outer_step_tensor,

@@ -138,19 +138,17 @@ def merge_tensor(
     shape = np.shape(xs[0]) if xs else next(np.shape(c[0]) for c in cosine or () if c is not None)
     size = int(np.prod(shape, dtype=np.int64))
     scales: list[np.float32 | None] = []
-    radius = 0.0
+    norms: list[float] = []
     for x, p_i in zip(xs, p, strict=True):
         assert x.shape == shape, (x.shape, shape)
         if not radial:
             scales.append(np.float32(p_i))
             continue
         n = math.sqrt(_sq(x))
-        if n > 0.0:
-            radius += p_i * n
-            # One float32 multiply per element: scale folded into a single float64-computed scalar.
-            scales.append(np.float32(p_i / n))
-        else:
-            scales.append(None)  # unit(0) = 0: no direction
+        norms.append(n)
+        # One float32 multiply per element: scale folded into a single float64-computed scalar.
+        scales.append(np.float32(p_i / n) if n > 0.0 else None)  # unit(0) = 0: no direction
+    radius = rda_radius(p, norms) if radial else 0.0
     if out is None:
         out = np.empty(shape if xs else 0, np.float32)
     assert out.dtype == np.float32 and out.flags.c_contiguous and out.size == (size if xs else 0)
@@ -178,6 +176,16 @@ def merge_tensor(
         out.fill(0)  # +0.0 everywhere (the direction may hold -0.0)
         return out, None
     return out, np.float32(radius / n_dir)
+
+
+def rda_radius(p: Sequence[float], norms: Sequence[float]) -> float:
+    """RDA's length ``sum_i p_i |d_i|`` of one tensor (float64, in the order given; a zero
+    contribution adds nothing): the one place it is summed."""
+    radius = 0.0
+    for p_i, n in zip(p, norms, strict=True):
+        if n > 0.0:
+            radius += p_i * n
+    return radius
 
 
 def scaled(values: np.ndarray, scale: np.float32 | None) -> np.ndarray:

@@ -48,6 +48,7 @@ __all__ = [
     "mean_pairwise_cosine",
     "memo_norms",
     "merge",
+    "normalized",
     "merge_with_cosine",
     "outlier_mask",
     "rda",
@@ -64,7 +65,7 @@ def contribution_weight(tokens: int, steps: int) -> float:
 
 def weighted_mean(deltas: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
     """``sum(w_i * d_i) / sum(w_i)`` in float32, summed in the given order."""
-    values, scale = fused.merge_tensor([_f32(d) for d in deltas], _normalized(weights, len(deltas)), radial=False)
+    values, scale = fused.merge_tensor([_f32(d) for d in deltas], normalized(weights, len(deltas)), radial=False)
     return fused.scaled(values, scale)
 
 
@@ -75,7 +76,7 @@ def rda(deltas: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
     Unlike the mean, disagreeing directions do not shrink the step's length, only its direction;
     directions that cancel exactly give zero.
     """
-    values, scale = fused.merge_tensor([_f32(d) for d in deltas], _normalized(weights, len(deltas)), radial=True)
+    values, scale = fused.merge_tensor([_f32(d) for d in deltas], normalized(weights, len(deltas)), radial=True)
     return fused.scaled(values, scale)
 
 
@@ -122,7 +123,7 @@ def merge_with_cosine(
     names = list(deltas[0])
     for d in deltas[1:]:
         assert set(d) == set(names), f"contributions disagree on tensor names: {sorted(set(d) ^ set(names))[:5]}"
-    p = _normalized(weights, len(deltas))
+    p = normalized(weights, len(deltas))
     merged_in = [clip(d, clip_norm) for d in deltas] if clip_norm is not None else list(deltas)
     return fused.merge_fragment(deltas, merged_in, p, cfg, cosine=cosine, each=each)
 
@@ -147,7 +148,7 @@ def mean_pairwise_cosine(deltas: Sequence[Delta]) -> float | None:
     return fused.mean_cosine(deltas)
 
 
-def _normalized(weights: Sequence[float], n: int) -> list[float]:
+def normalized(weights: Sequence[float], n: int) -> list[float]:
     """Weights divided by their (exactly rounded) sum, in float64.
 
     Normalising first keeps huge weights (tokens squared) from overflowing float32 products.
@@ -164,3 +165,6 @@ def _normalized(weights: Sequence[float], n: int) -> list[float]:
 
 def _f32(a: np.ndarray) -> np.ndarray:
     return np.asarray(a, dtype=np.float32)
+
+
+_normalized = normalized  # (its old name)

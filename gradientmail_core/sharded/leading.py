@@ -1,10 +1,9 @@
-"""Rank 0's hooks into the engine for a closing sharded node, and the other ranks' closer thread
-(``closing.py`` does the work on every rank).
-
-``ShardCloser`` stands where ``syncer/closing.py`` and ``streamed.py`` would load a fragment's
-state, judge a snapshot or commit (``Bridge.closer``, ``Collector.sharded``): it sends the op down
-to the other ranks (the ``down`` channel), runs it here on the node thread and returns what a
-one-process closer returns. ``CloserThread`` runs the ops on each rank > 0, one at a time."""
+"""A closing sharded node: rank 0's closer (``ShardCloser``, what its engine calls) and the other
+ranks' closer thread (``CloserThread``). Each op goes down to the other ranks (the ``down``
+channel) and runs on every rank at once (``run_op``): each rank's ``syncer.kernel.FragmentCloser``
+does its part over the ranges its shards hold, the ranks meeting in ``pooling.GlooRanks``' phases.
+A rank that fails fails the op everywhere; rank 0 raises what a one-process closer would
+(``MailboxUnavailable``: the node tries again on its next poll; ``Lost``: a contribution rejected)."""
 
 from __future__ import annotations
 
@@ -14,141 +13,133 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..codec.chunked import chunk_specs
 from ..errors import MailboxUnavailable, SessionFailed
-from ..protocol import keys
-from ..protocol.records import PayloadRef, RoundRecord, chunk_refs, digest_of, join_refs
-from ..protocol.run import RunInfo
-from ..protocol.store import RunStore
-from ..syncer.closer import FragmentState, Written
-from ..syncer.spool import Spool
-from ..syncer.streamed import Made, Verdict
-from ..syncer.streamed import _Lost as ContributionLost
-from .closing import RankCloser
-from .pooling import OpFailed, hexf, ref_wire, unhexf
+from ..protocol.records import PayloadRef, chunk_refs, join_refs
+from ..syncer.fragment import Accepted, CommitOp, FragmentState, Made, Verdict, discard
+from ..syncer.kernel import FragmentCloser
+from ..syncer.writing import Put
+from .pooling import OpFailed
 
 if TYPE_CHECKING:
-    from ..syncer.closer import Collector, Judged
     from .wire import Channel
 
 _log = logging.getLogger(__name__)
 
 
-class ShardCloser:
-    """Rank 0's hooks for ``syncer/closing.py`` and ``streamed.py`` (``Bridge.closer``): each sends
-    its op to the other ranks, runs it here and returns what a one-process closer returns."""
+def _refs(ref: PayloadRef) -> list[list[Any]]:
+    return [[c.key, c.sha256, c.size] for c in chunk_refs(ref)]
 
-    def __init__(self, ranker: RankCloser, down: Channel, stopping: threading.Event) -> None:
-        self.ranker, self.down, self.stopping = ranker, down, stopping
+
+def _unrefs(v: Any) -> PayloadRef:
+    return join_refs([PayloadRef(key=str(k), sha256=str(s), size=int(n)) for k, s, n in v])
+
+
+def run_op(kernel: FragmentCloser, op: Mapping[str, Any]) -> Any:
+    """Run one closer op on this rank's closer (every rank runs it at once)."""
+    kind = op["op"]
+    if "round" in op:
+        kernel.spool.drop_through(int(op["round"]) - 1)
+    f = int(op["f"])
+    if kind == "load":
+        outer = _unrefs(op["outer"]) if op.get("outer") is not None else None
+        return kernel.load(f, int(op["version"]), _unrefs(op["theta"]), outer)
+    if kind == "judge":
+        return kernel.judge(f, int(op["round"]), _unrefs(op["refs"]))
+    if kind == "commit":
+        accepted = tuple(
+            Accepted(
+                tuple(chunk_refs(_unrefs(a[0]))), float.fromhex(a[1]), {n: float.fromhex(v) for n, v in a[2].items()}
+            )
+            for a in op["accepted"]
+        )
+        c = CommitOp(
+            f,
+            int(op["round"]),
+            int(op["version"]),
+            bool(op["final"]),
+            bool(op["checkpoint"]),
+            str(op["compression"]),
+            accepted,
+        )
+        return kernel.commit(c, kernel.store.put_blob if op["write"] else discard)
+    if kind == "landed":  # (no collective: every rank just adopts the state it committed)
+        return kernel.landed(f, int(op["version"]))
+    raise AssertionError(f"unknown closer op {kind!r}")
+
+
+class ShardCloser:
+    """Rank 0's closer (``syncer.collector.Closer``): sends each op to the other ranks, runs it here
+    and returns what a one-process closer returns (of rank 0's ranges; the node's learner gets no
+    parameters from it: the ranks read each commit's chunks)."""
+
+    def __init__(self, kernel: FragmentCloser, down: Channel, stopping: threading.Event) -> None:
+        self.kernel, self.down, self.stopping = kernel, down, stopping
+        self.spool = kernel.spool
 
     def _op(self, op: dict[str, Any]) -> Any:
         """Send ``op`` to the other ranks and run it here (rank 0's node thread, the only caller:
         the ops go out one at a time, in order)."""
         if self.stopping.is_set():
             raise SessionFailed("the node is stopping")
-        for r in range(1, self.ranker.world):
+        for r in range(1, self.kernel.ranks.world):
             self.down.send(r, {"close": op})
         try:
-            return self.ranker.run_op(op)
-        except OpFailed as e:
-            if e.unavailable:
-                raise MailboxUnavailable(f"a rank of this node could not read the store: {e}") from None
-            raise
-
-    def state(self, run: RunInfo, f: int, rec: RoundRecord | None, held: FragmentState | None) -> FragmentState:
-        version = rec.version if rec is not None else 0
-        if held is not None and held.version == version:
-            return held  # this node's own commit: every rank holds its ranges of it
-        if rec is None:
-            theta, outer = run.manifest.init[f], None
-        else:
-            if rec.theta is None or rec.outer is None:
-                raise SessionFailed(f"round {rec.round} names no parameters or outer state: not for sharded closers")
-            theta, outer = rec.theta, rec.outer
-        op: dict[str, Any] = {
-            "op": "state",
-            "f": f,
-            "version": version,
-            "theta": [ref_wire(c) for c in chunk_refs(theta)],
-        }
-        if outer is not None:
-            op["outer"] = [ref_wire(c) for c in chunk_refs(outer)]
-        try:
-            self._op(op)
-        except OpFailed as e:
-            raise SessionFailed(f"fragment {f}: the ranks could not load the outer state: {e}") from None
-        return FragmentState(version, {}, {}, {}, checkpoint=version)
-
-    def landed(self, f: int, version: int) -> None:
-        """The record of this node's commit of fragment ``f`` at ``version`` is written: the ranks
-        let the state it started from go."""
-        self._op({"op": "landed", "f": f, "version": version})
-
-    def judge(self, store: RunStore, spool: Spool | None, run: RunInfo, f: int, ref: PayloadRef, round: int) -> Verdict:
-        op = {"op": "judge", "f": f, "round": round, "refs": [ref_wire(c) for c in chunk_refs(ref)]}
-        got = self._op(op)
-        if got["status"] != "ok":
-            return Verdict(got["status"])
-        return Verdict("ok", bool(got["finite"]), {n: unhexf(v) for n, v in got["norms"].items()})
-
-    def commit(self, c: Collector, accepted: list[Judged], *, final: bool, checkpoint: bool, compression: str) -> Made:
-        """The commit's payloads, written by the ranks. Its state here is the version only: the
-        ranks hold the arrays (``RankCloser.states``)."""
-        run, f, r = c.run, c.fragment, c.round
-        op = {
-            "op": "commit",
-            "f": f,
-            "round": r,
-            "version": c.state.version,
-            "final": final,
-            "checkpoint": checkpoint,
-            "compression": compression,
-            "accepted": [
-                [
-                    [ref_wire(x) for x in chunk_refs(j.snapshot.payload)] if j.snapshot is not None else [],
-                    hexf(j.weight),
-                    {n: hexf(v) for n, v in (j.norms or {}).items()},
-                ]
-                for j in accepted
-            ],
-        }
-        try:
-            got = self._op(op)
+            return run_op(self.kernel, op)
         except OpFailed as e:
             lost = e.lost
-            if lost is not None:  # rejected there as any closer rejects a contribution it cannot read
-                raise ContributionLost(accepted[lost[0]], lost[1], lost[2]) from None
-            raise
-        counts = {
-            "theta": len(run.plan(f)),
-            "change": len(run.plan(f)),
-            "outer": len(chunk_specs(run.outer_shapes(f), run.chunk_elements)),
+            if lost is not None:
+                raise lost from None
+            if e.unavailable:
+                raise MailboxUnavailable(f"a rank of this node could not read the store: {e}") from None
+            raise SessionFailed(f"fragment {op['f']}: the ranks failed an op ({op['op']}): {e}") from None
+
+    def held(self, f: int) -> FragmentState | None:
+        return self.kernel.held(f)
+
+    def holds_any(self) -> bool:
+        return self.kernel.holds_any()
+
+    def forget(self, f: int, *, unless: int | None = None) -> None:
+        self.kernel.forget(f, unless=unless)  # (the ranks let it go when a new state is loaded)
+
+    def load(
+        self, f: int, version: int, theta: PayloadRef, outer: PayloadRef | None, known: dict | None = None
+    ) -> FragmentState:
+        op = {
+            "op": "load",
+            "f": f,
+            "version": version,
+            "theta": _refs(theta),
+            "outer": None if outer is None else _refs(outer),
         }
-        refs: dict[str, PayloadRef] = {}
-        shas: dict[str, list[str]] = {}
-        payloads: dict[str, Any] = {}
-        for kind_written, chunks in got["parts"].items():
-            kind, written = kind_written.split("/")
-            n = counts[kind]
-            if sorted(int(k) for k in chunks) != list(range(n)):
-                raise SessionFailed(f"round {r}: the ranks wrote chunks {sorted(chunks)} of the {kind}'s {n}")
-            ordered = [chunks[str(k)] for k in range(n)]
-            shas[kind_written] = [sha for sha, _ in ordered]
-            if written == "1":
-                zip_ = compression
-                made = [
-                    PayloadRef(key=keys.round_blob_key(r, kind, sha, zip_), sha256=sha, size=size)
-                    for sha, size in ordered
-                ]
-                refs[kind] = join_refs(made)
-                for ref in made:
-                    payloads[ref.key] = Written(ref.size, ref.sha256)
-        theta_digest = digest_of(shas["theta/1" if checkpoint and compression == "" else "theta/0"])
-        outer_digest = None if checkpoint else digest_of(shas["outer/0"])
-        cosine = None if got["cosine"] is None else unhexf(got["cosine"])
-        v = c.state.version + 1
-        state = FragmentState(v, {}, {}, {}, v if checkpoint else c.state.checkpoint)
-        return Made(refs, theta_digest, outer_digest, cosine, payloads, state)
+        return self._op(op)  # type: ignore[no-any-return]
+
+    def judge(self, f: int, round: int, ref: PayloadRef) -> Verdict:
+        return self._op({"op": "judge", "f": f, "round": round, "refs": _refs(ref)})  # type: ignore[no-any-return]
+
+    def reserve(self, f: int) -> None:
+        pass  # each rank allocates its ranges' new state as it commits
+
+    def commit(self, op: CommitOp, put: Put | None) -> Made:
+        assert put is not None, "a sharded closer writes as it commits"
+        wire = {
+            "op": "commit",
+            "f": op.f,
+            "round": op.round,
+            "version": op.version,
+            "final": op.final,
+            "checkpoint": op.checkpoint,
+            "compression": op.compression,
+            "write": put is not discard,
+            "accepted": [
+                [_refs(join_refs(list(a.refs))), float(a.weight).hex(), {n: float(v).hex() for n, v in a.norms.items()}]
+                for a in op.accepted
+            ],
+        }
+        return self._op(wire)  # type: ignore[no-any-return]
+
+    def landed(self, f: int, version: int) -> None:
+        self._op({"op": "landed", "f": f, "version": version})
 
 
 class CloserThread:
@@ -156,12 +147,12 @@ class CloserThread:
 
     def __init__(self, name: str) -> None:
         self.ops: queue.Queue[Mapping[str, Any] | None] = queue.Queue()
-        self.ranker: RankCloser | None = None
+        self.kernel: FragmentCloser | None = None
         self.thread: threading.Thread | None = None
         self.name = name
 
-    def start(self, ranker: RankCloser) -> None:
-        self.ranker = ranker
+    def start(self, kernel: FragmentCloser) -> None:
+        self.kernel = kernel
         self.thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
         self.thread.start()
 
@@ -172,17 +163,17 @@ class CloserThread:
         self.ops.put(None)
         if self.thread is not None:
             self.thread.join(timeout=timeout)
-        if self.ranker is not None:
-            self.ranker.spool.close()
+        if self.kernel is not None:
+            self.kernel.close()
 
     def _loop(self) -> None:
-        assert self.ranker is not None
+        assert self.kernel is not None
         while True:
             op = self.ops.get()
             if op is None:
                 return
             try:
-                self.ranker.run_op(op)
+                run_op(self.kernel, op)
             except OpFailed as e:  # every rank learned it; rank 0 decides what it means
                 _log.debug("closer op %s failed: %s", op.get("op"), e)
             except Exception:  # outside a phase (a collective itself failed): keep serving ops

@@ -1,28 +1,29 @@
-"""How the ranks of a closing sharded node work together on one op (``closing.py``): every phase
-of an op ends with every rank's result pooled on every rank (``Comm.phase``), so a rank that fails
-fails the op on every rank at the same point, and the leaves of whole-tensor sums cross as their
-exact bits (``Pooled``: float sums as hex, cut leaves' values as base64 of their bytes).
+"""The ranks of a closing sharded node as the closer's ``Ranks`` (``syncer/ranks.py``): every phase
+of an op ends with every rank's result pooled on every rank, so a rank that fails fails the op on
+every rank at the same point; payload pieces move between holders and chunk owners with
+``gather_chunks``/``scatter_chunks``.
 
 Everything crosses as JSON bytes over a gloo group of the closer's own (never Python objects)."""
 
 from __future__ import annotations
 
-import base64
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..aggregators.leaves import LeafRange, combine_leaves
+from ..adapters.torch_sharded import ShardedParams, gather_chunks, scatter_chunks
 from ..errors import MailboxUnavailable
-from ..protocol.records import PayloadRef
+from ..protocol.chunks import Layout
+from ..syncer.fragment import Lost
+from ..syncer.ranks import Owned, flat
 from .wire import pack, unpack
 
 _log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class OpFailed(Exception):
@@ -37,22 +38,16 @@ class OpFailed(Exception):
         return all(e.get("t") == "unavailable" for _, e in self.errors)
 
     @property
-    def lost(self) -> tuple[int, str, str] | None:
-        """A contribution's chunk no rank could read: (its index in the op, reason, why)."""
+    def lost(self) -> Lost | None:
+        """A contribution's chunk no rank could read."""
         for _, e in self.errors:
             if e.get("t") == "lost":
-                return int(e["i"]), str(e["reason"]), str(e["e"])
+                return Lost(int(e["i"]), str(e["reason"]), str(e["e"]))
         return None
 
 
-class Lost(Exception):
-    def __init__(self, i: int, reason: str, why: str) -> None:
-        super().__init__(why)
-        self.i, self.reason = i, reason
-
-
-class Comm:
-    """Collectives of the closer's ranks: JSON bytes over a gloo group of their own (never Python objects)."""
+class GlooRanks:
+    """``Ranks`` over a gloo group of the closer's own."""
 
     def __init__(self, group: Any, rank: int, world: int) -> None:
         self.group, self.rank, self.world = group, rank, world
@@ -71,7 +66,7 @@ class Comm:
         dist.all_gather(bufs, buf, group=self.group)
         return [unpack(b[: int(s.item())].numpy().tobytes()) for b, s in zip(bufs, sizes, strict=True)]
 
-    def phase(self, fn: Callable[[], Any]) -> list[Any]:
+    def phase(self, fn: Callable[[], T]) -> list[T]:
         """Run ``fn`` here, then pool every rank's result; ``OpFailed`` on every rank if any failed."""
         try:
             mine: dict[str, Any] = {"v": fn()}
@@ -88,60 +83,26 @@ class Comm:
             raise OpFailed(errors)
         return [g["v"] for g in got]
 
+    def _params(self, shapes: Mapping[str, Sequence[int]], layout: Layout) -> ShardedParams:
+        return ShardedParams({}, {n: tuple(s) for n, s in shapes.items()}, self.world, self.rank, self.group, layout)
 
-def hexf(x: Any) -> str:
-    return float(x).hex()
+    def gather(
+        self, shapes: Mapping[str, Sequence[int]], layout: Layout, chunk: int | None, local: Mapping[str, np.ndarray]
+    ) -> Owned:
+        assert chunk is not None, "a sharded node joins chunked runs only"
+        tensors = {n: torch.from_numpy(np.ascontiguousarray(flat(v))) for n, v in local.items()}
+        got = gather_chunks(self._params(shapes, layout), list(shapes), chunk, tensors)
+        return {k: [(p, t.numpy()) for p, t in pieces] for k, pieces in got.items()}
 
-
-def unhexf(s: str) -> float:
-    return float.fromhex(s)
-
-
-def wire_parts(parts: Mapping[int, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for i, p in parts.items():
-        if isinstance(p, tuple):
-            out[str(i)] = [p[0], base64.b64encode(np.ascontiguousarray(p[1]).tobytes()).decode()]
-        else:
-            out[str(i)] = hexf(p)
-    return out
-
-
-def unwire_parts(got: Mapping[str, Any], kind: str) -> dict[int, Any]:
-    dtype = np.float32 if kind == "dot" else np.float64
-    out: dict[int, Any] = {}
-    for i, p in got.items():
-        out[int(i)] = (
-            (int(p[0]), np.frombuffer(base64.b64decode(p[1]), dtype=dtype)) if isinstance(p, list) else unhexf(p)
-        )
-    return out
-
-
-def ref_wire(r: PayloadRef) -> list[Any]:
-    return [r.key, r.sha256, r.size]
-
-
-def ref_unwire(v: Sequence[Any]) -> PayloadRef:
-    return PayloadRef(key=str(v[0]), sha256=str(v[1]), size=int(v[2]))
-
-
-# ---- one rank's part -----------------------------------------------------------------------------
-
-
-@dataclass
-class Pooled:
-    """The leaves of several tensors, one ``LeafRange`` each, pooled over the ranks in one phase."""
-
-    kind: str
-    sizes: dict[Any, int]
-    ranges: dict[Any, LeafRange]
-
-    def wire(self) -> dict[str, Any]:
-        return {pack(k).decode(): wire_parts(r.finish()) for k, r in self.ranges.items()}
-
-    def leaves(self, pooled: Sequence[Mapping[str, Any]]) -> dict[Any, list[float]]:
-        out = {}
-        for k, size in self.sizes.items():
-            key = pack(k).decode()
-            out[k] = combine_leaves(size, self.kind, [unwire_parts(p.get(key, {}), self.kind) for p in pooled])
-        return out
+    def scatter(
+        self,
+        shapes: Mapping[str, Sequence[int]],
+        layout: Layout,
+        chunk: int | None,
+        owned: Owned,
+        local: Mapping[str, np.ndarray],
+    ) -> None:
+        assert chunk is not None, "a sharded node joins chunked runs only"
+        pieces = {k: [(p, torch.from_numpy(np.ascontiguousarray(v))) for p, v in ps] for k, ps in owned.items()}
+        tensors = {n: torch.from_numpy(flat(v)) for n, v in local.items()}  # (views: written in place)
+        scatter_chunks(self._params(shapes, layout), list(shapes), chunk, pieces, tensors)

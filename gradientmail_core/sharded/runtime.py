@@ -50,11 +50,12 @@ from ..protocol.run import RunInfo, check_record_size, max_payload_bytes, read_m
 from ..protocol.store import RunStore
 from ..syncer.bridge import View
 from ..syncer.join import join_run
+from ..syncer.kernel import FragmentCloser
+from ..syncer.spool import Spool
 from .anchors import check_place
-from .closing import RankCloser
 from .handles import RecordingIO, ShardContribution, ShardIncoming, Together, check_config, mesh_matches
 from .leading import CloserThread, ShardCloser
-from .pooling import Comm
+from .pooling import GlooRanks
 from .rank import RankIO, chunk_elements, chunk_elements_of
 from .wire import Channel, Exchange, new_group
 
@@ -78,8 +79,8 @@ class ShardedRuntime:
         self.exchange: Exchange | None = None
         self.up: Channel | None = None
         self.down: Channel | None = None
-        self.closing: Any = None  # the gloo group of the closer's ops (``pooling.Comm``)
-        self.ranker: RankCloser | None = None  # this rank's part of closing rounds
+        self.closing: Any = None  # the gloo group of the closer's ops (``pooling.GlooRanks``)
+        self.ranker: FragmentCloser | None = None  # this rank's part of closing rounds
         self.closer_thread = CloserThread(f"gradientmail-r{self.rank}-closer")  # ranks > 0
         self.io: RankIO | None = None
         self.pending: list[tuple[dict[str, Any], ShardContribution | None]] = []
@@ -284,9 +285,9 @@ class ShardedRuntime:
         for message in early:
             io.down_message(message)
 
-    def _ranker(self, run: RunInfo, store: RunStore) -> RankCloser:
-        comm = Comm(self.closing, self.rank, self.world)
-        return RankCloser(run, store, comm, self.sharded)
+    def _ranker(self, run: RunInfo, store: RunStore) -> FragmentCloser:
+        ranks = GlooRanks(self.closing, self.rank, self.world)
+        return FragmentCloser(run, store, ranks, self.sharded.layout, spool=Spool(), keep_theta=False)
 
     def _down_receiver(self) -> None:  # ranks > 0
         try:

@@ -21,7 +21,7 @@ from ..mailbox import CreateOutcome
 from ..protocol import keys, store
 from ..protocol.lease import LeaseWriter
 from ..protocol.records import Lease
-from ..syncer import closer, node, replay
+from ..syncer import collector, kernel, merging, node, replay  # noqa: F401
 
 
 @contextlib.contextmanager
@@ -63,7 +63,7 @@ class _AnyVersion(int):
 
 def accept_stale() -> contextlib.AbstractContextManager[None]:
     """The closer accepts snapshots whose delta is relative to an older version of the fragment."""
-    return _patched((closer, "version_before", lambda r, P: _AnyVersion(r // P)))
+    return _patched((collector, "version_before", lambda r, P: _AnyVersion(r // P)))
 
 
 def sweep_newest() -> contextlib.AbstractContextManager[None]:
@@ -117,6 +117,7 @@ def remote_clock_lease() -> contextlib.AbstractContextManager[None]:
 def skip_sha_check() -> contextlib.AbstractContextManager[None]:
     """Payloads are decoded without checking their sha256: bytes damaged in transit are trusted."""
     from ..codec.chunked import chunk_specs
+    from ..codec.chunked import spec as chunk_spec
     from ..codec.payload import decode_payload
     from ..protocol.chunks import assemble
     from ..protocol.records import chunk_refs
@@ -148,19 +149,40 @@ def skip_sha_check() -> contextlib.AbstractContextManager[None]:
             )
         return parts[0] if len(specs) == 1 else assemble([list(s.pieces) for s in specs], parts, expected)
 
-    return _patched((store.RunStore, "get_payload", get_payload))
+    def get_chunk(
+        self: store.RunStore, ref: Any, pieces: Any, *, shapes: Any, k: int, n: int, dtypes: Any = None,
+        max_bytes: int | None = None, kind: str | None = None, tee: Any = None,
+    ) -> Any:  # fmt: skip
+        s = chunk_spec(pieces, shapes, k, n)
+        data = self.mailbox.get(ref.key)
+        if data is None:
+            return None
+        if tee is not None:
+            tee(data)
+        ds = None if dtypes is None else {p.name: dtypes[p.name] for p in s.pieces}
+        got = decode_payload(
+            data, s.expected, compression=keys.compression_of(ref.key), max_bytes=max_bytes, dtypes=ds, meta=s.meta
+        )
+        return {name: v.reshape(-1) for name, v in got.items()}
+
+    return _patched((store.RunStore, "get_payload", get_payload), (store.RunStore, "get_chunk", get_chunk))
 
 
 def count_twice() -> contextlib.AbstractContextManager[None]:
     """The merge weighs the first accepted contribution twice."""
-    orig = closer.merge_with_cosine
+    orig = kernel.merge_and_step
 
-    def merge(deltas: Any, weights: Any, cfg: Any, **kw: Any) -> Any:
-        if len(deltas) > 1:
-            deltas, weights = [deltas[0], *deltas], [weights[0], *weights]
-        return orig(deltas, weights, cfg, **kw)
+    def merge(cfg: Any, ranks: Any, shapes: Any, ranges: Any, visits: Any, split: Any, source: Any, accepted: Any,
+              *rest: Any) -> Any:  # fmt: skip
+        if len(accepted) > 1:
+            read = source.chunk
+            source = merging.Source(
+                lambda i, k: read(max(i - 1, 0), k), in_memory=source.in_memory, threaded=source.threaded
+            )
+            accepted = [accepted[0], *accepted]
+        return orig(cfg, ranks, shapes, ranges, visits, split, source, accepted, *rest)
 
-    return _patched((closer, "merge_with_cosine", merge))
+    return _patched((kernel, "merge_and_step", merge))
 
 
 def stale_view_is_fatal() -> contextlib.AbstractContextManager[None]:
@@ -214,29 +236,16 @@ def weights_not_normalised() -> contextlib.AbstractContextManager[None]:
         assert len(weights) == n
         return [float(w) for w in weights]
 
-    return _patched((merge, "_normalized", normalized))
+    return _patched((merge, "normalized", normalized), (merge, "_normalized", normalized))
 
 
 def rda_length_unweighted() -> contextlib.AbstractContextManager[None]:
     """RDA's length is the plain sum of the contributions' norms, not their weighted mean."""
-    orig = fused.merge_tensor
-
-    def merge_tensor(xs: Any, p: Any, *, radial: bool, **kw: Any) -> Any:
-        values, scale = orig(xs, p, radial=radial, **kw)
-        if radial and scale is not None:
-            norms = [float(np.sqrt(np.sum(np.square(x, dtype=np.float64)))) for x in xs]
-            weighted = sum(p_i * n for p_i, n in zip(p, norms, strict=True))
-            if weighted > 0.0:
-                scale = np.float32(float(scale) * sum(norms) / weighted)
-        return values, scale
-
-    return _patched((fused, "merge_tensor", merge_tensor))
+    return _patched((fused, "rda_radius", lambda p, norms: float(sum(n for n in norms if n > 0.0))))
 
 
 def _outer_patches(step: Callable[..., Any]) -> contextlib.AbstractContextManager[None]:
-    from ..syncer import closer as closer_module
-
-    return _patched((outer, "outer_step_tensor", step), (closer_module, "outer_step_tensor", step))
+    return _patched((outer, "outer_step_tensor", step))
 
 
 def nesterov_without_momentum() -> contextlib.AbstractContextManager[None]:

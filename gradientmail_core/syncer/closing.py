@@ -11,8 +11,10 @@ from ..mailbox import CreateOutcome
 from ..protocol import keys
 from ..protocol.records import RoundRecord
 from ..protocol.schedule import fragment_of, gap
-from .closer import IGNORED, Collector, Estimates, FragmentState, compute_commit
+from .closer import compute_commit
+from .collector import IGNORED, Collector, Estimates
 from .following import Following
+from .fragment import FragmentState
 from .replay import recover
 
 
@@ -28,23 +30,17 @@ class Closing(Following):
             return
         state = self._fragment_state(fragment_of(r, self.run.P))
         self.collector = Collector(
-            r, self.run, state, self.clock.now(), Estimates.from_record(self.newest_of_head()), spool=self.spool
+            r, self.run, state, self.clock.now(), Estimates.from_record(self.newest_of_head()), closer=self.closer
         )
-        if self.bridge.closer is not None:  # a sharded node: its ranks judge and merge, chunk by chunk
-            self.collector.sharded, self.collector.streamed = self.bridge.closer, True
         self.follow = None
 
     def _fragment_state(self, f: int) -> FragmentState:
-        """Recover the closer's state of fragment ``f`` at its newest record (or the init): from
-        its checkpoint and, between checkpoints, by replaying the rounds after it (``replay.py``).
-        Missing payloads mean this node's view is stale (paused after its listing, the run
-        committed meanwhile and collected them): ``MailboxUnavailable``, catch up next poll."""
-        if self.bridge.closer is not None:  # a sharded node: each rank loads its ranges
-            state = self.bridge.closer.state(self.run, f, self.newest.get(f), self.closer_states.get(f))
-        else:
-            state = recover(self.store, self.run, f, self.newest.get(f), self.closer_states.get(f), self.thetas.get(f))
-        self.closer_states[f] = state
-        return state
+        """The closer's state of fragment ``f`` at its newest record (or the init): held from this
+        node's own commit, or recovered from its checkpoint and the rounds after it
+        (``replay.py``). Missing payloads mean this node's view is stale (paused after its
+        listing, the run committed meanwhile and collected them): ``MailboxUnavailable``, catch up
+        next poll."""
+        return recover(self.closer, self.store, self.run, f, self.newest.get(f), self.thetas.get(f))
 
     def _collect(self, c: Collector) -> bool:
         """Judge the round's new snapshots and close it when due. True if this node committed it."""
@@ -102,8 +98,7 @@ class Closing(Following):
             self._on_record(theirs, theta)
             return False
         self.stats.committed += 1
-        if self.bridge.closer is not None:  # a sharded node: the ranks let the state before go
-            self.bridge.closer.landed(rec.fragment, rec.version)
+        self.closer.landed(rec.fragment, rec.version)
         for x in rec.rejected:
             if x.reason == "outlier":  # the others were reported as they were judged
                 self.stats.rejected["outlier"] = self.stats.rejected.get("outlier", 0) + 1
@@ -120,9 +115,8 @@ class Closing(Following):
             )
         )
         self.emit(ev.Committed(self.me, rec.round, rec.fragment, rec.version, written))
-        self.closer_states[rec.fragment] = commit.state
         self.collector = None
-        self._on_record(rec, commit.state.theta)
+        self._on_record(rec, commit.theta)
         return True
 
     def _on_record(self, rec: RoundRecord, theta: dict[str, np.ndarray] | None, *, lent: bool = False) -> None:

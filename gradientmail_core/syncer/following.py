@@ -88,11 +88,9 @@ class Following(NodeState):
             self.collector = None
         self.newest[f] = rec
         self.head = rec.round
-        held = self.closer_states.get(f)
-        if held is not None and held.version != rec.version:
-            # Another node committed this fragment: the outer state held for it is stale (twice
-            # the fragment in fp32). Elected again, the node reloads it from the newest record.
-            del self.closer_states[f]
+        # Another node committed this fragment: the outer state held for it is stale (twice the
+        # fragment in fp32). Elected again, the node reloads it from the newest record.
+        self.closer.forget(f, unless=rec.version)
         self.rounds_seen += 1
         self.follow = None
         for r in [r for r in self.own_snapshots if r <= rec.round]:

@@ -18,6 +18,7 @@ import numpy as np
 from .. import events as ev
 from ..errors import MailboxUnavailable, PayloadCorrupt
 from ..protocol import keys
+from ..protocol.records import chunk_refs
 from ..protocol.tape import newest_records, read_newest, round_keys
 from .bridge import View
 from .election import Election
@@ -112,13 +113,16 @@ class Node(Publishing, Election):
         self._publish_view()
 
     def _release_own_snapshots(self) -> None:
-        """Keep this node's decoded snapshot payloads only for the rounds it may still judge as
-        their closer: the one it collects (until judged) and those after it. A node closing nothing
-        keeps none (a fragment per round in flight): were it to take a round over, it reads its
-        snapshot back from the store like anyone else's."""
+        """Keep this node's snapshots (and their chunks in the spool) only for the rounds it may
+        still judge as their closer: the one it collects (until judged) and those after it. A node
+        closing nothing keeps none (a fragment per round in flight): were it to take a round over,
+        it reads its snapshot back from the store like anyone else's."""
         c = self.collector
         for r in [r for r in self.own_snapshots if c is None or r < c.round or (r == c.round and self.me in c.judged)]:
-            del self.own_snapshots[r]
+            snap = self.own_snapshots.pop(r)
+            if c is None or r < c.round:  # (judged: its chunks stay in the spool for the merge)
+                for ref in chunk_refs(snap.payload):
+                    self.spool.discard(ref.sha256)
 
     def _publish_view(self) -> None:
         # A round is about to close once the others' snapshots, with ours, would meet the quorum

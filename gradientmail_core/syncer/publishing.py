@@ -12,20 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
-
 from .. import events as ev
-from ..codec.chunked import ChunkSpec, decode_chunk
+from ..codec.chunked import ChunkSpec
 from ..codec.stream import PayloadStream, decode_stream
 from ..errors import PayloadCorrupt, PayloadLayoutMismatch
 from ..mailbox import CreateOutcome
 from ..protocol import keys
-from ..protocol.chunks import assemble
 from ..protocol.records import PayloadRef, Snapshot, ref_size
 from ..protocol.run import payload_cap
 from .bridge import Publish
 from .state import NodeState
-from .streamed import chunk_by_chunk
 
 
 class Publishing(NodeState):
@@ -49,19 +45,19 @@ class Publishing(NodeState):
         def key_for_sha(sha: str) -> str:
             return keys.snapshot_blob_key(pub.round, self.me, sha, compression)
 
-        own: dict[str, np.ndarray] | None = None
-        spooled = False  # its chunks are in the spool (a closer merging chunk by chunk reads them there)
+        # A node closing rounds keeps its contribution's chunks in its spool as it uploads them, and
+        # judges it from there (``collector.judge_snapshot``): a node closing nothing keeps nothing.
+        keep = self.collector is not None
+        kept = False
         upload = getattr(pub.delta, "upload", None)
         if upload is not None:
             ref = upload(self.store, self.run, f, pub.round, self.me, compression)
         elif self.store.one_payload(self.run.shapes[f], self.run.chunk_elements):
             with pub.delta.stream(dtypes, compression=compression) as data:
                 ref = self.store.put_payload(key_for_sha, data)
-                # Only a node closing rounds judges its own snapshot from memory (``closing``): a
-                # node closing nothing keeps nothing of it.
-                own = self._own_delta(pub, data, ref) if self.collector is not None else None
+                kept = keep and self._hold_own(pub, data, ref)
         else:
-            ref, own, spooled = self._put_chunks(pub, key_for_sha, compression)
+            ref, kept = self._put_chunks(pub, key_for_sha, compression, keep)
         snap = Snapshot(
             learner=self.me,
             round=pub.round,
@@ -80,43 +76,23 @@ class Publishing(NodeState):
             self.emit(ev.Skipped(self.me, pub.round, "this learner id already contributed to the round"))
             return
         self.stats.published += 1
-        if outcome is CreateOutcome.CREATED and (own is not None or spooled):  # not a retry's read-back
-            self.own_snapshots[pub.round] = (snap, own)
+        if outcome is CreateOutcome.CREATED and kept:  # not a retry's read-back
+            self.own_snapshots[pub.round] = snap
         self.snapshot_keys.setdefault(pub.round, set()).add(self.me)
         self.emit(ev.Published(self.me, pub.round, pub.fragment, pub.steps, pub.tokens, ref_size(ref), pub.final))
 
     def _put_chunks(
-        self, pub: Publish, key_for_sha: Callable[[str], str], compression: str
-    ) -> tuple[PayloadRef, dict[str, np.ndarray] | None, bool]:
-        """The delta as the chunks of its fragment's plan, and (for a node closing rounds) each
-        decoded as uploaded and assembled, as ``_own_delta`` does for a whole payload; or, where
-        a closer merges the fragment chunk by chunk (``streamed.chunk_by_chunk``), each chunk's
-        bytes kept in the spool (then True: the closer judges and merges them from there)."""
+        self, pub: Publish, key_for_sha: Callable[[str], str], compression: str, keep: bool
+    ) -> tuple[PayloadRef, bool]:
+        """The delta as the chunks of its fragment's plan; with ``keep``, each chunk's bytes kept in
+        the spool as uploaded (then True: the closer judges and merges them from there)."""
         f = pub.fragment
         shapes, dtypes = self.run.shapes[f], self.run.delta_dtypes(f)
-        keep = self.collector is not None
-        spool = keep and chunk_by_chunk(self.run, f)
-        parts: list[dict[str, np.ndarray]] = []
         spooled: list[bool] = []
 
-        def decode_back(s: ChunkSpec, data: PayloadStream, ref: PayloadRef) -> None:
-            if spool:
+        def spool(s: ChunkSpec, data: PayloadStream, ref: PayloadRef) -> None:
+            if keep:
                 spooled.append(self.spool.put(ref.sha256, data.chunks(), data.size, pub.round))
-            elif keep:
-                try:
-                    parts.append(
-                        decode_chunk(
-                            data.chunks(),
-                            s,
-                            size=data.size,
-                            sha256=data.sha256,
-                            compression=keys.compression_of(ref.key),
-                            dtypes=dtypes,
-                            key=ref.key,
-                        )
-                    )
-                except (PayloadCorrupt, PayloadLayoutMismatch):
-                    pass  # not kept: read back like any contribution
 
         quantized = getattr(pub.delta, "quantized", None)
         if quantized is None:
@@ -129,26 +105,18 @@ class Publishing(NodeState):
             chunk_elements=self.run.chunk_elements,
             kind="delta",
             compression=compression,
-            on_chunk=decode_back,
+            on_chunk=spool,
         )
-        plan = self.run.plan(f)
-        if spool:
-            return ref, None, len(spooled) == len(plan) and all(spooled)
-        if not keep or len(parts) != len(plan):
-            return ref, None, False
-        try:
-            return ref, assemble(plan, parts, shapes), False
-        except PayloadCorrupt:
-            return ref, None, False
+        return ref, keep and len(spooled) == len(self.run.plan(f)) and all(spooled)
 
-    def _own_delta(self, pub: Publish, data: PayloadStream, ref: PayloadRef) -> dict[str, np.ndarray] | None:
-        """The payload just uploaded, decoded as the closer's judge decodes a snapshot's (same
-        shapes, dtypes and cap; hash checked) from the stream produced again, never joined: the
-        decoded delta is what judging it needs, so its bytes are not kept beside it (a fragment
-        less while the round merges). None if it does not decode: then it is read back like any."""
+    def _hold_own(self, pub: Publish, data: PayloadStream, ref: PayloadRef) -> bool:
+        """The payload just uploaded (one chunk), decoded as the closer decodes a contribution (same
+        shapes, dtypes and cap; hash checked) from the stream produced again, never joined, and held
+        decoded in the spool: judging needs it decoded, so its bytes are not kept beside it. False
+        if it does not decode: then it is read back like any contribution."""
         f = pub.fragment
         try:
-            return decode_stream(
+            own = decode_stream(
                 data.chunks(),
                 self.run.shapes[f],
                 size=data.size,
@@ -159,4 +127,6 @@ class Publishing(NodeState):
                 key=ref.key,
             )
         except (PayloadCorrupt, PayloadLayoutMismatch):
-            return None
+            return False
+        self.spool.hold(ref.sha256, own, pub.round)
+        return True

@@ -1,12 +1,17 @@
-"""A closer's local spool: the verified bytes of the contribution chunks it judged, on disk.
+"""A closer's local spool: the contribution chunks it judged, kept for the merge.
 
-A closer that merges chunk by chunk (``streamed.py``) reads every contribution twice or more: once
-to judge it (hash, decode, finite check, norms) and once per merge pass. The spool keeps each
-chunk's encoded bytes, as they arrived, in a temporary directory of this node, named by their
-sha256 (content-addressed: the same bytes are one file whoever sent them), so the later passes
-read the local disk instead of the store. Nothing read from the spool is trusted: every read is
-checked against the sha256 again (``decode_chunk``), and a file that does not match is dropped and
-the chunk downloaded again.
+A closer reads every contribution twice or more: once to judge it (hash, decode, finite check,
+norms) and once per merge pass. The spool keeps each chunk, named by its sha256
+(content-addressed: the same bytes are one entry whoever sent them), in one of two ways, a
+storage policy the reader chooses (``reading.read_chunk``):
+
+- **on disk**, the encoded bytes as they arrived, in a temporary directory of this node, for the
+  chunks of a fragment of several chunks: the later passes read the local disk instead of the
+  store. Nothing read back from disk is trusted: every read is checked against the sha256 again
+  (``decode_chunk``), and a file that does not match is dropped and the chunk downloaded again.
+- **decoded in memory** (``hold``), read-only float32 arrays, for a fragment of one chunk: what a
+  closer merging whole fragments always held, so a small fragment costs no disk and no second
+  decode. They were decoded from bytes this process verified.
 
 Each entry is tagged with the newest round that needs it; ``drop_through(r)`` deletes what no
 round after ``r`` needs (after a commit, or when a round is abandoned because another node
@@ -25,9 +30,11 @@ import os
 import shutil
 import tempfile
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO
+
+import numpy as np
 
 from ..errors import PayloadCorrupt
 from ..mailbox import Chunk
@@ -48,6 +55,7 @@ class Spool:
         self.max_bytes = max_bytes
         self.dir: Path | None = None
         self.entries: dict[str, tuple[int, int]] = {}  # sha256 -> (size, newest round that needs it)
+        self.held: dict[str, tuple[dict[str, np.ndarray], int]] = {}  # sha256 -> (decoded, round)
         self.bytes = 0
         self._finalizer: weakref.finalize | None = None
 
@@ -116,13 +124,30 @@ class Spool:
             return False
         return sha256 in self.entries
 
+    def hold(self, sha256: str, values: Mapping[str, np.ndarray], round: int) -> None:
+        """Keep a chunk decoded in memory (its pieces' flat float32 values, made read-only: a reader
+        that scales them works on a copy), needed through ``round``."""
+        if sha256 in self.held:
+            self.held[sha256] = (self.held[sha256][0], max(self.held[sha256][1], round))
+            return
+        kept = {}
+        for name, v in values.items():
+            a = np.asarray(v, np.float32).reshape(-1)
+            a.setflags(write=False)
+            kept[name] = a
+        self.held[sha256] = (kept, round)
+
+    def decoded(self, sha256: str) -> dict[str, np.ndarray] | None:
+        got = self.held.get(sha256)
+        return None if got is None else got[0]
+
     def _tag(self, sha256: str, round: int) -> None:
         size, r = self.entries[sha256]
         self.entries[sha256] = (size, max(r, round))
 
     # ---- reading ----------------------------------------------------------------------------
     def has(self, sha256: str) -> bool:
-        return sha256 in self.entries
+        return sha256 in self.entries or sha256 in self.held
 
     def chunks(self, sha256: str) -> Iterator[bytes]:
         """The bytes of entry ``sha256``, as they are on disk (the reader checks them: ``decode_chunk``)."""
@@ -141,6 +166,7 @@ class Spool:
 
     # ---- forgetting -------------------------------------------------------------------------
     def discard(self, sha256: str) -> None:
+        self.held.pop(sha256, None)
         got = self.entries.pop(sha256, None)
         if got is not None and self.dir is not None:
             self.bytes -= got[0]
@@ -149,16 +175,18 @@ class Spool:
 
     def drop_through(self, round: int) -> None:
         """Delete every entry no round after ``round`` needs."""
-        for sha in [s for s, (_, r) in self.entries.items() if r <= round]:
+        for sha in [s for s, (_, r) in [*self.entries.items(), *self.held.items()] if r <= round]:
             self.discard(sha)
 
     def clear(self) -> None:
+        self.held.clear()
         for sha in list(self.entries):
             self.discard(sha)
 
     def close(self) -> None:
         """Delete the spool's directory and everything in it (a later write makes a new one)."""
         self.entries.clear()
+        self.held.clear()
         self.bytes = 0
         if self._finalizer is not None:
             self._finalizer()  # rmtree, once

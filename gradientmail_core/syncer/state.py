@@ -19,8 +19,8 @@ from ..protocol.run import RunInfo
 from ..protocol.schedule import fragment_of
 from ..protocol.store import RunStore
 from .bridge import Bridge
-from .closer import Collector, FragmentState
-from .spool import Spool
+from .collector import Closer, Collector
+from .kernel import FragmentCloser
 
 _COMPRESSION = {"off": "", "none": "", "": "", "zstd": "zstd"}  # user-facing name -> payload suffix
 
@@ -122,18 +122,17 @@ class NodeState:
         # Each fragment's newest committed (version, parameters); parameters None where they were
         # lent to the training thread (``lends``): read from the store again if this node needs them.
         self.thetas: dict[int, tuple[int, dict[str, np.ndarray] | None]] = {}
-        self.closer_states: dict[int, FragmentState] = {}
+        # The closer: a one-process one, or a sharded node's ranks (``Bridge.closer``). It holds the
+        # outer state of the fragments this node closed, and the spool of the rounds it closes.
+        self.closer: Closer = self.bridge.closer or FragmentCloser.one_process(run, store)
+        self.spool = self.closer.spool
         self.collector: Collector | None = None
         self.follow: Follow | None = None
         self.snapshot_keys: dict[int, set[str]] = {}
-        # This node's snapshots of rounds not yet committed, with their payloads decoded (checked
-        # against the sha256 uploaded): its own contribution is judged from them when it closes
-        # the round, instead of being read back from the store. A payload of several chunks that
-        # the closer merges chunk by chunk is kept as its bytes in the spool instead (None here).
-        self.own_snapshots: dict[int, tuple[Snapshot, dict[str, np.ndarray] | None]] = {}
-        # The encoded contribution chunks of the rounds this node closes chunk by chunk
-        # (``spool.py``; a directory made on first use): kept until the round commits.
-        self.spool = Spool()
+        # This node's snapshots of rounds not yet committed whose chunks it kept in the spool as it
+        # uploaded them (``publishing``): its own contribution is judged from them when it closes
+        # the round, instead of being read back from the store.
+        self.own_snapshots: dict[int, Snapshot] = {}
         self.rounds_seen = 0
         # Who this node has seen (``View.sightings``): learner -> number of the newest listing.
         self.listing = 0
@@ -156,7 +155,10 @@ class NodeState:
         payloads), and this node closes nothing now (no outer state to share them with). A follower
         then holds one copy of the model, the learner's anchors; elected, it reads them back."""
         return (
-            self.bridge.lend and self.run.cfg.commit_dtype is None and self.collector is None and not self.closer_states
+            self.bridge.lend
+            and self.run.cfg.commit_dtype is None
+            and self.collector is None
+            and not self.closer.holds_any()
         )
 
     @property

@@ -1,0 +1,304 @@
+"""The merge and the outer step of a commit, over the ranges of each tensor this process holds
+(``docs/protocol.md`` section 10; ``docs/sharding.md`` section 5).
+
+Every quantity is the one ``aggregators/merge.py`` defines, computed with ``fused.py``'s float
+operations in the same order, only visited a chunk (or a block) at a time and a range at a time:
+the same bytes on one process holding every tensor and on the ranks of a sharded node.
+
+- Pass 0 (RDA with clipping): the norm of each clipped contribution's radial tensors.
+- Pass 1 (RDA): the merged, not yet scaled, norm of each radial tensor that spans several chunks
+  or is split between ranks (the others' norm is taken in pass 2, from the merged tensor).
+- Pass 2: every chunk merged (with the cosine's sums), scaled, and stepped into the new master
+  and momentum (``outer.outer_step_tensor``, element-wise).
+
+Whole-tensor sums cross the ranks as leaves (``ranks.Pooled``). Contributions are read through a
+``Source``: spooled chunks on disk are read contribution by contribution, a chunk at a time (the
+next read ahead on a worker); chunks held decoded in memory are merged a block of one tensor at a
+time, all contributions together, so the merge needs no buffer larger than one tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections import deque
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import numpy as np
+
+from ..aggregators import fused
+from ..aggregators import merge as merge_mod
+from ..aggregators import outer as outer_mod
+from ..aggregators.fused import cosine_from, cosine_into, cosine_units, merge_into, norm_of
+from ..aggregators.leaves import StreamedDot
+from ..config import RDA, DiLoCo
+from .fragment import Accepted, FragmentState
+from .ranks import Pooled, Ranks, flat
+from .reading import Ranges, Visit
+
+T = TypeVar("T")
+BLOCK = 1 << 20  # elements of one tensor merged at once from contributions held in memory
+READ_AHEAD = 1  # contribution chunks read and decoded ahead of the one merged (large fragments)
+
+
+class Source:
+    """The accepted contributions' chunks: ``chunk(i, k)`` (decoded, ``{piece name: flat values}``;
+    ``Lost`` when gone), ``in_memory`` when every one is held decoded (the spool's policy for a
+    fragment of one chunk), ``threaded`` to read ahead on a worker."""
+
+    def __init__(self, chunk: Callable[[int, int], dict[str, np.ndarray]], *, in_memory: bool, threaded: bool):
+        self.chunk, self.in_memory, self.threaded = chunk, in_memory, threaded
+
+    def stream(self, pairs: Sequence[tuple[int, int]]) -> Generator[dict[str, np.ndarray], None, None]:
+        makes = [lambda i=i, k=k: self.chunk(i, k) for i, k in pairs]
+        yield from ahead(makes, threaded=self.threaded and len(pairs) > 1, ahead_n=READ_AHEAD, name="read")
+
+
+def merge_terms(
+    cfg: DiLoCo, names: Sequence[str], weights: Sequence[float], sq: Sequence[Mapping[str, float]]
+) -> tuple[list[float], list[np.float32 | None], list[float | None] | None, set[str]]:
+    """What the merge needs before reading any contribution: the normalized weights, each one's
+    clipping factor (``float32(c / |d_i|)`` from its judged whole-fragment norm, None when not
+    clipped), the cosine's unit factors, and the tensors RDA merges radially."""
+    n = len(weights)
+    p = merge_mod.normalized(list(weights), n)
+    clips: list[np.float32 | None] = [None] * n
+    if cfg.clip_norm is not None:
+        if not cfg.clip_norm > 0:
+            raise ValueError(f"clip_norm={cfg.clip_norm!r}: expected a number > 0")
+        for i in range(n):
+            norm = norm_of(sq[i])
+            if not norm <= cfg.clip_norm:
+                clips[i] = np.float32(cfg.clip_norm / norm)
+    units = cosine_units([norm_of(s) for s in sq])
+    radial = {name for name in names if isinstance(cfg.merge, RDA) and not cfg.merge.is_direct(name)}
+    return p, clips, units, radial
+
+
+def merge_scales(
+    names: Sequence[str], radial: set[str], p: Sequence[float], x_sq: Sequence[Mapping[str, float]]
+) -> tuple[dict[str, list[Any]], dict[str, float]]:
+    """Each tensor's merge scales: ``float32(p_i)`` (weighted mean), or RDA's ``float32(p_i / |x_i|)``
+    (None for a zero contribution) and its length ``sum_i p_i |x_i|`` (``fused.merge_tensor``)."""
+    scales: dict[str, list[Any]] = {}
+    radius: dict[str, float] = {}
+    for name in names:
+        if name not in radial:
+            scales[name] = [np.float32(p_i) for p_i in p]
+            continue
+        norms = [math.sqrt(x_sq[i][name]) for i in range(len(p))]
+        scales[name] = [np.float32(p_i / n) if n > 0.0 else None for p_i, n in zip(p, norms, strict=True)]
+        radius[name] = fused.rda_radius(p, norms)
+    return scales, radius
+
+
+def merge_and_step(
+    cfg: DiLoCo,
+    ranks: Ranks,
+    shapes: Mapping[str, tuple[int, ...]],
+    ranges: Ranges,
+    visits: Sequence[Visit],
+    split: set[str],
+    source: Source,
+    accepted: Sequence[Accepted],
+    st: FragmentState,
+    final: bool,
+    out: tuple[dict[str, np.ndarray], dict[str, np.ndarray]],
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], float | None]:
+    """``(new master, new momentum, cosine)`` of this process's ranges, written into ``out``.
+    ``split``: the tensors whose merged norm needs the others' chunks or ranks (pass 1)."""
+    names = list(shapes)
+    sizes = {n: int(np.prod(s, dtype=np.int64)) for n, s in shapes.items()}
+    n = len(accepted)
+    sq = [a.norms for a in accepted]
+    p, clips, units, radial = merge_terms(cfg, names, [a.weight for a in accepted], sq)
+
+    def part(i: int, k: int, clipped: Sequence[tuple[Any, int, int]], got: Mapping[str, np.ndarray] | None = None):
+        got = source.chunk(i, k) if got is None else got
+        return [got[pc.name][a:b] for pc, a, b in clipped]
+
+    # Pass 0: RDA divides each contribution by its norm, of the clipped values when clipped.
+    x_sq: list[dict[str, float]] = [{name: sq[i][name] for name in radial} for i in range(n)]
+    clipped_i = [i for i in range(n) if clips[i] is not None]
+    if radial and clipped_i:
+        dots = {i: Pooled("dot", {nm: sizes[nm] for nm in radial}, ranges) for i in clipped_i}
+
+        def pass0() -> dict[str, Any]:
+            for i in clipped_i:
+                dots[i].start()
+            for k, clipped in visits:
+                mine = [c for c in clipped if c[0].name in radial]
+                for i in clipped_i if mine else ():
+                    for (pc, _, _), x in zip(mine, part(i, k, mine), strict=True):
+                        dots[i].feed(pc.name, x * clips[i])
+            return {str(i): dots[i].wire() for i in clipped_i}
+
+        everyone = ranks.phase(pass0)
+        for i in clipped_i:
+            x_sq[i] = dots[i].totals([e[str(i)] for e in everyone])
+    scales, radius = merge_scales(names, radial, p, x_sq)
+    # Pass 1: the merged norm of each radial tensor that spans chunks or ranks.
+    direction: dict[str, float] = {}
+    if split:
+        dirs = Pooled("dot", {nm: sizes[nm] for nm in split}, ranges)
+
+        def pass1() -> dict[str, Any]:
+            dirs.start()
+            for k, clipped in visits:
+                mine = [c for c in clipped if c[0].name in split]
+                if mine:
+                    merged = _merged(mine, (part(i, k, mine) for i in range(n)), scales, clips, None, None)
+                    for (pc, _, _), v in zip(mine, merged, strict=True):
+                        dirs.feed(pc.name, v)
+            return dirs.wire()
+
+        direction = {nm: math.sqrt(v) for nm, v in dirs.totals(ranks.phase(pass1)).items()}
+    # Pass 2: every chunk merged (and the cosine's sums), scaled, stepped.
+    new_master, new_momentum = out
+    cos = Pooled("cosine", sizes, ranges) if units is not None else None
+    lr, beta = cfg.outer_lr, cfg.outer_momentum
+
+    def step(pc: Any, v: np.ndarray) -> None:
+        name, scale = pc.name, None
+        if name in radial:
+            if name in direction:
+                norm = direction[name]
+            else:  # this process holds the whole tensor, in this chunk: its norm now
+                d = StreamedDot(pc.size)
+                d.feed(v)
+                norm = math.sqrt(d.total())
+            if norm == 0.0:
+                v.fill(0)  # +0.0 everywhere (the direction may hold -0.0)
+            else:
+                scale = np.float32(radius[name] / norm)
+        lo = ranges[name][0]
+        a, b = pc.start - lo, pc.stop - lo
+        m_old, nm = flat(st.master[name])[a:b], flat(new_master[name])[a:b]
+        if final:
+            outer_mod.final_step_tensor(m_old, v, scale=scale, out=nm, name=name)
+        else:
+            mo = flat(st.momentum[name])[a:b]
+            nmo = flat(new_momentum[name])[a:b]
+            outer_mod.outer_step_tensor(m_old, mo, v, lr=lr, beta=beta, scale=scale, out=(nm, nmo), name=name)
+
+    def pass2() -> dict[str, Any]:
+        if cos is not None:
+            cos.start()
+        reads = None if source.in_memory else source.stream([(i, k) for k, _ in visits for i in range(n)])
+        with contextlib.closing(reads) if reads is not None else contextlib.nullcontext():
+            for k, clipped in visits:
+                if reads is not None:  # the chunk's pieces together: each contribution's chunk read once
+                    got = [next(reads) for _ in range(n)]
+                    merged = _merged(
+                        clipped, (part(i, k, clipped, got[i]) for i in range(n)), scales, clips, units, cos
+                    )
+                    del got
+                    for (pc, _, _), v in zip(clipped, merged, strict=True):
+                        step(pc, v)
+                    continue
+                for one in clipped:  # held in memory: one tensor's piece at a time, by blocks
+                    pc, a, b = one
+                    v = _scratch(pc.size)
+                    for lo in range(0, pc.size, BLOCK):
+                        hi = min(lo + BLOCK, pc.size)
+                        block = [(pc, a + lo, a + hi)]
+                        xs = (part(i, k, block) for i in range(n))
+                        _merged(block, xs, scales, clips, units, cos, into=[v[lo:hi]])
+                    step(pc, v)
+        return cos.wire() if cos is not None else {}
+
+    pooled = ranks.phase(pass2)
+    cosine = cosine_from(units, cos.leaves(pooled) if cos is not None else {}, n)
+    return new_master, (st.momentum if final else new_momentum), cosine
+
+
+def _merged(
+    pieces: Sequence[tuple[Any, int, int]],
+    contributions: Iterable[Sequence[np.ndarray]],
+    scales: Mapping[str, Sequence[np.float32 | None]],
+    clips: Sequence[np.float32 | None],
+    units: Sequence[float | None] | None,
+    cos: Pooled | None,
+    *,
+    into: Sequence[np.ndarray] | None = None,
+) -> list[np.ndarray]:
+    """``pieces`` merged (not scaled) from each contribution's values of them (in learner order,
+    each taken, used and dropped in turn), as ``fused._merge_range`` merges them: each piece's
+    float32 values (in ``into``, or a buffer of this call's). With ``units``, feeds each piece's
+    cosine sum (of the contributions as given, before clipping) to ``cos``."""
+    sizes = [b - a for _, a, b in pieces]
+    starts = np.cumsum([0, *sizes]).tolist()
+    if into is None:
+        buf = np.empty(starts[-1], np.float32)
+        into = [buf[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
+    acc = np.empty(starts[-1], np.float64) if units is not None and cos is not None else None
+    first_merge = [True] * len(pieces)
+    first_cos = True
+    for i, xs in enumerate(contributions):
+        u = None if units is None else units[i]
+        for t, ((pc, _, _), x) in enumerate(zip(pieces, xs, strict=True)):
+            if u is not None and acc is not None:
+                cosine_into(acc[starts[t] : starts[t + 1]], x, u, first=first_cos)
+            if clips[i] is not None:
+                x = x if x.flags.writeable else x.copy()
+                x *= clips[i]  # ``merge.clip``: one float32 multiply, before the merge's
+            sc = scales[pc.name][i]
+            if sc is not None:
+                merge_into(into[t], x, sc, first=first_merge[t])
+                first_merge[t] = False
+        if u is not None:
+            first_cos = False
+    for t, v in enumerate(into):
+        if first_merge[t]:
+            v.fill(0)  # no contribution has a direction here
+    if cos is not None and acc is not None:
+        for t, (pc, _, _) in enumerate(pieces):
+            cos.feed(pc.name, acc[starts[t] : starts[t + 1]])
+    return list(into)
+
+
+_local = threading.local()
+
+
+def _scratch(n: int) -> np.ndarray:
+    """A float32 buffer of ``n`` elements, reused from one tensor to the next (per thread)."""
+    buf = getattr(_local, "buffer", None)
+    if buf is None or buf.size < n:
+        buf = _local.buffer = np.empty(n, np.float32)
+    return buf[:n]
+
+
+def ahead(
+    makes: Sequence[Callable[[], T]],
+    *,
+    threaded: bool,
+    ahead_n: int = 2,
+    name: str = "commit",
+    drop: Callable[[T], None] | None = None,
+) -> Generator[T, None, None]:
+    """Each ``make()`` in order, up to ``ahead_n`` of them computed ahead on worker threads (the
+    next chunks read, or hashed, while this one is used). ``drop``: for each result computed but
+    not handed out (the caller stopped early)."""
+    if not threaded:
+        for make in makes:
+            yield make()
+        return
+    pending: deque[Future[T]] = deque()
+    with ThreadPoolExecutor(max_workers=ahead_n, thread_name_prefix=f"gradientmail-{name}") as pool:
+        try:
+            for make in makes:
+                pending.append(pool.submit(make))
+                if len(pending) > ahead_n:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for fut in pending:
+                if not fut.cancel() and drop is not None:
+                    try:
+                        drop(fut.result())
+                    except BaseException:  # noqa: S110 - its error is moot: the caller failed already
+                        pass

@@ -1,0 +1,158 @@
+"""Reading payload chunks for a closer: a contribution's, to judge and merge it, and the parameters
+and outer state a closer starts from; each chunk verified and decoded, and only the part of each
+piece inside the ranges this process holds handed on (``Visit``).
+
+A contribution's chunks stay in the closer's ``Spool`` for the merge passes: decoded in memory
+for a fragment of one chunk, as bytes on disk otherwise (``decoded``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..aggregators.acceptance import PayloadStatus
+from ..codec.chunked import ChunkSpec, chunk_specs, decode_chunk
+from ..errors import MissingExtra, PayloadCorrupt, PayloadLayoutMismatch
+from ..protocol import keys
+from ..protocol.chunks import Piece
+from ..protocol.records import PayloadRef, chunk_refs
+from ..protocol.run import RunInfo, payload_cap
+from ..protocol.store import CHUNK_HEADER_ALLOWANCE, RunStore
+from .spool import Spool
+
+Ranges = Mapping[str, tuple[int, int]]
+Visit = tuple[int, list[tuple[Piece, int, int]]]  # chunk k; each piece's part in range, and its slice of the piece
+
+
+def tensor_of(name: str) -> str:
+    """The fragment tensor a payload's tensor name stands for (``momentum/x`` -> ``x``)."""
+    head, _, rest = name.partition("/")
+    return rest if head in ("momentum", "master") and rest else name
+
+
+def visits(specs: Sequence[ChunkSpec], ranges: Ranges, rank: int) -> list[Visit]:
+    """The chunks whose pieces overlap ``ranges`` (an outer-state name maps to its tensor's range),
+    each piece clipped to its range; a chunk of empty pieces only is read by rank 0 (so every
+    chunk is verified by some rank)."""
+    out: list[Visit] = []
+    for s in specs:
+        clipped = []
+        for pc in s.pieces:
+            lo, hi = ranges[tensor_of(pc.name)]
+            a, b = max(pc.start, lo), min(pc.stop, hi)
+            if a < b:
+                clipped.append((Piece(pc.name, a, b), a - pc.start, b - pc.start))
+        if clipped or (rank == 0 and all(pc.size == 0 for pc in s.pieces)):
+            out.append((s.k, clipped))
+    return out
+
+
+def read_chunk(
+    store: RunStore,
+    spool: Spool | None,
+    ref: PayloadRef,
+    s: ChunkSpec,
+    *,
+    dtypes: Mapping[str, str],
+    max_bytes: int | None,
+    round: int,
+    decoded: bool = False,
+) -> dict[str, np.ndarray] | None:
+    """Chunk ``s`` of a payload (``ref``: that chunk's ref), verified and decoded as ``{piece name:
+    flat float32 values}``: from the spool when it holds it (bytes on disk are verified again),
+    else downloaded and kept in the spool, tagged with ``round`` (``decoded``: in memory, else its
+    bytes on disk when there is room). None if the store has no such object;
+    ``PayloadCorrupt``/``PayloadLayoutMismatch``/``MissingExtra`` as ``RunStore.get_chunk``. A
+    spooled file that does not verify is dropped and the chunk read from the store again."""
+    cap = s.cap() if max_bytes is None else min(max_bytes, s.cap())
+    if ref.more:
+        raise PayloadCorrupt(f"{ref.key}: a chunk's ref lists chunks of its own")
+    held = spool.decoded(ref.sha256) if spool is not None else None
+    if held is not None:
+        if {n: v.size for n, v in held.items()} != {p.name: p.size for p in s.pieces}:
+            raise PayloadLayoutMismatch(f"{ref.key}: its chunk holds other tensors than chunk {s.k}'s")
+        return held
+    if spool is not None and spool.has(ref.sha256):
+        try:
+            compression = keys.compression_of(ref.key)
+        except ValueError as e:
+            raise PayloadCorrupt(str(e)) from None
+        if ref.size <= cap:
+            try:
+                got = decode_chunk(
+                    spool.chunks(ref.sha256),
+                    s,
+                    size=ref.size,
+                    sha256=ref.sha256,
+                    compression=compression,
+                    max_bytes=cap,
+                    dtypes=dtypes,
+                    key=ref.key,
+                )
+                return {name: v.reshape(-1) for name, v in got.items()}
+            except PayloadLayoutMismatch:
+                raise
+            except (PayloadCorrupt, OSError):
+                spool.discard(ref.sha256)  # damaged on disk (or gone): read it from the store again
+
+    def get(tee: Callable[[Any], object] | None) -> dict[str, np.ndarray] | None:
+        return store.get_chunk(ref, s.pieces, shapes=s.shapes, k=s.k, n=s.n, dtypes=dtypes, max_bytes=cap, tee=tee)
+
+    if spool is None:
+        return get(None)
+    if decoded:
+        fetched = get(None)
+        if fetched is not None:
+            spool.hold(ref.sha256, fetched, round)
+            return spool.decoded(ref.sha256)
+        return None
+    with spool.writer(ref.sha256, ref.size, round) as w:
+        fetched = get(None if w is None else w.write)
+        if fetched is not None and w is not None:
+            w.commit()
+    return None if fetched is None else {name: v.reshape(-1) for name, v in fetched.items()}
+
+
+def read_chunks(
+    store: RunStore,
+    spool: Spool | None,
+    run: RunInfo,
+    f: int,
+    ref: PayloadRef,
+    round: int,
+    planned: Sequence[Visit],
+    feed: Callable[[str, np.ndarray], None],
+) -> tuple[int, PayloadStatus] | None:
+    """Judging's reads of a contribution to fragment ``f``: the chunk count and the declared total
+    against the cap, then each chunk ``planned`` names, in order, verified and decoded (spooled),
+    each of its listed pieces' values (``[a:b]`` of the chunk's piece) given to ``feed``. The first
+    failure as ``(chunk, status)`` (chunk -1: the ref itself), or None."""
+    specs = chunk_specs(run.shapes[f], run.chunk_elements)
+    refs = chunk_refs(ref)
+    if len(refs) != len(specs):
+        return -1, "corrupt"
+    cap = contribution_cap(run, f, len(specs))
+    if sum(r.size for r in refs) > cap:
+        return -1, "corrupt"
+    dtypes = run.delta_dtypes(f)
+    for k, pieces in planned:
+        try:
+            got = read_chunk(
+                store, spool, refs[k], specs[k], dtypes=dtypes, max_bytes=cap, round=round, decoded=len(specs) == 1
+            )
+        except PayloadLayoutMismatch:
+            return k, "schema"
+        except (PayloadCorrupt, MissingExtra):  # MissingExtra: a zstd payload, zstandard absent
+            return k, "corrupt"
+        if got is None:
+            return k, "missing"
+        for p, a, b in pieces:
+            feed(p.name, got[p.name][a:b])
+    return None
+
+
+def contribution_cap(run: RunInfo, f: int, chunks: int) -> int:
+    """The most bytes a contribution to fragment ``f`` of ``chunks`` chunks may declare."""
+    return payload_cap(run, f) + CHUNK_HEADER_ALLOWANCE * (chunks - 1)
