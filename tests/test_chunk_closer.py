@@ -273,15 +273,15 @@ def test_a_streamed_norm_is_dot_of_the_whole_tensor_bit_for_bit(size: int, cuts:
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal(size) * 2.0**magnitude).astype(np.float32)
     bounds = sorted({0, size, *(min(size, 32 * c) for c in cuts)})
-    d, cos = leaves.StreamedDot(size), leaves.StreamedCosine(size)
+    d, cos = leaves.dot_range(size, 0, size), leaves.cosine_range(size, 0, size)  # one process: every element
     a = x.astype(np.float64) * 0.37
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
         d.feed(x[lo:hi])
         cos.feed(a[lo:hi])
-    assert d.total() == fused._dot(x, x)
+    assert leaves.dot_total(size, leaves.combine_leaves(size, "dot", [d.finish()])) == fused._dot(x, x)
     squares: list[float] = []
     fused.merge_tensor([], [], radial=False, cosine=[(x, 0.37)], squares=squares)
-    assert cos.squares() == squares
+    assert leaves.combine_leaves(size, "cosine", [cos.finish()]) == squares
 
 
 @settings(max_examples=60, deadline=None)

@@ -1,22 +1,22 @@
 """A tensor's float64 reductions (its squared norm, the cosine's leaf squares) when the tensor
-is not in one array: fed as consecutive pieces (a chunked payload, ``syncer/streamed.py``), or
-split between processes (a sharded closer's ranks, ``sharded/closing.py``). Every result is the
-one ``fused.py`` computes over the whole tensor, bit for bit: the same leaves, each summed over
-its own elements as one array, added along the same tree."""
+is not in one array: a range of it held by one process (all of it, or a sharded closer's rank's
+part), fed as consecutive pieces (a chunked payload's), the ranges' parts then pooled
+(``Pooled``). Every result is the one ``fused.py`` computes over the whole tensor, bit for bit:
+the same leaves, each summed over its own elements as one array, added along the same tree."""
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from .fused import _LEAF, _dot_leaves, _dot_total, _scratch
 
-# ---- the same quantities over a tensor that arrives in pieces (a chunked payload's) ------------
-# A closer that merges chunk by chunk (``syncer/streamed.py``) sees each tensor as consecutive
-# pieces, one per chunk. These compute what the whole-tensor functions above compute, bit for bit:
-# every float64 reduction runs over the same leaves, in the same order, along the same tree; a leaf
-# that straddles two pieces is completed from the next one (at most ``_LEAF`` elements carried).
+# A closer sees each tensor as consecutive pieces, one per chunk: every float64 reduction runs over
+# the same leaves, in the same order, along the same tree; a leaf that straddles two pieces is
+# completed from the next one (at most ``_LEAF`` elements carried).
 
 
 class _LeafSums:
@@ -74,36 +74,6 @@ def _self_product_sum(a: np.ndarray) -> float:
 
 
 _LEAF_SUMS: dict[str, Callable[[np.ndarray], float]] = {"dot": _square_sum, "cosine": _self_product_sum}
-
-
-class StreamedDot:
-    """``_dot(t, t)`` (a tensor's squared norm, as ``sq_norms`` and the merge compute it) of a
-    tensor of ``size`` elements fed as consecutive float32 pieces, bit for bit."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._sums = _LeafSums(_dot_leaves(size), np.float32, _square_sum)
-
-    def feed(self, values: np.ndarray) -> None:
-        self._sums.feed(values)
-
-    def total(self) -> float:
-        return _dot_total(self.size, self._sums.finish())
-
-
-class StreamedCosine:
-    """The cosine's leaf squares of one tensor (``merge_tensor``'s ``squares``: ``|a|^2`` of each
-    ``_LEAF`` of ``a = sum_i d_i / |d_i|``, in float64) fed as consecutive pieces of ``a``."""
-
-    def __init__(self, size: int) -> None:
-        leaves = _cosine_leaves(size)
-        self._sums = _LeafSums(leaves, np.float64, _self_product_sum)
-
-    def feed(self, a: np.ndarray) -> None:
-        self._sums.feed(a)
-
-    def squares(self) -> list[float]:
-        return self._sums.finish()
 
 
 # ---- the same quantities over a tensor split between processes (a sharded closer's ranks) -------
@@ -199,3 +169,55 @@ def combine_leaves(size: int, kind: str, parts: Iterable[Mapping[int, Part]]) ->
 def dot_total(size: int, leaves: Sequence[float]) -> float:
     """``_dot_total``: a tensor's squared norm from its leaf sums (``combine_leaves(..., "dot")``)."""
     return _dot_total(size, leaves)
+
+
+class Pooled:
+    """One float64 sum per tensor (``kind``: ``"dot"``, a squared norm's leaves; ``"cosine"``, the
+    cosine's leaf squares) over one rank's ``ranges``, pooled over the ranks as JSON (a cut leaf's
+    values as base64 of their bytes, a sum as a float: JSON writes floats exactly).
+    ``start()`` inside the phase (an attempt begins afresh), ``feed`` the range's values in order,
+    return ``wire()`` from the phase; ``leaves``/``totals`` on what the phase pooled."""
+
+    def __init__(self, kind: str, sizes: Mapping[str, int], ranges: Mapping[str, tuple[int, int]]) -> None:
+        self.kind, self.sizes, self.bounds = kind, dict(sizes), dict(ranges)
+        self.ranges: dict[str, LeafRange] = {}
+
+    def start(self) -> None:
+        make = dot_range if self.kind == "dot" else cosine_range
+        self.ranges = {n: make(size, *self.bounds[n]) for n, size in self.sizes.items()}
+
+    def feed(self, name: str, values: np.ndarray) -> None:
+        self.ranges[name].feed(values)
+
+    def wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, r in self.ranges.items():
+            parts: dict[str, Any] = {}
+            for i, p in r.finish().items():
+                if isinstance(p, tuple):
+                    parts[str(i)] = [p[0], base64.b64encode(np.ascontiguousarray(p[1]).tobytes()).decode()]
+                else:
+                    parts[str(i)] = float(p).hex()
+            out[name] = parts
+        return out
+
+    def leaves(self, pooled: Sequence[Mapping[str, Any]]) -> dict[str, list[float]]:
+        dtype = np.float32 if self.kind == "dot" else np.float64
+        out = {}
+        for name, size in self.sizes.items():
+            ranks = []
+            for got in pooled:
+                parts: dict[int, Any] = {}
+                for i, p in got.get(name, {}).items():
+                    parts[int(i)] = (
+                        (int(p[0]), np.frombuffer(base64.b64decode(p[1]), dtype=dtype))
+                        if isinstance(p, list)
+                        else float.fromhex(p)
+                    )
+                ranks.append(parts)
+            out[name] = combine_leaves(size, self.kind, ranks)
+        return out
+
+    def totals(self, pooled: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+        """Each tensor's squared norm (``kind == "dot"``), the one-process bits."""
+        return {n: dot_total(self.sizes[n], leaves) for n, leaves in self.leaves(pooled).items()}

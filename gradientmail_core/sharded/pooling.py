@@ -1,13 +1,17 @@
-"""The ranks of a closing sharded node as the closer's ``Ranks`` (``syncer/ranks.py``): every phase
-of an op ends with every rank's result pooled on every rank, so a rank that fails fails the op on
-every rank at the same point; payload pieces move between holders and chunk owners with
-``gather_chunks``/``scatter_chunks``.
+"""The ranks of a closing sharded node as the closer's ``Ranks`` (``syncer/ranks.py``). Rank 0
+announces each op to the other ranks (``begin``: the ``down`` channel; ``leading.run_op`` runs it
+there); every phase of an op ends with every rank's result pooled on every rank, so a rank that
+fails fails the op on every rank at the same point, and every rank raises what a one-process
+closer would (``Lost``, ``MailboxUnavailable``); payload pieces move between holders and chunk
+owners with ``gather_chunks``/``scatter_chunks``.
 
-Everything crosses as JSON bytes over a gloo group of the closer's own (never Python objects)."""
+Everything crosses as JSON bytes over a gloo group of the closer's own (never Python objects);
+floats as JSON writes them (the shortest repr, read back exactly)."""
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -16,9 +20,10 @@ import torch
 import torch.distributed as dist
 
 from ..adapters.torch_sharded import ShardedParams, gather_chunks, scatter_chunks
-from ..errors import MailboxUnavailable
+from ..errors import MailboxUnavailable, SessionFailed
 from ..protocol.chunks import Layout
-from ..syncer.fragment import Lost
+from ..protocol.records import PayloadRef, chunk_refs, join_refs
+from ..syncer.fragment import Accepted, CommitOp, Lost
 from ..syncer.ranks import Owned, flat
 from .wire import pack, unpack
 
@@ -26,7 +31,7 @@ _log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class OpFailed(Exception):
+class OpFailed(SessionFailed):
     """A closer op failed on some rank (every rank raises it at the same phase)."""
 
     def __init__(self, errors: list[tuple[int, dict[str, Any]]]) -> None:
@@ -47,10 +52,25 @@ class OpFailed(Exception):
 
 
 class GlooRanks:
-    """``Ranks`` over a gloo group of the closer's own."""
+    """``Ranks`` over a gloo group of the closer's own. ``relay`` (rank 0 of a node that closes):
+    sends an op's message to the other ranks; ``stopping``: set when the node leaves."""
 
-    def __init__(self, group: Any, rank: int, world: int) -> None:
-        self.group, self.rank, self.world = group, rank, world
+    def __init__(
+        self,
+        group: Any,
+        rank: int,
+        world: int,
+        relay: Callable[[dict[str, Any]], None] | None = None,
+        stopping: threading.Event | None = None,
+    ) -> None:
+        self.group, self.rank, self.world, self.relay, self.stopping = group, rank, world, relay, stopping
+
+    def begin(self, name: str, /, **args: Any) -> None:
+        if self.relay is None:
+            return  # a rank > 0: running what rank 0 announced
+        if self.stopping is not None and self.stopping.is_set():
+            raise SessionFailed("the node is stopping")
+        self.relay({"op": name, "args": {k: wire(v) for k, v in args.items()}})
 
     def all(self, value: Any) -> list[Any]:
         """Every rank's ``value``, in rank order, on every rank."""
@@ -80,7 +100,12 @@ class GlooRanks:
         got = self.all(mine)
         errors = [(r, g) for r, g in enumerate(got) if "e" in g]
         if errors:
-            raise OpFailed(errors)
+            failed = OpFailed(errors)
+            if failed.lost is not None:
+                raise failed.lost  # rejected there as any closer rejects a contribution it cannot read
+            if failed.unavailable:
+                raise MailboxUnavailable(f"a rank of this node could not read the store: {failed}")
+            raise failed
         return [g["v"] for g in got]
 
     def _params(self, shapes: Mapping[str, Sequence[int]], layout: Layout) -> ShardedParams:
@@ -106,3 +131,23 @@ class GlooRanks:
         pieces = {k: [(p, torch.from_numpy(np.ascontiguousarray(v))) for p, v in ps] for k, ps in owned.items()}
         tensors = {n: torch.from_numpy(flat(v)) for n, v in local.items()}  # (views: written in place)
         scatter_chunks(self._params(shapes, layout), list(shapes), chunk, pieces, tensors)
+
+
+def wire(v: Any) -> Any:
+    """An op's argument as JSON."""
+    if isinstance(v, PayloadRef):
+        return {"ref": [[c.key, c.sha256, c.size] for c in chunk_refs(v)]}
+    if isinstance(v, CommitOp):
+        head = [v.f, v.round, v.version, v.final, v.checkpoint, v.compression]
+        return {"commit": [*head, [[wire(join_refs(list(a.refs))), a.weight, a.norms] for a in v.accepted]]}
+    return v
+
+
+def unwire(v: Any) -> Any:
+    if isinstance(v, dict) and "ref" in v:
+        return join_refs([PayloadRef(key=str(k), sha256=str(s), size=int(n)) for k, s, n in v["ref"]])
+    if isinstance(v, dict) and "commit" in v:
+        f, r, version, final, checkpoint, compression, accepted = v["commit"]
+        made = tuple(Accepted(tuple(chunk_refs(unwire(x))), w, n) for x, w, n in accepted)
+        return CommitOp(f, r, version, final, checkpoint, compression, made)
+    return v

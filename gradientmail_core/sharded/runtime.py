@@ -54,7 +54,7 @@ from ..syncer.kernel import FragmentCloser
 from ..syncer.spool import Spool
 from .anchors import check_place
 from .handles import RecordingIO, ShardContribution, ShardIncoming, Together, check_config, mesh_matches
-from .leading import CloserThread, ShardCloser
+from .leading import CloserThread
 from .pooling import GlooRanks
 from .rank import RankIO, chunk_elements, chunk_elements_of
 from .wire import Channel, Exchange, new_group
@@ -145,8 +145,8 @@ class ShardedRuntime:
             self.io.start()
             s.bridge.follow = self.follow
             if s.role == "both":  # this node closes rounds too: every rank its ranges
-                self.ranker = self._ranker(run, store)
-                s.bridge.closer = ShardCloser(self.ranker, self._down, self.io.stopping)
+                self.ranker = self._ranker(run, store, relay=True)
+                s.bridge.closer = self.ranker
             s.node, s.learner = join_run(
                 store,
                 s.adapter,
@@ -285,8 +285,15 @@ class ShardedRuntime:
         for message in early:
             io.down_message(message)
 
-    def _ranker(self, run: RunInfo, store: RunStore) -> FragmentCloser:
-        ranks = GlooRanks(self.closing, self.rank, self.world)
+    def _ranker(self, run: RunInfo, store: RunStore, *, relay: bool = False) -> FragmentCloser:
+        """This rank's closer; rank 0's (``relay``) announces each op to the other ranks."""
+
+        def send(message: dict[str, Any]) -> None:
+            for r in range(1, self.world):
+                self._down.send(r, {"close": message})
+
+        stopping = self.io.stopping if self.io is not None else None
+        ranks = GlooRanks(self.closing, self.rank, self.world, send if relay else None, stopping)
         return FragmentCloser(run, store, ranks, self.sharded.layout, spool=Spool(), keep_theta=False)
 
     def _down_receiver(self) -> None:  # ranks > 0

@@ -172,15 +172,12 @@ def count_twice() -> contextlib.AbstractContextManager[None]:
     """The merge weighs the first accepted contribution twice."""
     orig = kernel.merge_and_step
 
-    def merge(cfg: Any, ranks: Any, shapes: Any, ranges: Any, visits: Any, split: Any, source: Any, accepted: Any,
-              *rest: Any) -> Any:  # fmt: skip
+    def merge(cfg: Any, ranks: Any, span: Any, source: Any, accepted: Any, *rest: Any) -> Any:
         if len(accepted) > 1:
             read = source.chunk
-            source = merging.Source(
-                lambda i, k: read(max(i - 1, 0), k), in_memory=source.in_memory, threaded=source.threaded
-            )
+            source = merging.Source(lambda i, k: read(max(i - 1, 0), k), in_memory=source.in_memory, threaded=False)
             accepted = [accepted[0], *accepted]
-        return orig(cfg, ranks, shapes, ranges, visits, split, source, accepted, *rest)
+        return orig(cfg, ranks, span, source, accepted, *rest)
 
     return _patched((kernel, "merge_and_step", merge))
 

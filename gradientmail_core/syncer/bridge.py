@@ -11,12 +11,15 @@ import threading
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..adapters.handles import Contribution, Incoming, Stage
 from ..protocol.records import RoundRecord
+
+if TYPE_CHECKING:
+    from .kernel import FragmentCloser
 
 
 @dataclass(frozen=True)
@@ -92,9 +95,9 @@ class Bridge:
         # record (None: the initial parameters) of fragment f goes here instead, and the ranks
         # fetch their own chunks. Returns the commit's ``Incoming``.
         self.follow: Callable[[int, RoundRecord | None], Incoming] | None = None
-        # A sharded node that closes rounds (``sharded/closing.ShardCloser``): its ranks load the
-        # outer state, judge and commit together; the closer's hooks go through this.
-        self.closer: Any = None
+        # A sharded node that closes rounds: rank 0's closer, whose ops every rank runs with it over
+        # its ranges (``sharded/pooling.GlooRanks``); None: the node's own one-process closer.
+        self.closer: FragmentCloser | None = None
 
     def publish(self, p: Publish) -> None:
         with self.lock:

@@ -9,7 +9,6 @@ replays it (``replay.py``, which calls this with ``outliers=False``)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,15 +18,15 @@ from ..errors import MailboxUnavailable
 from ..protocol.rebuild import cast as cast  # (these lived here; still imported from here)
 from ..protocol.rebuild import rebuild_theta as rebuild_theta
 from ..protocol.rebuild import theta_digest as theta_digest
-from ..protocol.records import Participant, PayloadRef, Rejection, RoundRecord, chunk_refs, ref_digest
+from ..protocol.records import Participant, Rejection, RoundRecord, chunk_refs, ref_digest
 from ..protocol.schedule import nominal_step
 from .collector import IGNORED as IGNORED
 from .collector import Collector as Collector
 from .collector import Estimates as Estimates
 from .collector import Judged as Judged
-from .fragment import Accepted, CommitOp, FragmentState, Lost, Written
-from .fragment import FragmentState as FragmentState  # noqa: F811
-from .fragment import Written as Written  # noqa: F811
+from .fragment import Accepted, CommitOp, Lost, Made
+from .fragment import FragmentState as FragmentState
+from .fragment import Written as Written
 from .timing import ema
 from .writing import Put
 
@@ -88,38 +87,14 @@ def compute_commit(
             f"round {c.round}: {j.learner}'s contribution can no longer be read ({lost}); rejected as "
             f"{lost.reason}, the round closes on the next poll if it still may"
         ) from lost
-    record = commit_record(
-        c,
-        accepted,
-        made.refs,
-        theta_digest=made.theta_digest,
-        outer_digest=made.outer_digest,
-        cosine=made.cosine,
-        final=final,
-        checkpoint=op.checkpoint,
-        closer=closer,
-        live=live,
-        now=now,
-        sync_seconds=sync_seconds,
-    )
+    record = commit_record(c, accepted, made, op, closer=closer, live=live, now=now, sync_seconds=sync_seconds)
     return Commit(record, made.state, made.payloads, made.theta)
 
 
 def commit_record(
-    c: Collector,
-    accepted: list[Judged],
-    refs: Mapping[str, PayloadRef],
-    *,
-    theta_digest: str,
-    outer_digest: str | None,
-    cosine: float | None,
-    final: bool,
-    checkpoint: bool,
-    closer: str,
-    live: int,
-    now: float,
+    c: Collector, accepted: list[Judged], made: Made, op: CommitOp, *, closer: str, live: int, now: float,
     sync_seconds: float | None,
-) -> RoundRecord:
+) -> RoundRecord:  # fmt: skip
     """The round record of a commit: the participants, the rejections, the payloads' refs and
     digests, the timings."""
     st, run, cfg, f = c.state, c.run, c.run.cfg, c.fragment
@@ -154,12 +129,12 @@ def commit_record(
             for j in sorted(c.judged.values(), key=lambda j: j.learner)
             if j.reason is not None and j.reason != IGNORED
         ],
-        theta=refs.get("theta"),
-        theta_digest=theta_digest,
-        outer=refs.get("outer"),
-        change=refs.get("change"),
-        cosine=cosine,
-        final=final,
+        theta=made.refs.get("theta"),
+        theta_digest=made.theta_digest,
+        outer=made.refs.get("outer"),
+        change=made.refs.get("change"),
+        cosine=made.cosine,
+        final=op.final,
         live=live,
         quorum_seconds=round(max(c.quorum_at - c.opened_at, 0.0), 6),
         # The grace realized (quorum to close, as the prior art records it), and the one planned.
@@ -168,7 +143,7 @@ def commit_record(
         x_step=x_step,
         x_quorum=x_quorum,
         x_sync=x_sync,
-        checkpoint=None if checkpoint else st.checkpoint,
-        outer_digest=outer_digest,
-        contributions=None if checkpoint else [j.snapshot.payload for j in accepted if j.snapshot is not None],
+        checkpoint=None if op.checkpoint else st.checkpoint,
+        outer_digest=made.outer_digest,
+        contributions=None if op.checkpoint else [j.snapshot.payload for j in accepted if j.snapshot is not None],
     )

@@ -1,11 +1,10 @@
 """The closer's view of one open round: the snapshots judged (SPEC 3.6), when the round may close
 (quorum, then the grace window), and which contributions enter the merge (outliers). The reading
-and measuring of a contribution is the closer's (``Closer.judge``); this is the bookkeeping."""
+and measuring of a contribution is the closer's (``FragmentCloser.judge``); this is the bookkeeping."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from ..aggregators.acceptance import PayloadStatus, judge, outlier_mask_of_norms
 from ..aggregators.fused import norm_of
@@ -13,35 +12,16 @@ from ..aggregators.merge import contribution_weight
 from ..errors import RecordInvalid
 from ..protocol import keys
 from ..protocol.members import SignatureInvalid
-from ..protocol.records import PayloadRef, RoundRecord, Snapshot, chunk_refs
+from ..protocol.records import RoundRecord, Snapshot, chunk_refs
 from ..protocol.run import RunInfo
 from ..protocol.schedule import fragment_of, version_before
 from ..protocol.store import RunStore
-from .fragment import CommitOp, FragmentState, Made, Verdict
+from .fragment import FragmentState
 from .kernel import FragmentCloser
 from .spool import Spool
 from .timing import grace_seconds
-from .writing import Put
 
 IGNORED = "ignored"  # a snapshot no member signed: judged once, in no record
-
-
-class Closer(Protocol):
-    """What the engine asks of the closer (``kernel.FragmentCloser`` in one process; on a sharded
-    node, ``sharded/leading.ShardCloser``, which runs each op on every rank)."""
-
-    spool: Spool
-
-    def held(self, f: int) -> FragmentState | None: ...
-    def holds_any(self) -> bool: ...
-    def forget(self, f: int, *, unless: int | None = None) -> None: ...
-    def load(
-        self, f: int, version: int, theta: PayloadRef, outer: PayloadRef | None, known: dict | None = None
-    ) -> FragmentState: ...
-    def judge(self, f: int, round: int, ref: PayloadRef) -> Verdict: ...
-    def reserve(self, f: int) -> None: ...
-    def commit(self, op: CommitOp, put: Put | None) -> Made: ...
-    def landed(self, f: int, version: int) -> None: ...
 
 
 @dataclass
@@ -79,14 +59,14 @@ class Collector:
     judged: dict[str, Judged] = field(default_factory=dict)
     quorum_at: float | None = None
     grace: float = 0.0
-    closer: Closer | None = None
+    closer: FragmentCloser | None = None
     spool: Spool | None = None
 
     @property
     def fragment(self) -> int:
         return fragment_of(self.round, self.run.P)
 
-    def closer_for(self, store: RunStore) -> Closer:
+    def closer_for(self, store: RunStore) -> FragmentCloser:
         if self.closer is None:
             own = FragmentCloser.one_process(self.run, store, self.spool)
             own.adopt(self.fragment, self.state)

@@ -1,7 +1,4 @@
-"""What the closer holds of a fragment and what it hands over: the state over the ranges this
-process holds (``FragmentState``), a commit to make (``CommitOp``), what a commit made (``Made``),
-what reading a contribution found (``Verdict``), and the one failure a commit reports about a
-contribution (``Lost``). Plain data: the closer's work is ``kernel.FragmentCloser``'s."""
+"""What the closer (``kernel.FragmentCloser``) holds of a fragment and hands over: plain data."""
 
 from __future__ import annotations
 
@@ -17,10 +14,9 @@ from ..protocol.records import PayloadRef
 
 @dataclass
 class FragmentState:
-    """A fragment at ``version``: the published parameters, the fp32 outer state (master parameters
-    and Nesterov momentum), and the version of the fragment's newest checkpoint
-    (``checkpoint_every``; 0: the initial parameters). One process holds whole tensors; a rank
-    of a sharded node the flat range of each tensor it holds (``theta`` empty unless kept)."""
+    """A fragment at ``version``: the published parameters, the fp32 outer state (master and
+    Nesterov momentum) and the version of its newest checkpoint (0: the initial parameters). One
+    process holds whole tensors; a rank of a sharded node the flat range of each tensor it holds."""
 
     version: int
     theta: dict[str, np.ndarray]
@@ -40,8 +36,7 @@ class FragmentState:
 
 @dataclass(frozen=True)
 class Accepted:
-    """An accepted contribution as the merge needs it: its chunks, its weight and each tensor's
-    squared norm (computed when it was judged)."""
+    """An accepted contribution: its chunks, its weight, each tensor's squared norm (judged)."""
 
     refs: tuple[PayloadRef, ...]
     weight: float
@@ -50,9 +45,8 @@ class Accepted:
 
 @dataclass(frozen=True)
 class CommitOp:
-    """One commit of fragment ``f`` from ``version`` (round ``round``): the accepted contributions
-    in learner order, whether every one was final, whether it is a checkpoint, the compression of
-    the payloads written."""
+    """A commit of fragment ``f`` from ``version`` in round ``round``: the contributions in learner
+    order, whether all were final, whether it is a checkpoint, the compression written."""
 
     f: int
     round: int
@@ -65,8 +59,7 @@ class CommitOp:
 
 @dataclass(frozen=True)
 class Written:
-    """A payload handed to ``put`` and let go (a commit keeps no stream, whose inputs would stay
-    alive with it): its size and sha256."""
+    """A payload handed to ``put`` and let go: its size and sha256."""
 
     size: int
     sha256: str
@@ -77,10 +70,9 @@ class Written:
 
 @dataclass
 class Made:
-    """What a commit made before its record: the refs of the payloads written (by kind), the
-    digests of the parameters and outer state, the cosine, each payload (its bytes when no
-    ``put`` was given, else ``Written``), the fragment's new state, and the new parameters for
-    this node's learner (whole tensors; empty where this process holds ranges only)."""
+    """A commit before its record: the refs written (by kind), the digests, the cosine, each
+    payload (its bytes when no ``put`` was given, else ``Written``), the new state, and the new
+    parameters for this node's learner (whole tensors; empty where only ranges are held)."""
 
     refs: dict[str, PayloadRef]
     theta_digest: str
@@ -93,8 +85,8 @@ class Made:
 
 @dataclass
 class Verdict:
-    """What reading a snapshot's payload found: the status ``judge`` takes, whether every value is
-    finite, and each tensor's squared norm (``sq_norms``, bit for bit) when the status is ok."""
+    """A contribution read: the status ``acceptance.judge`` takes, whether every value is finite,
+    and each tensor's squared norm (``sq_norms``, bit for bit) when the status is ok."""
 
     status: PayloadStatus
     finite: bool = True
@@ -103,7 +95,7 @@ class Verdict:
 
 class Lost(Exception):
     """Accepted contribution ``i`` of a commit can no longer be read (``reason``: ``corrupt`` or
-    ``missing``): it is rejected and the commit given up, to be decided again on the next poll."""
+    ``missing``): it is rejected and the commit given up, decided again on the next poll."""
 
     def __init__(self, i: int, reason: str, why: str) -> None:
         super().__init__(why)

@@ -22,9 +22,8 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from collections import deque
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -33,11 +32,13 @@ from ..aggregators import fused
 from ..aggregators import merge as merge_mod
 from ..aggregators import outer as outer_mod
 from ..aggregators.fused import cosine_from, cosine_into, cosine_units, merge_into, norm_of
-from ..aggregators.leaves import StreamedDot
+from ..aggregators.leaves import Pooled
+from ..ahead import ahead
+from ..codec.chunked import ChunkSpec
 from ..config import RDA, DiLoCo
 from .fragment import Accepted, FragmentState
-from .ranks import Pooled, Ranks, flat
-from .reading import Ranges, Visit
+from .ranks import Ranks, flat
+from .reading import Visit
 
 T = TypeVar("T")
 BLOCK = 1 << 20  # elements of one tensor merged at once from contributions held in memory
@@ -95,21 +96,31 @@ def merge_scales(
     return scales, radius
 
 
+@dataclass(frozen=True)
+class Span:
+    """What one process holds of a fragment: each tensor's range, the chunks, the part of each chunk
+    in its ranges, and the radial tensors whose merged norm needs a pass of its own (``split``:
+    spanning chunks, or not held whole by one rank)."""
+
+    shapes: Mapping[str, tuple[int, ...]]
+    ranges: dict[str, tuple[int, int]]
+    specs: list[ChunkSpec]
+    visits: list[Visit]
+    split: set[str]
+
+
 def merge_and_step(
     cfg: DiLoCo,
     ranks: Ranks,
-    shapes: Mapping[str, tuple[int, ...]],
-    ranges: Ranges,
-    visits: Sequence[Visit],
-    split: set[str],
+    span: Span,
     source: Source,
     accepted: Sequence[Accepted],
     st: FragmentState,
     final: bool,
     out: tuple[dict[str, np.ndarray], dict[str, np.ndarray]],
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], float | None]:
-    """``(new master, new momentum, cosine)`` of this process's ranges, written into ``out``.
-    ``split``: the tensors whose merged norm needs the others' chunks or ranks (pass 1)."""
+    """``(new master, new momentum, cosine)`` of this process's ranges, written into ``out``."""
+    shapes, ranges, visits, split = span.shapes, span.ranges, span.visits, span.split
     names = list(shapes)
     sizes = {n: int(np.prod(s, dtype=np.int64)) for n, s in shapes.items()}
     n = len(accepted)
@@ -120,42 +131,40 @@ def merge_and_step(
         got = source.chunk(i, k) if got is None else got
         return [got[pc.name][a:b] for pc, a, b in clipped]
 
+    def pooled_norms(select: set[str], count: int, values: Callable[[int, list], Iterable[list[np.ndarray]]]):
+        """``count`` squared norms of each tensor in ``select``, pooled over the ranks:
+        ``values(k, mine)`` gives each one's arrays of chunk ``k``'s pieces ``mine``."""
+        dots = [Pooled("dot", {nm: sizes[nm] for nm in select}, ranges) for _ in range(count)]
+
+        def local() -> list[dict[str, Any]]:
+            for d in dots:
+                d.start()
+            for k, clipped in visits:
+                mine = [c for c in clipped if c[0].name in select]
+                for d, arrays in zip(dots, values(k, mine) if mine else (), strict=False):
+                    for (pc, _, _), x in zip(mine, arrays, strict=True):
+                        d.feed(pc.name, x)
+            return [d.wire() for d in dots]
+
+        pooled = ranks.phase(local)
+        return [d.totals([p[j] for p in pooled]) for j, d in enumerate(dots)]
+
     # Pass 0: RDA divides each contribution by its norm, of the clipped values when clipped.
     x_sq: list[dict[str, float]] = [{name: sq[i][name] for name in radial} for i in range(n)]
     clipped_i = [i for i in range(n) if clips[i] is not None]
     if radial and clipped_i:
-        dots = {i: Pooled("dot", {nm: sizes[nm] for nm in radial}, ranges) for i in clipped_i}
-
-        def pass0() -> dict[str, Any]:
-            for i in clipped_i:
-                dots[i].start()
-            for k, clipped in visits:
-                mine = [c for c in clipped if c[0].name in radial]
-                for i in clipped_i if mine else ():
-                    for (pc, _, _), x in zip(mine, part(i, k, mine), strict=True):
-                        dots[i].feed(pc.name, x * clips[i])
-            return {str(i): dots[i].wire() for i in clipped_i}
-
-        everyone = ranks.phase(pass0)
-        for i in clipped_i:
-            x_sq[i] = dots[i].totals([e[str(i)] for e in everyone])
+        got = pooled_norms(
+            radial, len(clipped_i), lambda k, m: ([x * clips[i] for x in part(i, k, m)] for i in clipped_i)
+        )
+        x_sq = [dict(got[clipped_i.index(i)]) if i in clipped_i else x_sq[i] for i in range(n)]
     scales, radius = merge_scales(names, radial, p, x_sq)
     # Pass 1: the merged norm of each radial tensor that spans chunks or ranks.
     direction: dict[str, float] = {}
     if split:
-        dirs = Pooled("dot", {nm: sizes[nm] for nm in split}, ranges)
-
-        def pass1() -> dict[str, Any]:
-            dirs.start()
-            for k, clipped in visits:
-                mine = [c for c in clipped if c[0].name in split]
-                if mine:
-                    merged = _merged(mine, (part(i, k, mine) for i in range(n)), scales, clips, None, None)
-                    for (pc, _, _), v in zip(mine, merged, strict=True):
-                        dirs.feed(pc.name, v)
-            return dirs.wire()
-
-        direction = {nm: math.sqrt(v) for nm, v in dirs.totals(ranks.phase(pass1)).items()}
+        merged = pooled_norms(
+            split, 1, lambda k, m: [_merged(m, (part(i, k, m) for i in range(n)), scales, clips, None, None)]
+        )
+        direction = {nm: math.sqrt(v) for nm, v in merged[0].items()}
     # Pass 2: every chunk merged (and the cosine's sums), scaled, stepped.
     new_master, new_momentum = out
     cos = Pooled("cosine", sizes, ranges) if units is not None else None
@@ -167,9 +176,7 @@ def merge_and_step(
             if name in direction:
                 norm = direction[name]
             else:  # this process holds the whole tensor, in this chunk: its norm now
-                d = StreamedDot(pc.size)
-                d.feed(v)
-                norm = math.sqrt(d.total())
+                norm = math.sqrt(fused.sq_norms({name: v})[name])
             if norm == 0.0:
                 v.fill(0)  # +0.0 everywhere (the direction may hold -0.0)
             else:
@@ -269,36 +276,3 @@ def _scratch(n: int) -> np.ndarray:
     if buf is None or buf.size < n:
         buf = _local.buffer = np.empty(n, np.float32)
     return buf[:n]
-
-
-def ahead(
-    makes: Sequence[Callable[[], T]],
-    *,
-    threaded: bool,
-    ahead_n: int = 2,
-    name: str = "commit",
-    drop: Callable[[T], None] | None = None,
-) -> Generator[T, None, None]:
-    """Each ``make()`` in order, up to ``ahead_n`` of them computed ahead on worker threads (the
-    next chunks read, or hashed, while this one is used). ``drop``: for each result computed but
-    not handed out (the caller stopped early)."""
-    if not threaded:
-        for make in makes:
-            yield make()
-        return
-    pending: deque[Future[T]] = deque()
-    with ThreadPoolExecutor(max_workers=ahead_n, thread_name_prefix=f"gradientmail-{name}") as pool:
-        try:
-            for make in makes:
-                pending.append(pool.submit(make))
-                if len(pending) > ahead_n:
-                    yield pending.popleft().result()
-            while pending:
-                yield pending.popleft().result()
-        finally:
-            for fut in pending:
-                if not fut.cancel() and drop is not None:
-                    try:
-                        drop(fut.result())
-                    except BaseException:  # noqa: S110 - its error is moot: the caller failed already
-                        pass

@@ -5,26 +5,24 @@ process holds every tensor whole (``OneProcess``, ``whole_layout``); each rank o
 the range its FSDP shard holds (``sharded/pooling.GlooRanks``). The closer's work
 (``kernel.FragmentCloser``) is written once over ranges and talks to the other ranks only here:
 
+- ``begin``: an op starts on every rank (the leading rank announces it);
 - ``phase(fn)``: run ``fn`` on every rank and pool the results (a rank that fails fails the phase
   on every rank at the same point);
 - ``gather``: each chunk of a payload at the rank that owns it (``chunk_owner``), its pieces
   sent by the ranks that hold them;
 - ``scatter``: the reverse, the pieces of the chunks a rank owns back to their holders.
 
-Whole-tensor sums (norms, the cosine) cross a phase as their leaves (``Pooled``): each rank sums
-the reduction leaves inside its range and sends the values of the leaves its range cuts; every
-leaf is then summed once over its elements joined, so the totals are the one-process bits.
+Whole-tensor sums (norms, the cosine) cross a phase as their leaves (``aggregators.leaves.Pooled``),
+so the totals are the one-process bits.
 """
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from ..aggregators.leaves import LeafRange, combine_leaves, cosine_range, dot_range, dot_total
 from ..protocol.chunks import Layout, Piece, fragment_plan, numel
 
 T = TypeVar("T")
@@ -34,6 +32,11 @@ Owned = dict[int, list[tuple[Piece, np.ndarray]]]  # chunk -> its pieces' values
 class Ranks(Protocol):
     rank: int
     world: int
+
+    def begin(self, name: str, /, **args: Any) -> None:
+        """An op starts (``FragmentCloser``'s ``load``, ``judge``, ``commit``, ``landed``): the rank
+        that leads announces it to the others, which run it with these arguments."""
+        ...
 
     def phase(self, fn: Callable[[], T]) -> list[T]:
         """``fn()`` here, then every rank's result in rank order (on every rank)."""
@@ -69,6 +72,9 @@ class OneProcess:
 
     rank, world = 0, 1
 
+    def begin(self, name: str, /, **args: Any) -> None:
+        pass
+
     def phase(self, fn: Callable[[], T]) -> list[T]:
         return [fn()]
 
@@ -96,54 +102,3 @@ class OneProcess:
 def whole_layout(shapes: Mapping[str, Sequence[int]]) -> Layout:
     """One process holding every tensor whole."""
     return Layout(1, {n: (0, numel(s)) for n, s in shapes.items()})
-
-
-class Pooled:
-    """One float64 sum per tensor (``kind``: ``"dot"``, a squared norm's leaves; ``"cosine"``, the
-    cosine's leaf squares) over this rank's ``ranges``, pooled in a phase (module docstring).
-    ``start()`` inside the phase (an attempt begins afresh), ``feed`` the range's values in order,
-    return ``wire()`` from the phase; ``leaves``/``totals`` on what the phase pooled."""
-
-    def __init__(self, kind: str, sizes: Mapping[str, int], ranges: Mapping[str, tuple[int, int]]) -> None:
-        self.kind, self.sizes, self.bounds = kind, dict(sizes), dict(ranges)
-        self.ranges: dict[str, LeafRange] = {}
-
-    def start(self) -> None:
-        make = dot_range if self.kind == "dot" else cosine_range
-        self.ranges = {n: make(size, *self.bounds[n]) for n, size in self.sizes.items()}
-
-    def feed(self, name: str, values: np.ndarray) -> None:
-        self.ranges[name].feed(values)
-
-    def wire(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for name, r in self.ranges.items():
-            parts: dict[str, Any] = {}
-            for i, p in r.finish().items():
-                if isinstance(p, tuple):
-                    parts[str(i)] = [p[0], base64.b64encode(np.ascontiguousarray(p[1]).tobytes()).decode()]
-                else:
-                    parts[str(i)] = float(p).hex()
-            out[name] = parts
-        return out
-
-    def leaves(self, pooled: Sequence[Mapping[str, Any]]) -> dict[str, list[float]]:
-        dtype = np.float32 if self.kind == "dot" else np.float64
-        out = {}
-        for name, size in self.sizes.items():
-            ranks = []
-            for got in pooled:
-                parts: dict[int, Any] = {}
-                for i, p in got.get(name, {}).items():
-                    parts[int(i)] = (
-                        (int(p[0]), np.frombuffer(base64.b64decode(p[1]), dtype=dtype))
-                        if isinstance(p, list)
-                        else float.fromhex(p)
-                    )
-                ranks.append(parts)
-            out[name] = combine_leaves(size, self.kind, ranks)
-        return out
-
-    def totals(self, pooled: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-        """Each tensor's squared norm (``kind == "dot"``), the one-process bits."""
-        return {n: dot_total(self.sizes[n], leaves) for n, leaves in self.leaves(pooled).items()}

@@ -1,9 +1,7 @@
-"""Reading payload chunks for a closer: a contribution's, to judge and merge it, and the parameters
-and outer state a closer starts from; each chunk verified and decoded, and only the part of each
-piece inside the ranges this process holds handed on (``Visit``).
-
-A contribution's chunks stay in the closer's ``Spool`` for the merge passes: decoded in memory
-for a fragment of one chunk, as bytes on disk otherwise (``decoded``)."""
+"""Reading payload chunks for a closer: which chunks, and which part of each piece, lie in the
+ranges this process holds (``visits``), and one chunk read, verified and decoded (``read_chunk``),
+a contribution's kept in the closer's ``Spool`` for the merge passes: decoded in memory for a
+fragment of one chunk, as bytes on disk otherwise."""
 
 from __future__ import annotations
 
@@ -12,17 +10,15 @@ from typing import Any
 
 import numpy as np
 
-from ..aggregators.acceptance import PayloadStatus
-from ..codec.chunked import ChunkSpec, chunk_specs, decode_chunk
-from ..errors import MissingExtra, PayloadCorrupt, PayloadLayoutMismatch
+from ..codec.chunked import ChunkSpec, decode_chunk
+from ..errors import PayloadCorrupt, PayloadLayoutMismatch
 from ..protocol import keys
 from ..protocol.chunks import Piece
-from ..protocol.records import PayloadRef, chunk_refs
+from ..protocol.records import PayloadRef
 from ..protocol.run import RunInfo, payload_cap
 from ..protocol.store import CHUNK_HEADER_ALLOWANCE, RunStore
 from .spool import Spool
 
-Ranges = Mapping[str, tuple[int, int]]
 Visit = tuple[int, list[tuple[Piece, int, int]]]  # chunk k; each piece's part in range, and its slice of the piece
 
 
@@ -32,15 +28,14 @@ def tensor_of(name: str) -> str:
     return rest if head in ("momentum", "master") and rest else name
 
 
-def visits(specs: Sequence[ChunkSpec], ranges: Ranges, rank: int) -> list[Visit]:
-    """The chunks whose pieces overlap ``ranges`` (an outer-state name maps to its tensor's range),
-    each piece clipped to its range; a chunk of empty pieces only is read by rank 0 (so every
+def visits(specs: Sequence[ChunkSpec], ranges: Mapping[str, tuple[int, int]], rank: int) -> list[Visit]:
+    """The chunks whose pieces overlap ``ranges``, each piece clipped to its range; a chunk of empty pieces only is read by rank 0 (so every
     chunk is verified by some rank)."""
     out: list[Visit] = []
     for s in specs:
         clipped = []
         for pc in s.pieces:
-            lo, hi = ranges[tensor_of(pc.name)]
+            lo, hi = ranges[pc.name]
             a, b = max(pc.start, lo), min(pc.stop, hi)
             if a < b:
                 clipped.append((Piece(pc.name, a, b), a - pc.start, b - pc.start))
@@ -113,44 +108,6 @@ def read_chunk(
         if fetched is not None and w is not None:
             w.commit()
     return None if fetched is None else {name: v.reshape(-1) for name, v in fetched.items()}
-
-
-def read_chunks(
-    store: RunStore,
-    spool: Spool | None,
-    run: RunInfo,
-    f: int,
-    ref: PayloadRef,
-    round: int,
-    planned: Sequence[Visit],
-    feed: Callable[[str, np.ndarray], None],
-) -> tuple[int, PayloadStatus] | None:
-    """Judging's reads of a contribution to fragment ``f``: the chunk count and the declared total
-    against the cap, then each chunk ``planned`` names, in order, verified and decoded (spooled),
-    each of its listed pieces' values (``[a:b]`` of the chunk's piece) given to ``feed``. The first
-    failure as ``(chunk, status)`` (chunk -1: the ref itself), or None."""
-    specs = chunk_specs(run.shapes[f], run.chunk_elements)
-    refs = chunk_refs(ref)
-    if len(refs) != len(specs):
-        return -1, "corrupt"
-    cap = contribution_cap(run, f, len(specs))
-    if sum(r.size for r in refs) > cap:
-        return -1, "corrupt"
-    dtypes = run.delta_dtypes(f)
-    for k, pieces in planned:
-        try:
-            got = read_chunk(
-                store, spool, refs[k], specs[k], dtypes=dtypes, max_bytes=cap, round=round, decoded=len(specs) == 1
-            )
-        except PayloadLayoutMismatch:
-            return k, "schema"
-        except (PayloadCorrupt, MissingExtra):  # MissingExtra: a zstd payload, zstandard absent
-            return k, "corrupt"
-        if got is None:
-            return k, "missing"
-        for p, a, b in pieces:
-            feed(p.name, got[p.name][a:b])
-    return None
 
 
 def contribution_cap(run: RunInfo, f: int, chunks: int) -> int:

@@ -24,12 +24,13 @@ from ..protocol.run import RunInfo
 from ..protocol.schedule import version_before
 from ..protocol.store import RunStore
 from .closer import compute_commit
-from .collector import Closer, Collector, Estimates, Judged
+from .collector import Collector, Estimates, Judged
 from .fragment import FragmentState, discard
+from .kernel import FragmentCloser
 
 
 def recover(
-    closer: Closer,
+    closer: FragmentCloser,
     store: RunStore,
     run: RunInfo,
     f: int,
@@ -65,7 +66,7 @@ def recover(
 
 
 def _load(
-    closer: Closer, run: RunInfo, f: int, rec: RoundRecord | None, known: dict[str, np.ndarray] | None = None
+    closer: FragmentCloser, run: RunInfo, f: int, rec: RoundRecord | None, known: dict[str, np.ndarray] | None = None
 ) -> FragmentState:
     if rec is None:
         return closer.load(f, 0, run.manifest.init[f], None, known)
@@ -74,7 +75,7 @@ def _load(
 
 
 def replay_round(
-    closer: Closer, store: RunStore, run: RunInfo, state: FragmentState, rec: RoundRecord
+    closer: FragmentCloser, store: RunStore, run: RunInfo, state: FragmentState, rec: RoundRecord
 ) -> FragmentState:
     """Commit ``rec``'s round again from ``state`` (the version before, held by ``closer``) and its
     recorded contributions; ``ProtocolError`` unless the result is the record's, bit for bit."""
@@ -107,7 +108,7 @@ def replay_round(
     return commit.state
 
 
-def _contributions(closer: Closer, run: RunInfo, rec: RoundRecord) -> list[Judged]:
+def _contributions(closer: FragmentCloser, run: RunInfo, rec: RoundRecord) -> list[Judged]:
     """Each participant of ``rec`` as the merge takes it: its payload read and verified (its own
     blob folder, the sha256 the record names) into the closer's spool, its recorded weight, each
     tensor's squared norm; a payload gone is ``MailboxUnavailable``."""

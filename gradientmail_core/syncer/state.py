@@ -19,7 +19,7 @@ from ..protocol.run import RunInfo
 from ..protocol.schedule import fragment_of
 from ..protocol.store import RunStore
 from .bridge import Bridge
-from .collector import Closer, Collector
+from .collector import Collector
 from .kernel import FragmentCloser
 
 _COMPRESSION = {"off": "", "none": "", "": "", "zstd": "zstd"}  # user-facing name -> payload suffix
@@ -124,7 +124,7 @@ class NodeState:
         self.thetas: dict[int, tuple[int, dict[str, np.ndarray] | None]] = {}
         # The closer: a one-process one, or a sharded node's ranks (``Bridge.closer``). It holds the
         # outer state of the fragments this node closed, and the spool of the rounds it closes.
-        self.closer: Closer = self.bridge.closer or FragmentCloser.one_process(run, store)
+        self.closer: FragmentCloser = self.bridge.closer or FragmentCloser.one_process(run, store)
         self.spool = self.closer.spool
         self.collector: Collector | None = None
         self.follow: Follow | None = None

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ..ahead import ahead
 from ..codec import quant
 from ..codec.chunked import chunk_specs, stream_chunk
 from ..codec.stream import ELEMENTWISE, PayloadStream
@@ -28,8 +29,7 @@ from ..protocol import keys
 from ..protocol.chunks import Layout, is_whole
 from ..protocol.records import PayloadRef, digest_of, join_refs
 from ..protocol.run import RunInfo
-from .fragment import FragmentState, Written
-from .merging import ahead
+from .fragment import CommitOp, FragmentState, Written
 from .ranks import Owned, Ranks, flat
 from .reading import tensor_of
 
@@ -147,14 +147,11 @@ def write_payloads(
     run: RunInfo,
     ranks: Ranks,
     layout: Layout,
-    f: int,
-    r: int,
+    op: CommitOp,
     momentum: Mapping[str, np.ndarray],
     master: Mapping[str, np.ndarray],
     built: Built,
     *,
-    checkpoint: bool,
-    compression: str,
     put: Put | None,
     threaded: bool,
 ) -> tuple[dict[str, PayloadRef], str, str | None, dict[str, Any]]:
@@ -162,6 +159,7 @@ def write_payloads(
     theta_digest, outer_digest, payloads)`` from every rank's chunks. ``put`` None: the payloads'
     bytes are kept (one process only)."""
     theta, owned_master, owned_prev, scales = built
+    f, r, checkpoint, compression = op.f, op.round, op.checkpoint, op.compression
     shapes, dtypes, cd, C = run.shapes[f], run.fragment_dtypes(f), run.cfg.commit_dtype, run.chunk_elements
     specs = chunk_specs(shapes, C)
     outer_shapes = run.outer_shapes(f)
