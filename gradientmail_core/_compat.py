@@ -30,7 +30,8 @@ MOVED = {
     "memory_mailbox": "mailbox.memory",
     "file_mailbox": "mailbox.file",
     "s3_mailbox": "mailbox.s3",
-    "faults": "mailbox.faults",
+    "faults": "protocol.faults",
+    "mailbox.faults": "protocol.faults",
     "node": "syncer.node",
     "closer": "syncer.closer",
     "learner": "syncer.learner",
@@ -68,10 +69,10 @@ class _OldPaths(importlib.abc.MetaPathFinder):
     def find_spec(
         self, fullname: str, path: object = None, target: object = None
     ) -> importlib.machinery.ModuleSpec | None:
-        head, _, leaf = fullname.rpartition(".")
-        if head != self.package or leaf not in MOVED:
+        old = fullname[len(self.package) + 1 :] if fullname.startswith(self.package + ".") else None
+        if old not in MOVED:
             return None
-        return importlib.machinery.ModuleSpec(fullname, _Alias(f"{self.package}.{MOVED[leaf]}"))
+        return importlib.machinery.ModuleSpec(fullname, _Alias(f"{self.package}.{MOVED[old]}"))
 
 
 def install(package: str) -> None:

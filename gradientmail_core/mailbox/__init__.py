@@ -7,8 +7,18 @@
 The key checks live with the keys (``protocol.keys``). See ``docs/backends.md``.
 """
 
-from ..protocol.keys import check_list_args, check_object_key, check_object_keys
-from .contract import Chunk, Mailbox, RangedMailbox, StreamingMailbox, read_prefix, read_stream, write_stream
+from .contract import (
+    Chunk,
+    Mailbox,
+    RangedMailbox,
+    StreamingMailbox,
+    check_list_args,
+    check_object_key,
+    check_object_keys,
+    read_prefix,
+    read_stream,
+    write_stream,
+)
 from .counting import CountingMailbox
 from .create import CreateOutcome, create_once
 from .forwarding import ForwardingMailbox

@@ -16,6 +16,7 @@ them, joining the chunks into one ``bytes`` only where the backend cannot stream
 from __future__ import annotations
 
 import builtins
+import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol, runtime_checkable
 
@@ -163,3 +164,56 @@ def close_stream(stream: Iterable[Chunk]) -> None:
     close: Callable[[], None] | None = getattr(stream, "close", None)
     if close is not None:
         close()
+
+
+# ---- the key rules: what every mailbox refuses before any I/O ------------------------------
+
+_KEY_CHARS = re.compile(r"[A-Za-z0-9._/-]+")
+MAX_KEY_BYTES = 512
+
+
+def validate_key(key: str) -> str:
+    """Refuse keys that could escape the prefix or confuse a backend, before any I/O."""
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"invalid mailbox key {key!r}: empty or not a string")
+    if len(key.encode()) > MAX_KEY_BYTES:
+        raise ValueError(f"invalid mailbox key {key[:40]!r}...: longer than {MAX_KEY_BYTES} bytes")
+    if key.startswith("/") or "\\" in key or "\x00" in key or "//" in key:
+        raise ValueError(f"invalid mailbox key {key!r}: leading '/', '//', backslash or NUL")
+    if any(part in ("", ".", "..") for part in key.rstrip("/").split("/")):
+        raise ValueError(f"invalid mailbox key {key!r}: '.' or '..' path segment")
+    if not _KEY_CHARS.fullmatch(key):
+        raise ValueError(f"invalid mailbox key {key!r}: only A-Z a-z 0-9 . _ / - are allowed")
+    return key
+
+
+def validate_prefix(prefix: str) -> str:
+    """A listing prefix: empty, or a key-like string (may end with '/')."""
+    if prefix == "":
+        return prefix
+    return validate_key(prefix)
+
+
+# ---- the checks every mailbox operation makes before any I/O ----------------------------
+
+
+def check_object_key(key: str) -> str:
+    """A key naming an object: a valid key that does not end with '/' (that is a prefix)."""
+    validate_key(key)
+    if key.endswith("/"):
+        raise ValueError(f"invalid mailbox key {key!r}: an object key cannot end with '/'")
+    return key
+
+
+def check_list_args(prefix: str, after: str) -> None:
+    validate_prefix(prefix)
+    validate_prefix(after)
+
+
+def check_object_keys(keys: Iterable[str]) -> list[str]:
+    """Materialize and validate every key first, so a bad key in the middle deletes nothing."""
+    if isinstance(keys, str):
+        # A bare string is iterable; deleting its characters one by one is never meant.
+        raise TypeError(f"delete() takes an iterable of keys, not the string {keys!r}")
+    out = [check_object_key(k) for k in keys]
+    return list(dict.fromkeys(out))

@@ -28,8 +28,7 @@ from contextlib import contextmanager
 from typing import BinaryIO
 
 from ..errors import MailboxUnavailable
-from ..protocol.keys import check_list_args, check_object_key, check_object_keys
-from .contract import Chunk
+from .contract import Chunk, check_list_args, check_object_key, check_object_keys
 
 TMP_DIR = "~tmp"
 # get_stream's default part: large enough that the per-read overhead vanishes against the

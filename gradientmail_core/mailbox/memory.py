@@ -12,8 +12,7 @@ import builtins
 import threading
 from collections.abc import Iterable, Iterator
 
-from ..protocol.keys import check_list_args, check_object_key, check_object_keys
-from .contract import Chunk
+from .contract import Chunk, check_list_args, check_object_key, check_object_keys
 
 STREAM_PART = 1 << 20  # get_stream's default chunk: small, so tests see several chunks
 

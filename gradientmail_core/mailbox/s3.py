@@ -27,9 +27,8 @@ from typing import Any, TypeVar
 
 from ..clock import Clock, SystemClock
 from ..errors import MailboxUnavailable, MissingExtra, StoreUnsupported
-from ..protocol.keys import check_list_args, check_object_key, check_object_keys, validate_prefix
 from . import multipart
-from .contract import Chunk
+from .contract import Chunk, check_list_args, check_object_key, check_object_keys, validate_prefix
 from .profiles import StoreProfile, gcs_precondition_hook, probe_guarantees, profile_named
 from .retry import RetryPolicy, call_with_retries
 

@@ -24,8 +24,16 @@ The work queue (``gm.WorkQueue``, ``docs/protocol.md`` section 7), one folder pe
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 from dataclasses import dataclass
+
+from ..mailbox.contract import (  # the key rules every mailbox checks (still importable from here)
+    MAX_KEY_BYTES as MAX_KEY_BYTES,
+)
+from ..mailbox.contract import check_list_args as check_list_args
+from ..mailbox.contract import check_object_key as check_object_key
+from ..mailbox.contract import check_object_keys as check_object_keys
+from ..mailbox.contract import validate_key as validate_key
+from ..mailbox.contract import validate_prefix as validate_prefix
 
 MAX_ROUND = 10**10 - 1
 MAX_CLAIM = 999
@@ -35,8 +43,6 @@ MAX_UNIT = 10**10 - 1
 MAX_ATTEMPT = 999
 
 LEARNER_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
-_KEY_CHARS = re.compile(r"[A-Za-z0-9._/-]+")
-MAX_KEY_BYTES = 512
 
 MANIFEST = "manifest.json"
 CLAIMS = "claims/"
@@ -86,53 +92,6 @@ def validate_learner_id(learner: str) -> str:
             "(lowercase letters, digits and '-', starting with a letter or digit)"
         )
     return learner
-
-
-def validate_key(key: str) -> str:
-    """Refuse keys that could escape the prefix or confuse a backend, before any I/O."""
-    if not isinstance(key, str) or not key:
-        raise ValueError(f"invalid mailbox key {key!r}: empty or not a string")
-    if len(key.encode()) > MAX_KEY_BYTES:
-        raise ValueError(f"invalid mailbox key {key[:40]!r}...: longer than {MAX_KEY_BYTES} bytes")
-    if key.startswith("/") or "\\" in key or "\x00" in key or "//" in key:
-        raise ValueError(f"invalid mailbox key {key!r}: leading '/', '//', backslash or NUL")
-    if any(part in ("", ".", "..") for part in key.rstrip("/").split("/")):
-        raise ValueError(f"invalid mailbox key {key!r}: '.' or '..' path segment")
-    if not _KEY_CHARS.fullmatch(key):
-        raise ValueError(f"invalid mailbox key {key!r}: only A-Z a-z 0-9 . _ / - are allowed")
-    return key
-
-
-def validate_prefix(prefix: str) -> str:
-    """A listing prefix: empty, or a key-like string (may end with '/')."""
-    if prefix == "":
-        return prefix
-    return validate_key(prefix)
-
-
-# ---- the checks every mailbox operation makes before any I/O ----------------------------
-
-
-def check_object_key(key: str) -> str:
-    """A key naming an object: a valid key that does not end with '/' (that is a prefix)."""
-    validate_key(key)
-    if key.endswith("/"):
-        raise ValueError(f"invalid mailbox key {key!r}: an object key cannot end with '/'")
-    return key
-
-
-def check_list_args(prefix: str, after: str) -> None:
-    validate_prefix(prefix)
-    validate_prefix(after)
-
-
-def check_object_keys(keys: Iterable[str]) -> list[str]:
-    """Materialize and validate every key first, so a bad key in the middle deletes nothing."""
-    if isinstance(keys, str):
-        # A bare string is iterable; deleting its characters one by one is never meant.
-        raise TypeError(f"delete() takes an iterable of keys, not the string {keys!r}")
-    out = [check_object_key(k) for k in keys]
-    return list(dict.fromkeys(out))
 
 
 def _round(r: int) -> str:

@@ -18,7 +18,7 @@ from .. import events as ev
 from ..adapters.base import NumpyAdapter
 from ..clock import FakeClock
 from ..errors import MailboxUnavailable
-from ..mailbox.faults import InjectedCrash
+from ..protocol.faults import InjectedCrash
 from ..protocol.store import RunStore
 from ..syncer.join import join_run
 from .checks import Checks

@@ -18,8 +18,8 @@ import numpy as np
 
 from ..codec.chunked import fragment_streams
 from ..codec.payload import sha256_hex
-from ..mailbox.faults import Fault, Op, Phase
 from ..protocol import keys
+from ..protocol.faults import Fault, Op, Phase
 from ..protocol.records import PayloadRef, Snapshot, encode, join_refs
 from ..protocol.schedule import fragment_of, version_before
 from .actors import NodeActions

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import RDA, DiLoCo, WeightedMean
-from ..mailbox.faults import Op
 from ..protocol import keys
+from ..protocol.faults import Op
 from ..syncer.node import NodeOptions
 
 GHOST = "ghost"

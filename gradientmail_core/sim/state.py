@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..clock import FakeClock
-from ..mailbox.faults import FaultLog, FaultyMailbox
 from ..mailbox.memory import MemoryMailbox
+from ..protocol.faults import FaultLog, FaultyMailbox
 from ..syncer.learner import Learner
 from ..syncer.node import Node
 from .audit import Auditor

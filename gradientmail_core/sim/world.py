@@ -35,7 +35,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 
-from ..mailbox.faults import FaultyMailbox
+from ..protocol.faults import FaultyMailbox
 from .audit import AuditMailbox
 from .chaos import Chaos
 from .scenario import SimConfig, SimResult

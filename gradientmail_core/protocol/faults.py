@@ -1,5 +1,6 @@
 """A mailbox that injects faults: a real, shipped backend wrapper for tests, simulations and
-chaos drills, never a mock.
+chaos drills, never a mock. It knows the protocol's keys (a rule may target a round), so it lives
+above the mailbox layer (``gradientmail_core.mailbox.faults`` still imports it).
 
 ``FaultyMailbox(inner, rules, rng=..., node=..., clock=...)`` forwards the four operations (and
 the ranged read ``get_prefix``, which is a GET to the rules) to ``inner`` and, driven by a seeded
@@ -49,9 +50,9 @@ from typing import Literal
 
 from ..clock import Clock
 from ..errors import MailboxUnavailable
-from ..protocol import keys
-from .contract import Chunk, Mailbox, close_stream
-from .forwarding import ForwardingMailbox
+from ..mailbox.contract import Chunk, Mailbox, close_stream
+from ..mailbox.forwarding import ForwardingMailbox
+from . import keys
 
 Op = Literal["put", "get", "list", "delete"]
 Kind = Literal["error", "retry_412", "crash", "latency", "flip"]
