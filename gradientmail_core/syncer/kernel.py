@@ -168,7 +168,9 @@ class FragmentCloser:
         loaded: list[FragmentState] = []
 
         def load_here() -> bool:
-            params = known if known is not None else read(theta, run.shapes[f], run.fragment_dtypes(f))
+            # (``known``: a node's whole parameters; a rank of a sharded node reads its ranges)
+            mine = known if known is not None and self.keep_theta else None
+            params = mine if mine is not None else read(theta, run.shapes[f], run.fragment_dtypes(f))
             if outer is None:
                 loaded.append(FragmentState.initial(params))
                 return True
