@@ -270,13 +270,13 @@ CASES: tuple[Case, ...] = (
         expect=("chunked", "split", "final_snapshot", "final_round", "zstd"),
     ),
     Case(
-        "whole_leave_takeover_f4_checkpoint2",
-        "whole fragments, the closer leaving early (no flush) and taken over, F4 commits, a "
-        "checkpoint every 2nd version, 3 fragments",
-        _cfg(sync_every=6, fragments=3, quorum_size=3, commit_dtype="F4", checkpoint_every=2),
+        "whole_leave_flush_takeover_f4_checkpoint2",
+        "whole fragments, flush_on_close: the closer (a) leaves early with final contributions and is "
+        "taken over, the rest end with final rounds; F4 commits, a checkpoint every 2nd version, 3 fragments",
+        _cfg(sync_every=6, fragments=3, quorum_size=3, commit_dtype="F4", checkpoint_every=2, flush_on_close=True),
         steps={"a": 13},
-        expect=("whole", "change", "between_checkpoints", "takeover"),
-        default_steps=24,
+        default_steps=27,
+        expect=("whole", "change", "between_checkpoints", "takeover", "final_snapshot", "final_round"),
     ),
     Case(
         "chunked_bf16_params_mixed_chunks",
