@@ -493,12 +493,33 @@ def _outcome(case: Case, mailbox: Recording, members: list[_Member]) -> Outcome:
 # ---- comparing ----------------------------------------------------------------------------------
 
 
-def differences(expected: Any, got: Any, path: str = "", limit: int = 10) -> list[str]:
-    """The first ``limit`` places where ``got`` differs from ``expected``, each as
-    ``path: expected X, got Y`` (a path like ``rounds[3].participants[1].weight``)."""
+# The order differences are reported in: the tape first (the first differing field of the first
+# differing round record says the most), then what follows from it.
+SECTIONS = ("manifest", "rounds", "payloads", "snapshots", "kept", "params")
+
+
+def differences(expected: dict[str, Any], got: dict[str, Any], per_section: int = 3) -> list[str]:
+    """Where ``got`` differs from ``expected`` (two golden dicts), section by section: how many
+    entries differ, then the first ``per_section`` places, each as ``path: expected X, got Y``
+    (a path like ``rounds[3].participants[1].weight``: round 3's first participant's weight)."""
     out: list[str] = []
-    _diff(expected, got, path, out, limit)
+    for k in [*SECTIONS, *sorted((set(expected) | set(got)) - set(SECTIONS))]:
+        a, b = expected.get(k), got.get(k)
+        if a == b:
+            continue
+        if isinstance(a, dict | list) and isinstance(b, dict | list) and type(a) is type(b):
+            out.append(f"{k}: {_count(a, b)} of {len(a)} entries differ")
+        found: list[str] = []
+        _diff(a, b, k, found, per_section)
+        out += found
     return out
+
+
+def _count(a: dict[str, Any] | list[Any], b: dict[str, Any] | list[Any]) -> int:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return sum(a.get(k) != b.get(k) for k in set(a) | set(b))
+    assert isinstance(a, list) and isinstance(b, list)
+    return sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))
 
 
 def _diff(a: Any, b: Any, path: str, out: list[str], limit: int) -> None:
@@ -506,7 +527,7 @@ def _diff(a: Any, b: Any, path: str, out: list[str], limit: int) -> None:
         return
     if isinstance(a, dict) and isinstance(b, dict):
         for k in sorted(set(a) | set(b)):
-            where = f"{path}.{k}" if path else str(k)
+            where = f"{path}.{k}"
             if k not in b:
                 out.append(f"{where}: missing (expected {_short(a[k])})")
             elif k not in a:
@@ -516,12 +537,12 @@ def _diff(a: Any, b: Any, path: str, out: list[str], limit: int) -> None:
             if len(out) >= limit:
                 return
     elif isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            out.append(f"{path}: {len(a)} entries expected, got {len(b)}")
         for i, (x, y) in enumerate(zip(a, b)):
             _diff(x, y, f"{path}[{i}]", out, limit)
             if len(out) >= limit:
                 return
-        if len(a) != len(b):
-            out.append(f"{path}: {len(a)} entries expected, got {len(b)}")
     elif a != b or type(a) is not type(b):
         out.append(f"{path}: expected {_short(a)}, got {_short(b)}")
 

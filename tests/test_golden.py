@@ -63,10 +63,14 @@ def test_differences_name_the_first_field_that_differs() -> None:
     got["payloads"][key]["sha256"] = "0" * 64
     del got["rounds"][-1]
     n = len(expected["rounds"])
-    diffs = differences(expected, got)
-    assert diffs[0].startswith(f"payloads.{key}.sha256: expected ") and diffs[0].endswith(f'got "{"0" * 64}"')
-    assert diffs[1].startswith("rounds[1].participants[0].weight: expected ")
-    assert diffs[2] == f"rounds: {n} entries expected, got {n - 1}"
+    assert differences(expected, got) == [
+        f"rounds: 2 of {n} entries differ",
+        f"rounds: {n} entries expected, got {n - 1}",
+        f"rounds[1].participants[0].weight: expected {expected['rounds'][1]['participants'][0]['weight']!r}, "
+        f"got {got['rounds'][1]['participants'][0]['weight']!r}",
+        f"payloads: 1 of {len(expected['payloads'])} entries differ",
+        f'payloads.{key}.sha256: expected "{expected["payloads"][key]["sha256"]}", got "{"0" * 64}"',
+    ]
     assert differences(expected, copy.deepcopy(expected)) == []
 
 
