@@ -22,6 +22,11 @@ What a golden file (``tests/golden/runs/<case>.json``) pins, taken from what the
 
 The test (``tests/test_golden.py``) runs every case again and compares.
 
+Not run here: the sharded closer (``sharded/closing.py``, which needs torch.distributed ranks).
+It commits the bytes the in-process closers commit, so these files are what it must produce for
+the same contributions. The chunked cases also pass with ``syncer.streamed.ENABLED = False`` (the
+whole-fragment closer on chunked fragments): both closers write these bytes.
+
 These bytes pin today's numerics and wire format: the merge (whole fragments, chunk by chunk),
 the outer step, the quantizers, error feedback, clipping, outlier rejection, checkpoints,
 alignment. NEVER regenerate them to make a refactor pass. A change to these bytes is a change of
