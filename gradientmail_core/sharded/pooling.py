@@ -19,7 +19,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..adapters.torch_sharded import ShardedParams, gather_chunks, scatter_chunks
+from ..adapters.torch_sharded import ShardedParams
+from ..adapters.torch_transfer import gather_chunks, scatter_chunks
 from ..errors import MailboxUnavailable, SessionFailed
 from ..protocol.chunks import Layout
 from ..protocol.records import PayloadRef, chunk_refs, join_refs

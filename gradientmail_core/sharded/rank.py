@@ -35,7 +35,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..adapters.torch_sharded import Chunk, Meter, ShardedParams, ShardingUnsupported, gather_chunks, scatter_chunks
+from ..adapters.torch_sharded import Meter, ShardedParams, ShardingUnsupported
+from ..adapters.torch_transfer import Chunk, gather_chunks, scatter_chunks
 from ..codec import quant
 from ..errors import MailboxUnavailable, SessionFailed
 from ..protocol import keys
