@@ -388,7 +388,7 @@ def align(
     """
     adapter = adapter_for(model)
     auth = MemberAuth(auth_policy(secret, secret_file))  # reads open, secret and members-only runs
-    _, head, thetas = load_newest(RunStore(GuardedMailbox(mailbox, auth=auth), auth=auth), adapter)
+    _, head, thetas = load_newest(RunStore(GuardedMailbox(mailbox, auth=auth), auth=auth), adapter.schema())
     for theta in thetas.values():
         adapter.write(theta)
     return head

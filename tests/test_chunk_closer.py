@@ -95,7 +95,9 @@ def close_rounds(
     params = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
     store = RunStore(MemoryMailbox())
     adapter = TypedAdapter(params, param_dtypes or {})
-    run, _ = open_run(store, adapter, cfg, learner="c", compression=compression, rng=random.Random(0))
+    run, _ = open_run(
+        store, adapter.schema(), adapter.read, cfg, learner="c", compression=compression, rng=random.Random(0)
+    )
     assert run.chunk_elements is not None and len(run.plan(0)) > 1
     theta = store.get_payload(run.manifest.init[0], run.shapes[0], chunk_elements=run.chunk_elements)
     assert theta is not None
@@ -319,7 +321,8 @@ def _round_peak(by_chunks: bool, tmp_path: Path) -> tuple[int, int]:
     rng = np.random.default_rng(1)
     params = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
     store = RunStore(MemoryMailbox())
-    run, _ = open_run(store, NumpyAdapter(params), cfg, learner="c", compression="", rng=random.Random(0))
+    adapter = NumpyAdapter(params)
+    run, _ = open_run(store, adapter.schema(), adapter.read, cfg, learner="c", compression="", rng=random.Random(0))
     for i in range(3):
         delta = {k: (1e-2 * rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()}
         ref = store.put_fragment(
@@ -415,7 +418,8 @@ def test_a_damaged_spool_file_whose_store_copy_is_gone_rejects_the_contribution(
     rng = np.random.default_rng(3)
     params = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
     store = RunStore(MemoryMailbox())
-    run, _ = open_run(store, NumpyAdapter(params), cfg, learner="c", compression="", rng=random.Random(0))
+    adapter = NumpyAdapter(params)
+    run, _ = open_run(store, adapter.schema(), adapter.read, cfg, learner="c", compression="", rng=random.Random(0))
     refs = {}
     for i, delta in enumerate(_deltas(rng, SHAPES, 3, "")):
         learner = f"l{i}"
@@ -620,10 +624,11 @@ def test_a_chunked_run_stores_the_same_objects_closed_either_way(
 def test_every_fragment_of_one_chunk_keeps_the_whole_fragment_closer() -> None:
     store = RunStore(MemoryMailbox())
     params = {k: np.zeros(s, np.float32) for k, s in SMALL.items()}
+    adapter = NumpyAdapter(params)
     for c, expected in ((None, False), (1 << 24, False), (32, True)):
         cfg = gm.DiLoCo(sync_every=4, fragments=1, chunk_elements=c)
-        run = RunInfo.from_manifest(open_run(RunStore(MemoryMailbox()), NumpyAdapter(params), cfg, learner="c",
-                                             compression="", rng=random.Random(0))[0].manifest)  # fmt: skip
+        run = RunInfo.from_manifest(open_run(RunStore(MemoryMailbox()), adapter.schema(), adapter.read, cfg,
+                                             learner="c", compression="", rng=random.Random(0))[0].manifest)  # fmt: skip
         assert streamed.chunk_by_chunk(run, 0) is expected
         assert Collector(0, run, FragmentState.initial(params), 0.0, Estimates()).by_chunks is expected
     del store

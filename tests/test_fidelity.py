@@ -115,7 +115,8 @@ def test_round_record_grace_is_the_realized_window_with_the_plan_beside_it() -> 
     params = make_params(0)
     store = RunStore(MemoryMailbox())
     cfg = gm.DiLoCo(sync_every=4, fragments=1)
-    run, _ = open_run(store, NumpyAdapter(params), cfg, learner="c", compression="", rng=random.Random(0))
+    adapter = NumpyAdapter(params)
+    run, _ = open_run(store, adapter.schema(), adapter.read, cfg, learner="c", compression="", rng=random.Random(0))
     delta = {k: np.full(v.shape, 0.01, np.float32) for k, v in params.items()}
     ref = store.put_payload(
         lambda sha: keys.snapshot_blob_key(0, "a", sha, ""), encode_payload(delta, "F32", kind="delta")
@@ -313,7 +314,8 @@ def test_a_delta_of_another_layout_or_dtype_is_rejected_as_schema(make, reason) 
     params = make_params(0)
     store = RunStore(MemoryMailbox())
     cfg = gm.DiLoCo(sync_every=4, fragments=1, delta_dtype="BF16")
-    run, _ = open_run(store, NumpyAdapter(params), cfg, learner="c", compression="", rng=random.Random(0))
+    adapter = NumpyAdapter(params)
+    run, _ = open_run(store, adapter.schema(), adapter.read, cfg, learner="c", compression="", rng=random.Random(0))
     delta = {k: np.full(v.shape, 0.01, np.float32) for k, v in params.items()}
     ref = store.put_payload(lambda sha: keys.snapshot_blob_key(0, "z", sha, ""), make(delta))
     snap = Snapshot(
