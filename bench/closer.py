@@ -89,7 +89,10 @@ def measure(n_params: int, n_contrib: int, root: str) -> dict:
     cfg = gm.DiLoCo(sync_every=n_contrib, fragments=1, quorum_size=n_contrib)
     mailbox = gm.FileMailbox(root)  # fsync on: the commit is durable when the record is written
     store = RunStore(mailbox)
-    run, _ = open_run(store, NumpyAdapter(params), cfg, learner="closer", compression="", rng=random.Random(0))
+    adapter = NumpyAdapter(params)
+    run, _ = open_run(
+        store, adapter.schema(), adapter.read, cfg, learner="closer", compression="", rng=random.Random(0)
+    )
     # Each contributor's snapshot of round 0: an F32 delta payload and its record.
     for i in range(n_contrib):
         rng = np.random.default_rng(1 + i)

@@ -135,7 +135,10 @@ def round_cpu(n_params: int, n_contrib: int) -> float:
     params = model(n_params)
     cfg = gm.DiLoCo(sync_every=n_contrib, fragments=1, quorum_size=n_contrib)
     store = RunStore(MemoryMailbox())
-    run, _ = open_run(store, NumpyAdapter(params), cfg, learner="closer", compression="", rng=random.Random(0))
+    adapter = NumpyAdapter(params)
+    run, _ = open_run(
+        store, adapter.schema(), adapter.read, cfg, learner="closer", compression="", rng=random.Random(0)
+    )
     for i in range(n_contrib):
         rng = np.random.default_rng(1 + i)
         delta = {n: (1e-3 * rng.standard_normal(p.shape, dtype=np.float32)) for n, p in params.items()}

@@ -213,7 +213,7 @@ def worker(
                 _step(model, opt, data[i % 8])
                 timed(samples=batch)
             if session is not None:
-                session._shutdown()  # leave without waiting for rounds in flight: not timed
+                session.host.abort()  # leave without waiting for rounds in flight: not timed
         else:
             marks, timed = _lightning(arm, width, steps, warmup, batch, cfg, d, session_opts)
         rounds = len(gm.FileMailbox(d).list("rounds/")) if arm in BASELINE else 0

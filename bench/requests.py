@@ -44,7 +44,9 @@ def measure(n_nodes: int, rounds: int, *, fragments: int = 4, quorum: int = 3, p
         counting = gm.CountingMailbox(shared)
         store = RunStore(counting)
         adapter = NumpyAdapter(params)
-        run, created = open_run(store, adapter, cfg, learner=f"n{i}", compression="", rng=random.Random(i))
+        run, created = open_run(
+            store, adapter.schema(), adapter.read, cfg, learner=f"n{i}", compression="", rng=random.Random(i)
+        )
         bridge = Bridge()
         node = Node(
             store, clock, run, learner=f"n{i}", nonce=f"{i + 1:08x}", emit=lambda e: None, options=opts, bridge=bridge

@@ -73,6 +73,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.fsdp import fully_shard
 
     import gradientmail_core as gm
+    from gradientmail_core.sharded.rank_host import RankHost
     from gradientmail_core.sharded.wire import Exchange, new_group
 
     torch.set_num_threads(1)
@@ -145,14 +146,14 @@ def worker(args: argparse.Namespace) -> None:
             session.step(samples=args.batch * world)
     out["step_ms"] = (time.perf_counter() - t0) / args.steps * 1e3
     if session is not None:
-        assert session._sharded is not None and session._sharded.io is not None
-        out["anchors"] = session._sharded.io.anchors.nbytes  # (let go at close)
+        assert isinstance(session.host, RankHost) and session.host.io is not None
+        out["anchors"] = session.host.io.anchors.nbytes  # (let go at close)
         session.close()
     out["peak"] = torch.cuda.max_memory_allocated() if cuda else _status("VmHWM")
     out["params"] = sum(p.numel() for p in net.parameters())
     if session is not None:
-        rt = session._sharded
-        assert rt is not None and rt.io is not None
+        rt = session.host
+        assert isinstance(rt, RankHost) and rt.io is not None
         io = rt.io
         out.update(
             bytes_up=io.bytes_up,

@@ -1,26 +1,28 @@
-"""``gm.Session``: the user's handle on a run, used inside their own training loop."""
+"""``gm.Session``: the user's handle on a run, used inside their own training loop.
+
+The session checks its arguments and keeps the user's view (``progress``, ``batch_size``); the
+engine runs in its host (``syncer/host.EngineHost``), chosen once, here, from the model: one
+process (``syncer/process_host.ProcessHost``) or one rank of a sharded node
+(``sharded/runtime.sharded_host``).
+"""
 
 from __future__ import annotations
 
-import logging
 import math
 import os
-import queue
 import random
 import re
 import socket
 import sys
-import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from . import events as ev
 from .adapters import adapter_for
+from .adapters.base import Adapter
 from .clock import Clock, SystemClock
 from .config import DiLoCo
-from .errors import MailboxUnavailable, SessionFailed
 from .mailbox import Mailbox
 from .protocol import keys
 from .protocol.auth import policy as auth_policy
@@ -28,29 +30,16 @@ from .protocol.guard import GuardedMailbox
 from .protocol.members import MemberAuth, node_policy
 from .protocol.store import RunStore
 from .protocol.tape import load_newest
-from .syncer.bridge import Bridge, CommitNotice
-from .syncer.join import join_run
-from .syncer.learner import Learner
-from .syncer.marker import RestartMarker
-from .syncer.node import Node, NodeOptions
+from .syncer.host import EngineHost, HostSetup, Progress
+from .syncer.node import NodeOptions
+from .syncer.process_host import ProcessHost
 
 if TYPE_CHECKING:
-    from .sharded.runtime import ShardedRuntime
+    from .adapters.torch_sharded import ShardedParams
+    from .syncer.learner import Learner
+    from .syncer.node import Node
 
-_log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Progress:
-    """A read-only view of the run as this session sees it."""
-
-    round: int
-    versions: tuple[int, ...]
-    live_learners: int
-    local_step: int
-    tokens: int
-    rounds_seen: int
-    closing_round: int | None
+__all__ = ["Progress", "Session", "align", "default_learner_id"]
 
 
 def default_learner_id() -> str:
@@ -82,7 +71,7 @@ class Session:
         owner_key: str | os.PathLike[str] | None = None,
         anchors: str | None = None,
     ) -> None:
-        self.learner_id = keys.validate_learner_id(learner_id if learner_id is not None else default_learner_id())
+        me = keys.validate_learner_id(learner_id if learner_id is not None else default_learner_id())
         if not isinstance(algorithm, DiLoCo):
             raise TypeError(f"algorithm must be a gm.DiLoCo(...), found {type(algorithm).__name__}")
         if role not in (None, "both", "learner"):
@@ -100,18 +89,10 @@ class Session:
         # docs/security.md: shared secret, identities, or neither; validated before any I/O
         self.auth, self.identity = node_policy(secret, secret_file, identity, owner_key)
         if self.identity is not None:
-            self.learner_id = self.identity.learner_id(self.learner_id)
+            me = self.identity.learner_id(me)
         self.model = model
         self.adapter = adapter_for(model)
         self.algorithm = algorithm
-        # A model whose parameters are FSDP2 DTensors: every rank opens this session, and the
-        # sharded runtime keeps them in step (gradientmail_core/sharded, docs/sharding.md).
-        sharded_mod = sys.modules.get(f"{__package__}.adapters.torch_sharded")  # loaded if the model is sharded
-        sharded = (
-            self.adapter.sharded
-            if sharded_mod is not None and isinstance(self.adapter, sharded_mod.ShardedTorchAdapter)
-            else None
-        )
         # role None: "both" (train and close rounds); a sharded node closes with every rank its part
         self.role = role if role is not None else "both"
         self.mailbox = mailbox
@@ -120,28 +101,40 @@ class Session:
         self.close_timeout = (
             close_timeout if close_timeout is not None else lease_timeout + 2 * self.options.round_timeout
         )
-        self._rng = random.Random(seed if seed is not None else int.from_bytes(os.urandom(8), "big"))
-        self.nonce = f"{self._rng.getrandbits(64):016x}"
-        self.bridge = Bridge()
-        self._marker = RestartMarker(self.learner_id)  # a restart on this host resumes the id at once
-        self.node: Node | None = None
-        self.learner: Learner | None = None
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._closed = False
-        self._sharded: ShardedRuntime | None = None
+        rng = random.Random(seed if seed is not None else int.from_bytes(os.urandom(8), "big"))
+        self.nonce = f"{rng.getrandbits(64):016x}"
         # Where a sharded node's ranks keep their anchors ("device", "host", "disk"; None: "host"
         # on an accelerator, else "device"): sharded/anchors.py. A plain node keeps them as before.
         self.anchors = anchors
-        if anchors is not None and sharded is None:
-            raise ValueError(
-                f"anchors={anchors!r} places a sharded (FSDP2) node's anchors; this model is not sharded, so leave it "
-                "unset"
-            )
-        if sharded is not None:
-            from .sharded.runtime import ShardedRuntime
+        setup = HostSetup(
+            adapter=self.adapter,
+            algorithm=algorithm,
+            mailbox=mailbox,
+            auth=self.auth,
+            options=self.options,
+            clock=self.clock,
+            role=self.role,
+            nonce=self.nonce,
+            rng=rng,
+            close_timeout=self.close_timeout,
+            emit=self.emit,
+        )
+        self.host: EngineHost = _host_for(setup, me, anchors)
 
-            self._sharded = ShardedRuntime(self, sharded)
+    # ---- what the host runs -------------------------------------------------------------
+
+    @property
+    def learner_id(self) -> str:
+        return self.host.learner_id
+
+    @property
+    def node(self) -> Node | None:
+        """The node this process runs (None before ``open``, and on a sharded node's ranks > 0)."""
+        return self.host.node
+
+    @property
+    def learner(self) -> Learner | None:
+        return self.host.learner
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -153,117 +146,37 @@ class Session:
         if et is None:
             self.close()
         else:
-            self._shutdown()  # the loop failed: leave without waiting for rounds
+            self.host.abort()  # the loop failed: leave without waiting for rounds
 
     def emit(self, event: ev.Event) -> None:
         ev.deliver(self.callbacks, event)
 
-    def _store(self) -> RunStore:
-        """The run's store as this session reads it: guarded, authenticated as the run is."""
-
-        def ignored(key: str, why: str) -> None:
-            self.emit(ev.IgnoredObject(self.learner_id, key, why))
-
-        guard = GuardedMailbox(self.mailbox, auth=self.auth, on_ignored=ignored)
-        return RunStore(guard, auth=self.auth, on_ignored=ignored)
-
     def open(self) -> None:
         """Join the run (creating it if the mailbox is empty) and start the background work.
         On a sharded model, collective: every rank opens (``docs/sharding.md``)."""
-        if self._sharded is not None:
-            if self._sharded.exchange is None:
-                self._sharded.open()
-            return
-        if self.node is not None:
-            return
-        node, learner = join_run(
-            self._store(),
-            self.adapter,
-            self.algorithm,
-            self.clock,
-            learner=self.learner_id,
-            nonce=self.nonce,
-            emit=self.emit,
-            options=self.options,
-            rng=self._rng,
-            bridge=self.bridge,
-            marker=self._marker,
-            role=self.role,
-        )
-        self.node, self.learner = node, learner
-        self._thread = threading.Thread(target=self._background, name=f"gradientmail-{self.learner_id}", daemon=True)
-        self._thread.start()
-
-    def _background(self) -> None:
-        assert self.node is not None
-        failures = 0
-        while not self._stop.is_set():
-            try:
-                self.node.tick()
-                failures = 0
-            except MailboxUnavailable as e:
-                failures += 1
-                self.emit(ev.StoreFailure(self.learner_id, str(e)))
-            except BaseException as e:  # re-raised on the training thread, never swallowed
-                self.bridge.failure = e
-                self.emit(ev.BackgroundFailed(self.learner_id, f"{type(e).__name__}: {e}"))
-                return
-            delay = self.options.poll_interval * min(2**failures, 16)
-            self.bridge.wake.wait(delay)
-            self.bridge.wake.clear()
-
-    def _check(self) -> None:
-        if self.bridge.failure is not None:
-            raise SessionFailed(
-                f"the background work of learner {self.learner_id!r} failed: {self.bridge.failure}"
-            ) from self.bridge.failure
-        if self.learner is None:
-            raise RuntimeError("the session is not open: use `with gm.Session(...) as session:` or call open()")
+        self.host.open()
 
     # ---- the training loop ------------------------------------------------------------
 
     def step(self, samples: int = 1) -> None:
         """Call once per optimizer step, with the samples (or tokens) that step processed. On a
         sharded model every rank calls it (a collective), with the node's samples."""
-        if self._sharded is not None:
-            self._sharded.step(samples)
-            return
-        self._check()
-        assert self.learner is not None
-        self.learner.step(int(samples), wait=self._wait_commit)
-
-    def _wait_commit(self, timeout: float | None = None) -> CommitNotice | None:
-        if self._sharded is not None:
-            self._sharded.before_wait()  # what the learner did goes to every rank before it blocks
-        self._check()
-        try:
-            return self.bridge.inbox.get(timeout=timeout or self.options.poll_interval)
-        except queue.Empty:
-            return None
+        self.host.step(samples)
 
     @property
     def batch_size(self) -> int | None:
         g = self.algorithm.global_batch_size
-        return None if g is None else math.ceil(g / max(self.bridge.view.live, 1))
+        return None if g is None else math.ceil(g / max(self.host.progress.live_learners, 1))
 
     @property
     def rounds_seen(self) -> int:
-        return self.bridge.view.rounds_seen
+        return self.host.progress.rounds_seen
 
     @property
     def progress(self) -> Progress:
-        v = self.bridge.view
-        lr = self.learner
-        rt = self._sharded  # ranks > 0 of a sharded node: no learner, rank 0's view
-        return Progress(
-            round=v.head,
-            versions=tuple(lr.versions[f] for f in sorted(lr.versions)) if lr else (),
-            live_learners=v.live,
-            local_step=lr.local_step if lr else rt.steps if rt else 0,
-            tokens=lr.tokens if lr else rt.tokens if rt else 0,
-            rounds_seen=v.rounds_seen,
-            closing_round=v.closer_of,
-        )
+        """The run as this session sees it; on a sharded node's ranks > 0, rank 0's view and
+        this rank's own step counts."""
+        return self.host.progress
 
     def wait_for(self, learners: int, timeout: float | None = None) -> None:
         """Block until ``learners`` distinct learners (this one included) have been seen since
@@ -271,107 +184,40 @@ class Session:
         and left again between two looks still counts, so two learners waiting for each other
         cannot miss one another. On a sharded model it waits on rank 0 only (the other ranks
         return at once, and wait in their next ``step`` for rank 0)."""
-        if self._sharded is not None and not self._sharded.leader:
-            return
-        self._check()
-        deadline = None if timeout is None else self.clock.now() + timeout
-        view = self.bridge.view
-        mark = view.listing
-        seen = {lr for lr, n in view.sightings.items() if n >= mark} | {self.learner_id}
-        while len(seen) < learners:
-            if deadline is not None and self.clock.now() >= deadline:
-                raise TimeoutError(f"only {len(seen)} of {learners} learners seen after {timeout} s")
-            self._check()
-            self._stop.wait(min(self.options.poll_interval, 0.2))
-            seen |= {lr for lr, n in self.bridge.view.sightings.items() if n > mark}
+        self.host.wait_for(learners, timeout)
 
     # ---- leaving ----------------------------------------------------------------------
 
     def close(self) -> None:
         """Wait for this node's rounds in flight, then load the newest committed parameters.
         On a sharded model, collective: every rank closes."""
-        if self._sharded is not None:
-            if self._sharded.exchange is not None:
-                self._sharded.close()
-            return
-        if self._closed or self.learner is None:
-            return
-        try:
-            self._check()
-            if self.algorithm.flush_on_close:
-                self._flush()
-            self._wait_in_flight()
-            self.bridge.leaving = True
-        finally:
-            self._shutdown()
-        self._check()
+        self.host.close()
 
-    def _flush(self) -> None:
-        lr = self.learner
-        assert lr is not None and lr.cfg.in_flight is not None
-        in_flight = lr.cfg.in_flight
-        for _ in range(lr.run.P):
-            if not self._wait_until(
-                lambda: lr.next_round - lr.aligned <= in_flight or lr.next_round <= self.bridge.view.head, "flush"
-            ):
-                return
-            lr.maybe_publish(final=True)
 
-    def _wait_in_flight(self) -> None:
-        """Publish the rounds already due by the schedule (``in_flight`` may have held them
-        back), then wait until they have committed. Learners that trained the same number of
-        steps thus contribute to the same rounds and leave with the same parameters."""
-        lr = self.learner
-        assert lr is not None
-        self._wait_until(lambda: not lr.maybe_publish() and not lr.published, "close")
+def _sharded_params(adapter: Adapter) -> ShardedParams | None:
+    """The FSDP parameters behind ``adapter``, when the model is sharded (its module is loaded
+    only for such a model, so a plain model never imports torch here)."""
+    sharded_mod = sys.modules.get(f"{__package__}.adapters.torch_sharded")
+    if sharded_mod is not None and isinstance(adapter, sharded_mod.ShardedTorchAdapter):
+        params: ShardedParams = adapter.sharded
+        return params
+    return None
 
-    def _wait_until(self, done: Callable[[], bool], what: str) -> bool:
-        lr = self.learner
-        assert lr is not None
-        last_head, since = self.bridge.view.head, self.clock.now()
-        while True:
-            lr.drain()
-            # A round that committed without this node's contribution no longer waits on us.
-            while lr.published and lr.published[0].round <= self.bridge.view.head:
-                lr.published.popleft()
-            if done():
-                return True
-            c = self._wait_commit()
-            if c is not None:
-                lr.apply(c)
-            head = self.bridge.view.head
-            if head != last_head:
-                last_head, since = head, self.clock.now()
-            elif self.clock.now() - since > self.close_timeout:
-                self.emit(
-                    ev.GaveUp(
-                        self.learner_id,
-                        head,
-                        f"no round committed for {self.close_timeout:.0f} s while waiting to {what}",
-                    )
-                )
-                return False
 
-    def _shutdown(self) -> None:
-        if self._sharded is not None:
-            self._sharded._teardown()  # after a failure: stop here without waiting on the other ranks
-            return
-        if self._closed:
-            return
-        self._closed = True
-        self._stop.set()
-        self.bridge.wake.set()
-        if self._thread is not None:
-            self._thread.join()
-        if self.learner is not None:
-            self.learner.drain()
-            self.learner.write_newest()
-        if self.node is not None:
-            try:
-                self.node.leave()
-            except MailboxUnavailable as e:
-                self.emit(ev.StoreFailure(self.learner_id, f"could not release the lease: {e}"))
-        self._marker.close()
+def _host_for(setup: HostSetup, learner_id: str, anchors: str | None) -> EngineHost:
+    """The engine host for this session's model: chosen once, when the session is built."""
+    sharded = _sharded_params(setup.adapter)
+    if sharded is None:
+        if anchors is not None:
+            raise ValueError(
+                f"anchors={anchors!r} places a sharded (FSDP2) node's anchors; this model is not sharded, so leave it "
+                "unset"
+            )
+        return ProcessHost(setup, learner_id)
+    # Every rank of a sharded node opens this session; its host keeps them in step (docs/sharding.md).
+    from .sharded.runtime import sharded_host
+
+    return sharded_host(setup, learner_id, sharded, anchors=anchors)
 
 
 def align(
@@ -388,7 +234,7 @@ def align(
     """
     adapter = adapter_for(model)
     auth = MemberAuth(auth_policy(secret, secret_file))  # reads open, secret and members-only runs
-    _, head, thetas = load_newest(RunStore(GuardedMailbox(mailbox, auth=auth), auth=auth), adapter)
+    _, head, thetas = load_newest(RunStore(GuardedMailbox(mailbox, auth=auth), auth=auth), adapter.schema())
     for theta in thetas.values():
         adapter.write(theta)
     return head

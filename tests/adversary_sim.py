@@ -90,7 +90,9 @@ class SimRun:
         store = RunStore(guard, auth=auth, on_ignored=ignored)
         seed = len(self.members)
         adapter = adapter or NumpyAdapter(params)
-        run, created = open_run(store, adapter, self.cfg, learner=name, compression="", rng=random.Random(seed))
+        run, created = open_run(
+            store, adapter.schema(), adapter.read, self.cfg, learner=name, compression="", rng=random.Random(seed)
+        )
         guard.limit_payloads(max_payload_bytes(run))
         bridge = Bridge()
         node = Node(store, self.clock, run, learner=name, nonce=f"{seed + 1:08x}", emit=events.append,

@@ -112,7 +112,9 @@ class Cluster:
         store = RunStore(mailbox or self.mailbox)
         events: list[ev.Event] = []
         comp = self.compression if compression is None else compression
-        run, created = open_run(store, adapter, self.cfg, learner=name, compression=comp, rng=random.Random(seed))
+        run, created = open_run(
+            store, adapter.schema(), adapter.read, self.cfg, learner=name, compression=comp, rng=random.Random(seed)
+        )
         opts = NodeOptions(self.options.poll_interval, self.options.lease_timeout, self.options.round_timeout, comp)
         bridge = Bridge()
         node = Node(

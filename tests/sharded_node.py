@@ -26,6 +26,7 @@ import gradientmail_core as gm
 from gradientmail_core.mailbox.forwarding import ForwardingMailbox
 from gradientmail_core.protocol import keys
 from gradientmail_core.protocol.chunks import transfers
+from gradientmail_core.sharded.rank_host import RankHost
 
 DIMS = (12, 60, 36, 2)  # shard boundaries fall inside chunks of 64
 LR = 0.05
@@ -263,8 +264,8 @@ def main() -> None:
         Path(args.out + f".r{rank}.json").write_text(json.dumps({"failed": str(e), "type": type(e).__name__}))
         dist.destroy_process_group()
         return
-    rt = session._sharded
-    assert rt is not None and rt.io is not None
+    rt = session.host  # this rank's part of the node (sharded/rank_host.py)
+    assert isinstance(rt, RankHost) and rt.io is not None
     report.update(
         rank=rank,
         peak=[m.peak for m in rt.io.meters],

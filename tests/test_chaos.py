@@ -158,7 +158,7 @@ def test_learners_killed_and_paused_at_random_end_identical_over_s3(tmp_path, s3
 
     # Every learner ends with the newest committed parameters, bit for bit.
     probe = {n: np.zeros(s, np.float32) for n, s in SHAPES.items()}
-    run, head, newest = load_newest(RunStore(mb), NumpyAdapter(probe))
+    run, head, newest = load_newest(RunStore(mb), NumpyAdapter(probe).schema())
     assert head == len(recs) - 1
     committed = {n: v for theta in newest.values() for n, v in theta.items()}
     for name in LEARNERS:

@@ -58,7 +58,8 @@ def test_a_bad_checkpoint_every_raises(kw, why):
 
 def test_a_manifest_with_a_bad_checkpoint_every_is_refused():
     store = RunStore(MemoryMailbox())
-    run, _ = open_run(store, NumpyAdapter(make_params()), cfg(), learner="a", compression="", rng=random.Random(0))
+    adapter = NumpyAdapter(make_params())
+    run, _ = open_run(store, adapter.schema(), adapter.read, cfg(), learner="a", compression="", rng=random.Random(0))
     config = {**run.manifest.config, "commit_dtype": None}
     with pytest.raises(ProtocolError, match="checkpoint_every=3 with commit_dtype=None"):
         RunInfo.from_manifest(dataclasses.replace(run.manifest, config=config))
@@ -130,7 +131,9 @@ class Lockstep:
         params = make_params(100 + seed, c.shapes)
         adapter = NumpyAdapter(params)
         store = RunStore(c.mailbox)
-        run, created = open_run(store, adapter, c.cfg, learner=name, compression="", rng=random.Random(seed))
+        run, created = open_run(
+            store, adapter.schema(), adapter.read, c.cfg, learner=name, compression="", rng=random.Random(seed)
+        )
         events: list[ev.Event] = []
         node = Node(store, c.clock, run, learner=name, nonce=f"{seed + 1:08x}", emit=events.append,
                     options=c.options, bridge=Bridge(), role=role)  # fmt: skip
@@ -273,7 +276,7 @@ def test_a_learner_joining_between_checkpoints_rebuilds_the_parameters_from_the_
         for n, v in d.learner.anchors[f].items():
             assert np.array_equal(v, ms[0].learner.anchors[f][n])
     # gm.align's reader too
-    _, head, thetas = load_newest(RunStore(c.mailbox), NumpyAdapter(make_params()))
+    _, head, thetas = load_newest(RunStore(c.mailbox), NumpyAdapter(make_params()).schema())
     assert head == c.head() and all(
         np.array_equal(thetas[f][n], d.learner.anchors[f][n]) for f in thetas for n in thetas[f]
     )

@@ -98,7 +98,9 @@ def close_rounds(
     params = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
     store = RunStore(MemoryMailbox())
     adapter = TypedAdapter(params, param_dtypes or {})
-    run, _ = open_run(store, adapter, cfg, learner="c", compression=compression, rng=random.Random(0))
+    run, _ = open_run(
+        store, adapter.schema(), adapter.read, cfg, learner="c", compression=compression, rng=random.Random(0)
+    )
     theta = store.get_payload(run.manifest.init[0], run.shapes[0], chunk_elements=run.chunk_elements)
     assert theta is not None
     state = FragmentState.initial(theta)
@@ -335,7 +337,8 @@ def _round_peak(by_chunks: bool, tmp_path: Path) -> tuple[int, int]:
     rng = np.random.default_rng(1)
     params = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
     store = RunStore(MemoryMailbox())
-    run, _ = open_run(store, NumpyAdapter(params), cfg, learner="c", compression="", rng=random.Random(0))
+    adapter = NumpyAdapter(params)
+    run, _ = open_run(store, adapter.schema(), adapter.read, cfg, learner="c", compression="", rng=random.Random(0))
     for i in range(3):
         delta = {k: (1e-2 * rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()}
         ref = store.put_fragment(
@@ -431,7 +434,8 @@ def test_a_damaged_spool_file_whose_store_copy_is_gone_rejects_the_contribution(
     rng = np.random.default_rng(3)
     params = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
     store = RunStore(MemoryMailbox())
-    run, _ = open_run(store, NumpyAdapter(params), cfg, learner="c", compression="", rng=random.Random(0))
+    adapter = NumpyAdapter(params)
+    run, _ = open_run(store, adapter.schema(), adapter.read, cfg, learner="c", compression="", rng=random.Random(0))
     refs = {}
     for i, delta in enumerate(_deltas(rng, SHAPES, 3, "")):
         learner = f"l{i}"
@@ -636,7 +640,8 @@ def test_a_fragment_of_one_chunk_is_held_decoded_and_a_larger_one_spooled() -> N
     for chunks, held in ((None, True), (1 << 24, True), (32, False)):
         cfg = gm.DiLoCo(sync_every=4, fragments=1, chunk_elements=chunks)
         store = RunStore(MemoryMailbox())
-        run, _ = open_run(store, NumpyAdapter(params), cfg, learner="c", compression="", rng=random.Random(0))
+        adapter = NumpyAdapter(params)
+        run, _ = open_run(store, adapter.schema(), adapter.read, cfg, learner="c", compression="", rng=random.Random(0))
         delta = {k: np.full(s, 0.5, np.float32) for k, s in SMALL.items()}
         ref = store.put_fragment(
             lambda sha: keys.snapshot_blob_key(0, "l0", sha, ""), delta, shapes=run.shapes[0],

@@ -294,12 +294,14 @@ def test_chunk_elements_defaults_for_new_runs_and_old_manifests_read_as_whole_fr
 
 def test_a_run_whose_records_would_not_fit_is_refused_at_creation():
     big = {"w": np.zeros(32 * (RECORD_REFS // 3 + 1), np.float32)}
+    model = NumpyAdapter(big)
     cfg = gm.DiLoCo(sync_every=2, fragments=1, chunk_elements=32)
     with pytest.raises(ValueError, match="raise chunk_elements or fragments"):
-        open_run(RunStore(MemoryMailbox()), NumpyAdapter(big), cfg, learner="a", compression="", rng=random.Random(0))
+        open_run(RunStore(MemoryMailbox()), model.schema(), model.read, cfg, learner="a", compression="",
+                 rng=random.Random(0))  # fmt: skip
     store = RunStore(MemoryMailbox())
-    run, _ = open_run(store, NumpyAdapter(big), dataclasses.replace(cfg, chunk_elements=64 * 32), learner="a",
-                      compression="", rng=random.Random(0))  # fmt: skip
+    run, _ = open_run(store, model.schema(), model.read, dataclasses.replace(cfg, chunk_elements=64 * 32),
+                      learner="a", compression="", rng=random.Random(0))  # fmt: skip
     # between checkpoints, a record would list participants x chunks contributions: past what a
     # record holds, the round is written as a checkpoint
     n = len(run.plan(0))

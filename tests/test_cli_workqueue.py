@@ -21,9 +21,11 @@ from gradientmail_core.protocol.store import RunStore  # noqa: E402
 
 def make_run(path: Path) -> gm.FileMailbox:
     mb = gm.FileMailbox(path)
+    adapter = NumpyAdapter(make_params(0))
     open_run(
         RunStore(mb),
-        NumpyAdapter(make_params(0)),
+        adapter.schema(),
+        adapter.read,
         gm.DiLoCo(sync_every=4, fragments=2),
         learner="creator",
         compression="",

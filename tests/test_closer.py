@@ -27,7 +27,8 @@ def collected(cfg: DiLoCo, n: int, *, stale: int | None = None) -> tuple[Collect
     rng = np.random.default_rng(0)
     params = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
     store = RunStore(MemoryMailbox())
-    run, _ = open_run(store, NumpyAdapter(params), cfg, learner="c", compression="", rng=random.Random(0))
+    adapter = NumpyAdapter(params)
+    run, _ = open_run(store, adapter.schema(), adapter.read, cfg, learner="c", compression="", rng=random.Random(0))
     for i in range(n):
         delta = {k: (1e-2 * rng.standard_normal(s)).astype(np.float32) for k, s in SHAPES.items()}
         learner = f"l{i}"

@@ -3,6 +3,7 @@ garbage collection, and the effect of every DiLoCo option."""
 
 from __future__ import annotations
 
+import functools
 import json
 import queue
 
@@ -287,18 +288,19 @@ def test_losing_the_race_to_create_the_run_keeps_the_winners_identical_init_payl
     import random
 
     from gradientmail_core.adapters.base import NumpyAdapter
-    from gradientmail_core.protocol.run import _create, open_run
+    from gradientmail_core.protocol.run import create_run, open_run, upload_values
     from gradientmail_core.protocol.store import RunStore
 
     mb = gm.MemoryMailbox()
     cfg = gm.DiLoCo(sync_every=4, fragments=2)
     params = {"a": np.ones((3, 3), np.float32), "b": np.zeros(4, np.float32)}
-    run, created = open_run(RunStore(mb), NumpyAdapter(params), cfg, learner="a", compression="", rng=random.Random(0))
+    a = NumpyAdapter(params)
+    run, created = open_run(RunStore(mb), a.schema(), a.read, cfg, learner="a", compression="", rng=random.Random(0))
     assert created
     # b read "no manifest" just before a wrote it, and built the same initial payloads
-    manifest, created = _create(
-        RunStore(mb), NumpyAdapter(dict(params)), cfg, learner="b", compression="", rng=random.Random(1)
-    )
+    b, store = NumpyAdapter(dict(params)), RunStore(mb)
+    upload = functools.partial(upload_values, store, b.read, b.schema(), cfg, "")
+    manifest, created = create_run(store, b.schema(), cfg, upload, learner="b", rng=random.Random(1))
     assert not created and manifest.run_id == run.manifest.run_id
     assert all(mb.get(ref.key) is not None for ref in manifest.init)
 

@@ -111,7 +111,7 @@ def test_restarted_learner_continues_from_the_store():
     b2 = c.join("b", seed=1)
     # Nothing ticked while b2 joined: the store's newest commit is what it must hold, read
     # here independently of the joiner (a fresh reader on the same mailbox).
-    _, head, thetas = load_newest(RunStore(c.mailbox), NumpyAdapter(make_params(0)))
+    _, head, thetas = load_newest(RunStore(c.mailbox), NumpyAdapter(make_params(0)).schema())
     assert head == c.head() >= 0 and b2.node.head == head
     expected = {n: v for theta in thetas.values() for n, v in theta.items()}
     assert set(expected) == set(b2.params)

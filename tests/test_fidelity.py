@@ -33,6 +33,7 @@ from gradientmail_core.syncer.closer import Collector, Estimates, FragmentState,
 from gradientmail_core.syncer.join import join_run
 from gradientmail_core.syncer.marker import RestartMarker
 from gradientmail_core.syncer.node import NodeOptions
+from gradientmail_core.syncer.process_host import ProcessHost
 
 REPO = Path(__file__).resolve().parents[1]
 OPTS = NodeOptions(poll_interval=0.1, lease_timeout=2.0, round_timeout=1.0)
@@ -115,7 +116,8 @@ def test_round_record_grace_is_the_realized_window_with_the_plan_beside_it() -> 
     params = make_params(0)
     store = RunStore(MemoryMailbox())
     cfg = gm.DiLoCo(sync_every=4, fragments=1)
-    run, _ = open_run(store, NumpyAdapter(params), cfg, learner="c", compression="", rng=random.Random(0))
+    adapter = NumpyAdapter(params)
+    run, _ = open_run(store, adapter.schema(), adapter.read, cfg, learner="c", compression="", rng=random.Random(0))
     delta = {k: np.full(v.shape, 0.01, np.float32) for k, v in params.items()}
     ref = store.put_payload(
         lambda sha: keys.snapshot_blob_key(0, "a", sha, ""), encode_payload(delta, "F32", kind="delta")
@@ -313,7 +315,8 @@ def test_a_delta_of_another_layout_or_dtype_is_rejected_as_schema(make, reason) 
     params = make_params(0)
     store = RunStore(MemoryMailbox())
     cfg = gm.DiLoCo(sync_every=4, fragments=1, delta_dtype="BF16")
-    run, _ = open_run(store, NumpyAdapter(params), cfg, learner="c", compression="", rng=random.Random(0))
+    adapter = NumpyAdapter(params)
+    run, _ = open_run(store, adapter.schema(), adapter.read, cfg, learner="c", compression="", rng=random.Random(0))
     delta = {k: np.full(v.shape, 0.01, np.float32) for k, v in params.items()}
     ref = store.put_payload(lambda sha: keys.snapshot_blob_key(0, "z", sha, ""), make(delta))
     snap = Snapshot(
@@ -393,7 +396,7 @@ def test_rda_direct_pattern_matches_names_lowercased() -> None:
 
 
 class _Drive:
-    """Stands in for the session's stop event: each wait runs one scripted slice of the cluster."""
+    """Stands in for the session host's stop event: each wait runs one scripted slice of the cluster."""
 
     def __init__(self, clock: FakeClock, *slices) -> None:
         self.clock, self.slices = clock, list(slices)
@@ -405,9 +408,14 @@ class _Drive:
         return False
 
 
-def _session_over(c: Cluster, m) -> gm.Session:
+def _session_over(c: Cluster, m, *slices) -> gm.Session:
+    """A session whose host runs the cluster's member ``m`` (no thread of its own); each wait of
+    the host runs the next of ``slices``."""
     s = gm.Session(m.params, algorithm=c.cfg, mailbox=c.mailbox, learner_id=m.name, clock=c.clock, callbacks=())
-    s.bridge, s.learner, s.node = m.node.bridge, m.learner, m.node
+    host = s.host
+    assert isinstance(host, ProcessHost)
+    host.bridge, host.learner, host.node = m.node.bridge, m.learner, m.node
+    host._stop = _Drive(c.clock, *slices)  # type: ignore[assignment]
     return s
 
 
@@ -425,8 +433,7 @@ def test_wait_for_counts_a_learner_that_was_live_at_one_listing_only() -> None:
         a.node._publish_view()
         assert a.node.view().live == 1
 
-    s = _session_over(c, a)
-    s._stop = _Drive(c.clock, b_comes_and_goes)  # type: ignore[assignment]
+    s = _session_over(c, a, b_comes_and_goes)
     s.wait_for(learners=2, timeout=10.0)
 
 
@@ -445,8 +452,7 @@ def test_wait_for_counts_a_learner_seen_only_by_its_contribution() -> None:
         a.node.tick()  # the lease listing is not due: only the snapshot shows b
         assert a.node.view().live == 1
 
-    s = _session_over(c, a)
-    s._stop = _Drive(c.clock, b_contributes_between_two_lease_listings)  # type: ignore[assignment]
+    s = _session_over(c, a, b_contributes_between_two_lease_listings)
     s.wait_for(learners=2, timeout=10.0)
 
 
@@ -454,7 +460,6 @@ def test_wait_for_still_times_out_when_nobody_comes() -> None:
     c = Cluster(gm.DiLoCo(sync_every=2, fragments=1))
     a = c.join("a")
     s = _session_over(c, a)
-    s._stop = _Drive(c.clock)  # type: ignore[assignment]
     with pytest.raises(TimeoutError, match="1 of 2 learners"):
         s.wait_for(learners=2, timeout=5.0)
 

@@ -76,8 +76,12 @@ def _offenders(package: str, forbidden: tuple[str, ...]) -> list[str]:
 def test_dependencies_run_one_way_between_the_packages():
     # The core never reaches up into the integrations.
     assert not _offenders("gradientmail_core", ("gradientmail_lightning", "lightning", "accelerate"))
-    # The protocol is below the engine: keys, records, the store and the tape never import the syncer.
-    assert not _offenders("gradientmail_core.protocol", ("gradientmail_core.syncer", "gradientmail_core.session"))
+    # The protocol is below the engine: keys, records, the store and the tape never import the syncer,
+    # nor the adapters (a run is opened with a schema and a read function, not a model).
+    assert not _offenders(
+        "gradientmail_core.protocol",
+        ("gradientmail_core.syncer", "gradientmail_core.session", "gradientmail_core.adapters"),
+    )
     # Backends and wrappers know the contract and the keys, nothing of the engine above them.
     assert not _offenders(
         "gradientmail_core.mailbox",
@@ -88,6 +92,81 @@ def test_dependencies_run_one_way_between_the_packages():
         assert not _offenders(
             pkg, ("gradientmail_core.syncer", "gradientmail_core.mailbox", "gradientmail_core.session")
         )
+
+
+def _module_graph(package: str = "gradientmail_core", root: Path = ROOT) -> dict[str, set[str]]:
+    """Each module of ``package`` -> the modules of ``package`` it imports, lazy ones too.
+    ``from p import x`` imports the module ``p.x`` when there is one, else ``p``."""
+    import ast
+
+    modules = {}
+    for path in (root / package).rglob("*.py"):
+        rel = path.relative_to(root).with_suffix("")
+        modules[".".join(rel.parts[:-1] if rel.parts[-1] == "__init__" else rel.parts)] = path
+
+    def owner(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for m, path in modules.items():
+        here = m.split(".") if path.name == "__init__.py" else m.split(".")[:-1]
+        found: set[str | None] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found.update(owner(a.name) for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = here[: len(here) - node.level + 1] if node.level else []
+                mod = ".".join([*base, *(node.module.split(".") if node.module else [])])
+                found.update(f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules else owner(mod) for a in node.names)
+        graph[m] = {o for o in found if o is not None and o != m}
+    return graph
+
+
+def _circle_through(graph: dict[str, set[str]], start: str) -> list[str] | None:
+    """A shortest import circle from ``start`` back to itself, or None."""
+    paths = {start: [start]}
+    todo = [start]
+    while todo:
+        m = todo.pop(0)
+        for n in sorted(graph.get(m, ())):
+            if n == start:
+                return [*paths[m], start]
+            if n not in paths:
+                paths[n] = [*paths[m], n]
+                todo.append(n)
+    return None
+
+
+def test_the_session_and_its_engine_hosts_form_no_import_circle():
+    # The session delegates to a host chosen from the model; the hosts never reach back up to it.
+    assert not _offenders("gradientmail_core.sharded", ("gradientmail_core.session",))
+    assert not _offenders("gradientmail_core.syncer", ("gradientmail_core.session", "gradientmail_core.sharded"))
+    graph = _module_graph()
+    assert "gradientmail_core.sharded.runtime" in graph["gradientmail_core.session"]  # the check sees the edge
+    ours = ["gradientmail_core.session", *sorted(m for m in graph if m.startswith("gradientmail_core.sharded."))]
+    circles = [c for m in ours if (c := _circle_through(graph, m))]
+    assert not circles, circles
+
+
+def test_the_circle_check_finds_a_circle(tmp_path):
+    # The check above must be able to fail: two modules importing each other (one lazily) are a
+    # circle, and a module importing a sibling through its package is not one with the package.
+    pkg = tmp_path / "gradientmail_core"
+    (pkg / "sharded").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from .session import Session\n")
+    (pkg / "events.py").write_text("")
+    (pkg / "sharded" / "__init__.py").write_text("")
+    (pkg / "session.py").write_text("from . import events\nfrom .sharded.runtime import sharded_host\n")
+    (pkg / "sharded" / "runtime.py").write_text("def f():\n    from ..session import Session\n")
+    graph = _module_graph(root=tmp_path)
+    assert graph["gradientmail_core.session"] == {"gradientmail_core.events", "gradientmail_core.sharded.runtime"}
+    assert _circle_through(graph, "gradientmail_core.session") == [
+        "gradientmail_core.session",
+        "gradientmail_core.sharded.runtime",
+        "gradientmail_core.session",
+    ]
 
 
 def test_the_import_check_sees_relative_and_lazy_imports(tmp_path):

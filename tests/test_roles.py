@@ -44,7 +44,9 @@ class Roles(Cluster):
         auth = policy(self.secret)
         store = RunStore(GuardedMailbox(self.mailbox, auth=auth), auth=auth)
         events: list[ev.Event] = []
-        run, created = open_run(store, adapter, self.cfg, learner=name, compression="", rng=random.Random(seed))
+        run, created = open_run(
+            store, adapter.schema(), adapter.read, self.cfg, learner=name, compression="", rng=random.Random(seed)
+        )
         bridge = Bridge()
         node = Node(
             store,

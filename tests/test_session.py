@@ -4,6 +4,7 @@ read-only views a training loop uses."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import torch  # noqa: E402
 
 import gradientmail_core as gm  # noqa: E402
 from gradientmail_core.protocol import keys  # noqa: E402
+from gradientmail_core.syncer.process_host import ProcessHost  # noqa: E402
 
 
 def model(width: int = 4) -> torch.nn.Module:
@@ -84,7 +86,7 @@ def test_batch_size_follows_the_live_learner_count():
         # b deleted its lease on close: a stops counting it within a lease listing
         deadline = a.clock.now() + 5
         while a.batch_size != 10 and a.clock.now() < deadline:
-            a._stop.wait(0.02)
+            time.sleep(0.02)
         assert a.batch_size == 10
     assert gm.Session(model(), algorithm=gm.DiLoCo(sync_every=4, fragments=1), mailbox=mb).batch_size is None
 
@@ -153,7 +155,7 @@ def test_background_failure_is_reraised_from_step_never_swallowed():
     with pytest.raises(gm.SessionFailed, match="disk on fire"):
         for _ in range(500):
             s.step()
-            s._stop.wait(0.01)
+            time.sleep(0.01)
     with pytest.raises(gm.SessionFailed):
         s.close()
 
@@ -182,7 +184,7 @@ def test_transient_store_errors_do_not_kill_the_run():
         flaky["on"] = True
         for _ in range(12):
             s.step()
-            s._stop.wait(0.02)
+            time.sleep(0.02)
     assert any(isinstance(e, gm.events.StoreFailure) for e in seen)
     assert len(inner.list(keys.ROUNDS)) >= 2
 
@@ -192,9 +194,8 @@ def test_step_does_no_io():
     with gm.Session(
         model(), algorithm=gm.DiLoCo(sync_every=1000, fragments=1), mailbox=mb, learner_id="a", **FAST
     ) as s:
-        s._stop.set()  # park the background thread: only the training thread acts now
-        s.bridge.wake.set()
-        s._thread.join()
+        assert isinstance(s.host, ProcessHost)
+        assert s.host.stop()  # park the background thread: only the training thread acts now
         before = dict(mb.counts)
         for _ in range(50):
             s.step()
@@ -269,7 +270,7 @@ def test_flush_on_close_publishes_the_remaining_steps_as_final_contributions():
             for p in params.values():
                 p += np.float32(1.0)
             s.step(samples=1)
-            s._stop.wait(0.05)
+            time.sleep(0.05)
         s.learner.drain()
         before_close = {n: p.copy() for n, p in params.items()}
     recs = [decode(mb.get(k), RoundRecord, key=k) for k in mb.list(keys.ROUNDS)]

@@ -60,8 +60,8 @@ def test_close_gives_up_with_gave_up_when_no_round_commits() -> None:
         assert not [e for e in seen_a if isinstance(e, ev.Committed | ev.Aligned)]
         assert np.array_equal(pa["w"], np.zeros(6, np.float32))  # the newest committed: the initial ones
     finally:
-        a._shutdown()
-        idle._shutdown()
+        a.host.abort()
+        idle.host.abort()
 
 
 def test_align_returns_minus_one_on_a_run_with_no_commit_and_loads_the_initial_parameters() -> None:

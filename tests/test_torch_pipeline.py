@@ -179,7 +179,9 @@ def run_cluster(
         model = Net(10 + i, device)
         adapter = NoHostCopies(model, device_pipeline=pipeline)
         store = RunStore(mailbox)
-        run, created = open_run(store, adapter, cfg, learner=name, compression=compression, rng=random.Random(i))
+        run, created = open_run(
+            store, adapter.schema(), adapter.read, cfg, learner=name, compression=compression, rng=random.Random(i)
+        )
         opts = NodeOptions(poll_interval=0.1, lease_timeout=2.0, round_timeout=1.0, compression=compression)
         bridge = Bridge()
         node = Node(

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import functools
 import random
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..adapters.base import Adapter
 from ..codec.payload import encode_payload, schema_digest
 from ..config import DiLoCo
 from ..errors import ProtocolError, SchemaMismatch
@@ -29,6 +29,14 @@ _LONGEST_REF = PayloadRef(
 )
 REF_BYTES = len(canonical_json(to_dict(_LONGEST_REF))) + 1  # and a comma
 RECORD_REFS = (MAX_RECORD_BYTES - MAX_RECORD_BYTES // 4) // REF_BYTES
+
+Read = Callable[[Sequence[str]], Mapping[str, np.ndarray]]
+"""The model's current values of the named tensors, as host float32 arrays (``Adapter.read``)."""
+
+Upload = Callable[[list[list[str]]], list[PayloadRef]]
+"""Uploads the initial parameters of every fragment of a plan (each fragment's tensor names) and
+returns each fragment's ref, in plan order: how a new run's parameters reach the store
+(``upload_values`` for a model read whole; a sharded node's ranks upload the chunks they own)."""
 
 
 @dataclass
@@ -143,7 +151,8 @@ def schema_differences(run: list[TensorSpec], mine: list[TensorSpec]) -> list[st
 
 def open_run(
     store: RunStore,
-    adapter: Adapter,
+    schema: list[TensorSpec],
+    read: Read,
     cfg: DiLoCo,
     *,
     learner: str,
@@ -153,19 +162,20 @@ def open_run(
 ) -> tuple[RunInfo, bool]:
     """Join the run in the mailbox, creating it (manifest + initial parameters) if absent.
 
-    Returns the run and whether this call created it. Raises ``RunConfigMismatch`` or
+    ``schema`` is the model's, ``read`` its current values (read only when this call creates the
+    run). Returns the run and whether this call created it. Raises ``RunConfigMismatch`` or
     ``SchemaMismatch`` before anything is trained.
     """
     manifest = read_manifest(store)
     created = False
-    schema = adapter.schema()
     # More fragments than tensors: each fragment gets one tensor (min(fragments, tensors)), the
     # clamped config is the run's, and a node asking the same is compared with the clamp applied.
     cfg = cfg.for_tensors(len(schema))
     if manifest is None:
         if not create:
             raise ProtocolError(f"no run in this mailbox ({keys.MANIFEST} is missing)")
-        manifest, created = _create(store, adapter, cfg, learner=learner, compression=compression, rng=rng)
+        upload = functools.partial(upload_values, store, read, schema, cfg, compression)
+        manifest, created = create_run(store, schema, cfg, upload, learner=learner, rng=rng)
     diffs = schema_differences(manifest.schema, schema)
     if diffs:
         raise SchemaMismatch(diffs)
@@ -173,34 +183,25 @@ def open_run(
     return RunInfo.from_manifest(manifest), created
 
 
-def _create(
-    store: RunStore, adapter: Adapter, cfg: DiLoCo, *, learner: str, compression: str, rng: random.Random
+def initial_fragments(schema: list[TensorSpec], cfg: DiLoCo) -> list[list[str]]:
+    """The fragment plan (each fragment's tensor names) of a run created with ``cfg`` over ``schema``."""
+    cfg = cfg.for_tensors(len(schema))
+    return plan(schema, cfg.fragments, cfg.partition)
+
+
+def create_run(
+    store: RunStore, schema: list[TensorSpec], cfg: DiLoCo, upload: Upload, *, learner: str, rng: random.Random
 ) -> tuple[Manifest, bool]:
-    schema = adapter.schema()
-    fragments = plan(schema, cfg.fragments, cfg.partition)
-    dtypes = {s.name: s.dtype for s in schema}
+    """Create the run the mailbox does not hold yet: plan the fragments, refuse a plan whose records
+    would not fit (before anything is uploaded), ``upload`` every fragment's initial parameters,
+    then write the manifest, create-once. Returns the run's manifest and whether this call
+    created it: when another node created the run meanwhile, theirs (and our initial payloads that
+    are not theirs are deleted)."""
+    cfg = cfg.for_tensors(len(schema))
+    fragments = initial_fragments(schema, cfg)
     by_name = {s.name: tuple(int(d) for d in s.shape) for s in schema}
     check_record_size([{n: by_name[n] for n in names} for names in fragments], cfg)
-    refs: list[PayloadRef] = []
-    for f, names in enumerate(fragments):
-        values = adapter.read(names)
-        key_for_sha = functools.partial(keys.init_blob_key, f, compression=compression)
-        shapes = {n: by_name[n] for n in names}
-        if RunStore.one_payload(shapes, cfg.chunk_elements):
-            data = encode_payload(values, {n: dtypes[n] for n in names}, kind="init", compression=compression)
-            refs.append(store.put_payload(key_for_sha, data))
-        else:
-            refs.append(
-                store.put_fragment(
-                    key_for_sha,
-                    values,
-                    shapes=shapes,
-                    dtypes={n: dtypes[n] for n in names},
-                    chunk_elements=cfg.chunk_elements,
-                    kind="init",
-                    compression=compression,
-                )
-            )
+    refs = upload(fragments)
     manifest = Manifest(
         run_id=f"{rng.getrandbits(64):016x}",
         created_by=learner,
@@ -219,6 +220,41 @@ def _create(
         store.delete([c.key for r in refs for c in chunk_refs(r) if c.key not in keep])
         return theirs, False
     return manifest, True
+
+
+def upload_values(
+    store: RunStore,
+    read: Read,
+    schema: list[TensorSpec],
+    cfg: DiLoCo,
+    compression: str,
+    fragments: list[list[str]],
+) -> list[PayloadRef]:
+    """A model's initial parameters, fragment by fragment as ``read`` gives them: one payload of a
+    fragment that is one chunk of whole tensors, else its chunks (``RunStore.put_fragment``)."""
+    dtypes = {s.name: s.dtype for s in schema}
+    by_name = {s.name: tuple(int(d) for d in s.shape) for s in schema}
+    refs: list[PayloadRef] = []
+    for f, names in enumerate(fragments):
+        values = read(names)
+        key_for_sha = functools.partial(keys.init_blob_key, f, compression=compression)
+        shapes = {n: by_name[n] for n in names}
+        if RunStore.one_payload(shapes, cfg.chunk_elements):
+            data = encode_payload(values, {n: dtypes[n] for n in names}, kind="init", compression=compression)
+            refs.append(store.put_payload(key_for_sha, data))
+        else:
+            refs.append(
+                store.put_fragment(
+                    key_for_sha,
+                    values,
+                    shapes=shapes,
+                    dtypes={n: dtypes[n] for n in names},
+                    chunk_elements=cfg.chunk_elements,
+                    kind="init",
+                    compression=compression,
+                )
+            )
+    return refs
 
 
 def check_record_size(shapes: list[dict[str, tuple[int, ...]]], cfg: DiLoCo) -> None:

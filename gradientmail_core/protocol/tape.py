@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..adapters.base import Adapter
 from ..errors import ProtocolError, SchemaMismatch
 from . import keys
 from .rebuild import chain_theta
-from .records import Claim, RoundRecord
+from .records import Claim, RoundRecord, TensorSpec
 from .run import RunInfo, payload_cap, read_manifest, schema_differences
 from .schedule import slot
 from .store import RunStore
@@ -119,14 +118,14 @@ def newest_claim(store: RunStore, r: int) -> Claim | None:
     return None
 
 
-def load_newest(store: RunStore, adapter: Adapter) -> tuple[RunInfo, int, dict[int, dict[str, np.ndarray]]]:
+def load_newest(store: RunStore, schema: list[TensorSpec]) -> tuple[RunInfo, int, dict[int, dict[str, np.ndarray]]]:
     """The run, its newest committed round and the parameters of every fragment, for a model
-    with ``adapter``'s schema (``SchemaMismatch`` otherwise): what ``gm.align`` loads."""
+    of ``schema`` (``SchemaMismatch`` otherwise): what ``gm.align`` loads."""
     manifest = read_manifest(store)
     if manifest is None:
         raise ProtocolError(f"no run in this mailbox ({keys.MANIFEST} is missing); start a Session first")
     run = RunInfo.from_manifest(manifest)
-    diffs = schema_differences(run.schema, adapter.schema())
+    diffs = schema_differences(run.schema, schema)
     if diffs:
         raise SchemaMismatch(diffs)
     recs, thetas = read_newest(store, run)

@@ -1,4 +1,4 @@
-"""What the engine holds of a sharded node (``runtime.py``): rank 0's learner and node talk to
+"""What the engine holds of a sharded node (``lead_rank.py``): rank 0's learner and node talk to
 these as to any node's, and they record what every rank must do, or hand the node thread the
 ranks' chunk refs; and what a sharded node refuses before any I/O (``check_config``)."""
 
@@ -22,7 +22,7 @@ from .rank import Captured, RankIO
 
 
 class Recorder(Protocol):
-    """What the handles need of the node's runtime (``runtime.ShardedRuntime``): its rank's IO,
+    """What the handles need of rank 0's host (``lead_rank.LeadRank``): its rank's IO,
     and the actions it sends every rank at the next exchange."""
 
     io: RankIO | None

@@ -61,7 +61,9 @@ def join_run(
     """
     if role not in ("both", "learner"):
         raise ValueError(f"role={role!r}: a training node's role is 'both' or 'learner' (a syncer is gm.Syncer)")
-    run, created = open_run(store, adapter, cfg, learner=learner, compression=options.compression, rng=rng)
+    run, created = open_run(
+        store, adapter.schema(), adapter.read, cfg, learner=learner, compression=options.compression, rng=rng
+    )
     if run.P != cfg.fragments:
         emit(ev.FragmentsClamped(learner, cfg.fragments, run.P))
     store.limit_payloads(max_payload_bytes(run))

@@ -1,0 +1,217 @@
+"""Rank 0 of a sharded node: it runs the engine (a ``ProcessHost``: ``join_run``, the node thread,
+the learner) with ``RecordingIO`` in place of ``FragmentIO``, so what its learner does to the model
+is recorded, and sends it to every rank in one exchange at the end of each step, and before its
+learner blocks for a commit (``before_wait``), so the publish a commit waits for has gone out.
+Every rank, this one too, then performs the actions on its shards (``RankHost._execute``).
+
+It is also the engine's way to the other ranks: ``record_publish`` and ``record`` (the handles of
+``handles.py``), ``follow`` (``Bridge.follow``: a commit's chunk refs, sent down), and the closer
+(``Bridge.closer``, built here: its ops go down to the other ranks' closer threads). Its own failure goes to the other ranks as a
+failed exchange (``fail``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from .. import events as ev
+from ..adapters.handles import Incoming
+from ..adapters.torch_sharded import ShardedParams
+from ..errors import SessionFailed
+from ..protocol.records import PayloadRef, RoundRecord, chunk_refs
+from ..protocol.run import RunInfo, create_run, max_payload_bytes, read_manifest
+from ..protocol.store import RunStore
+from ..syncer.host import HostSetup, Progress
+from ..syncer.learner import Learner
+from ..syncer.node import Node
+from ..syncer.process_host import ProcessHost
+from .handles import RecordingIO, ShardContribution, ShardIncoming, Together, check_config
+from .rank import chunk_elements
+from .rank_host import LINGER, RankHost
+
+_log = logging.getLogger(__name__)
+
+
+class LeadRank(RankHost):
+    def __init__(
+        self, setup: HostSetup, learner_id: str, sharded: ShardedParams, *, world: int, anchors: str | None
+    ) -> None:
+        super().__init__(setup, learner_id, sharded, rank=0, world=world, anchors=anchors)
+        self.engine = ProcessHost(setup, learner_id, before_wait=self.before_wait)
+        self.pending: list[tuple[dict[str, Any], ShardContribution | None]] = []
+        self.seq = 0
+        self._sent_view: list[Any] | None = None
+
+    @property
+    def node(self) -> Node | None:
+        return self.engine.node
+
+    @property
+    def learner(self) -> Learner | None:
+        return self.engine.learner
+
+    @property
+    def progress(self) -> Progress:
+        if self.engine.learner is not None:
+            return self.engine.progress
+        return Progress.of(self.engine.bridge.view, {}, self.steps, self.tokens)
+
+    def wait_for(self, learners: int, timeout: float | None) -> None:
+        """Rank 0 waits; the other ranks return at once and wait in their next ``step``."""
+        self.engine.wait_for(learners, timeout)
+
+    # ---- opening ------------------------------------------------------------------------
+
+    def _join(self) -> None:
+        engine, s = self.engine, self.setup
+        store = engine.store()
+        manifest = read_manifest(store)
+        if manifest is None:  # an empty mailbox: this node creates the run, every rank its chunks
+            upload = functools.partial(self._create, store)
+            manifest, _ = create_run(store, s.adapter.schema(), s.algorithm, upload, learner=self.learner_id, rng=s.rng)
+        run = RunInfo.from_manifest(manifest)
+        chunk_elements(run)  # ShardingUnsupported for a run of whole fragments, before any lease
+        check_config(run.cfg)
+        store.limit_payloads(max_payload_bytes(run))
+        self.io = self._rank_io(run, store, s.options.compression)
+        self.io.start()
+        engine.bridge.follow = self.follow
+        if s.role == "both":  # this node closes rounds too: every rank its ranges
+            self.ranker = self._ranker(run, store, relay=True)  # announces each op to the other ranks
+            engine.bridge.closer = self.ranker
+        engine.join(store, io=RecordingIO(self))
+        opening = {"learner": self.learner_id, "compression": s.options.compression, "run": run.manifest.run_id}
+        self.flush(done=True, extra={"open": opening})
+
+    def _create(self, store: RunStore, fragments: list[list[str]]) -> list[PayloadRef]:
+        """``create_run``'s upload: every rank is told, then uploads the initial chunks it owns.
+        (``create_run`` checked the plan's record sizes before: a refusal reaches no rank.)"""
+        compression = self.setup.options.compression
+        self._x({"create": {"compression": compression}}, done=False, failed=False)
+        return self._upload_init(store, fragments, compression)
+
+    # ---- the engine's hooks -------------------------------------------------------------
+
+    def record(self, action: dict[str, Any], handle: ShardContribution | None = None) -> None:
+        self.pending.append((action, handle))
+
+    def record_publish(self, f: int, r: int) -> ShardContribution:
+        self.seq += 1
+        c = ShardContribution(self, f, r, self.seq)
+        self.record({"a": "publish", "f": f, "r": r, "seq": self.seq}, c)
+        return c
+
+    def follow(self, f: int, rec: RoundRecord | None) -> Incoming:
+        """The node thread: a commit of fragment ``f`` (None: the initial parameters) is on the
+        tape; every rank starts fetching its chunks of the theta."""
+        io = self.io
+        assert io is not None
+        if rec is None:
+            ref, v = io.run.manifest.init[f], 0
+        else:
+            if rec.theta is None:
+                raise SessionFailed(
+                    f"round {rec.round} names no parameters (between checkpoints): not for sharded nodes"
+                )
+            ref, v = rec.theta, rec.version
+        io.announce(f, v, chunk_refs(ref))
+        return ShardIncoming(self, f, v)
+
+    # ---- the exchange -------------------------------------------------------------------
+
+    def _view(self) -> list[Any] | None:
+        v = self.engine.bridge.view
+        now = [v.head, v.live, v.rounds_seen, v.closer_of]
+        if now == self._sent_view:
+            return None
+        self._sent_view = now
+        return now
+
+    def flush(self, *, done: bool, extra: Mapping[str, Any] | None = None) -> None:
+        """Tell every rank what the learner did since the last exchange, and do it here too."""
+        batch, self.pending = self.pending, []
+        message: dict[str, Any] = dict(extra or {})
+        if batch:
+            message["actions"] = [a for a, _ in batch]
+        view = self._view()
+        if view is not None:
+            message["view"] = view
+        t0 = time.perf_counter()
+        _, _, failed = self._x(message or None, done=done, failed=False)
+        self.exchange_seconds += time.perf_counter() - t0
+        if failed:
+            raise Together(f"rank(s) {failed} of this node failed (their logs say why)")
+        if "open" in message and not self._x.agree(True):
+            raise Together("a rank of this node could not open the run (its log says why)")
+        self._execute([a for a, _ in batch], [h for _, h in batch])
+
+    def before_wait(self) -> None:
+        """The learner is about to wait for a commit: what it recorded goes out first."""
+        if self.pending:
+            self.flush(done=False)
+
+    # ---- stepping and closing -----------------------------------------------------------
+
+    def _step(self, samples: int) -> None:
+        self.engine.step(samples)
+        self.flush(done=True)
+
+    def _close(self) -> None:
+        engine = self.engine
+        assert engine.learner is not None and self.io is not None
+        engine.settle()
+        self.flush(done=False)  # every capture done: the node thread's uploads can finish
+        engine.stop()
+        engine.check()
+        engine.learner.drain()
+        self.record({"a": "newest"})
+        self.flush(done=True, extra={"close": True})
+        # The other ranks finish their uploads and say so (the refs receiver ends); then they stop listening.
+        for t in self.io.threads:
+            if t.name.endswith("refs-in"):
+                t.join()
+        for r in range(1, self.world):
+            self._down.send(r, {"stop": True})
+        self.io.stopping.set()
+        self.io.stop_downloads()
+        self.io.anchors.close()
+        if self.ranker is not None:
+            self.ranker.spool.close()
+        self._leave()
+        self._release(barrier=True)
+
+    def _leave(self) -> None:
+        try:
+            self.engine.leave()
+        except Exception as e:  # the lease runs out on its own
+            self.setup.emit(ev.StoreFailure(self.learner_id, f"could not release the lease: {e}"))
+
+    def _failed_here(self, e: BaseException) -> None:
+        self.fail(e)
+
+    def fail(self, e: BaseException) -> None:
+        """Rank 0 failed (in its step, its close, its node thread): every other rank is waiting in
+        an exchange; tell them, then stop here."""
+        try:
+            self._x({"error": f"rank 0: {type(e).__name__}: {e}"}, done=True, failed=True)
+        except Exception as sent:  # pragma: no cover - the group itself is gone
+            _log.warning("could not tell the other ranks that rank 0 failed: %s", sent)
+        self._teardown()
+
+    def _stop_work(self) -> None:
+        io = self.io
+        ended = self.engine.stop(timeout=LINGER)
+        if self.down is not None and ended:
+            for r in range(1, self.world):
+                self._quietly(self.down.send, r, {"stop": True}, timeout=LINGER)
+        for t in io.threads if io is not None else []:
+            if t.name.endswith("refs-in"):
+                t.join(timeout=LINGER)
+        self._leave()
+
+    def _threads(self) -> list[Any]:
+        return [*(self.io.threads if self.io is not None else []), self.engine.thread]
