@@ -90,9 +90,9 @@ def measure(n_params: int, n_contrib: int, root: str) -> dict:
     mailbox = gm.FileMailbox(root)  # fsync on: the commit is durable when the record is written
     store = RunStore(mailbox)
     adapter = NumpyAdapter(params)
-    run, _ = open_run(
-        store, adapter.schema(), adapter.read, cfg, learner="closer", compression="", rng=random.Random(0)
-    )
+    # (an engine from before open_run took a schema and a read function takes the adapter)
+    model_args = (adapter,) if "adapter" in inspect.signature(open_run).parameters else (adapter.schema(), adapter.read)
+    run, _ = open_run(store, *model_args, cfg, learner="closer", compression="", rng=random.Random(0))
     # Each contributor's snapshot of round 0: an F32 delta payload and its record.
     for i in range(n_contrib):
         rng = np.random.default_rng(1 + i)
@@ -126,7 +126,11 @@ def measure(n_params: int, n_contrib: int, root: str) -> dict:
         judge.append(time.perf_counter() - t0)
         assert j.reason is None, j.reason
     c.update({j for j in c.judged}, 1.0, quorum_size=n_contrib, gap=1, in_flight=1, overlap_steps=None)
-    deltas = [a for j in c.accepted() for a in j.delta.values()]
+    deltas = [
+        a
+        for j in c.accepted()
+        for a in store.get_payload(j.snapshot.payload, run.shapes[0], chunk_elements=run.chunk_elements).values()
+    ]
     floor = read_floor(deltas)
     del deltas
 

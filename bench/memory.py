@@ -25,11 +25,10 @@ two cores; ``--nodes 1`` for the lone closer). ``--trace`` adds tracemalloc's pe
 allocations, no allocator slack; slower) to each row.
 
 Chunked payloads (``docs/protocol.md`` section 10): ``--chunk-elements C`` sets the run's
-``chunk_elements`` (default: ``DiLoCo``'s, ``2**24``; ``0`` for none: whole fragments), and
-``--closer whole`` makes every node close a fragment of several chunks the way closers did before
-``syncer/streamed.py`` (fetching and assembling whole contributions) instead of chunk by chunk
-(``--closer chunks``, the default): ``python bench/memory.py --params 25e6 --fragments 1 4
---chunk-elements 1048576 --closer whole`` against ``... --closer chunks``.
+``chunk_elements`` (default: ``DiLoCo``'s, ``2**24``; ``0`` for none: whole fragments).
+
+Before/after: ``PYTHONPATH=<a git worktree of another commit> python bench/memory.py ...`` measures
+that engine with this script (the script uses only ``gm.Session``'s public API).
 """
 
 from __future__ import annotations
@@ -125,9 +124,7 @@ def build_model(framework: str, params: int, seed: int) -> tuple[Any, Any]:
 
 def worker(args: argparse.Namespace) -> None:
     import gradientmail_core as gm
-    from gradientmail_core.syncer import streamed
 
-    streamed.ENABLED = args.closer == "chunks"
     P, nodes = args.fragments[0], args.nodes
     model, train = build_model(args.framework, int(args.params), seed=args.index)
     for _ in range(args.warmup):
@@ -202,7 +199,6 @@ def run_fragments(args: argparse.Namespace, P: int) -> list[dict[str, Any]]:
             argv += ["--params", str(args.params), "--fragments", str(P), "--nodes", str(args.nodes)]
             argv += ["--framework", args.framework, "--cycles", str(args.cycles), "--gap", str(args.gap)]
             argv += ["--warmup", str(args.warmup)] + (["--trace"] if args.trace else [])
-            argv += ["--closer", args.closer]
             if args.chunk_elements is not None:
                 argv += ["--chunk-elements", str(args.chunk_elements)]
             procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -238,12 +234,6 @@ def main() -> None:
     ap.add_argument(
         "--chunk-elements", type=int, default=None, help="the run's chunk_elements (default DiLoCo's; 0: none)"
     )
-    ap.add_argument(
-        "--closer",
-        choices=["chunks", "whole"],
-        default="chunks",
-        help="close fragments of several chunks chunk by chunk (default) or whole, as before",
-    )
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
@@ -255,7 +245,7 @@ def main() -> None:
     model_mb = 4 * args.params / 1e6
     print(f"{args.nodes} node(s), {args.params:.3g} params ({model_mb:.0f} MB fp32, {args.framework}), FileMailbox")
     if args.chunk_elements is not None:
-        print(f"chunk_elements={args.chunk_elements or None}, closer: {args.closer}")
+        print(f"chunk_elements={args.chunk_elements or None}")
     head = "| fragments | node | role | rounds committed | join | rounds (peak) | steady |"
     print(head + (" traced |" if args.trace else ""))
     print("| ---: | ---: | --- | ---: | ---: | ---: | ---: |" + (" ---: |" if args.trace else ""))

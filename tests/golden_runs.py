@@ -22,10 +22,10 @@ What a golden file (``tests/golden/runs/<case>.json``) pins, taken from what the
 
 The test (``tests/test_golden.py``) runs every case again and compares.
 
-Not run here: the sharded closer (``sharded/closing.py``, which needs torch.distributed ranks).
-It commits the bytes the in-process closers commit, so these files are what it must produce for
-the same contributions. The chunked cases also pass with ``syncer.streamed.ENABLED = False`` (the
-whole-fragment closer on chunked fragments): both closers write these bytes.
+Recorded from the engine before its closers became one (the whole-fragment closer, the chunk
+closer and the sharded closer, 6432b87); the one closer (``syncer/kernel.py``) commits these bytes.
+Not run here: a sharded node's ranks (torch.distributed; ``tests/test_sharded_closer.py`` holds
+their commits to a one-process closer's).
 
 These bytes pin today's numerics and wire format: the merge (whole fragments, chunk by chunk),
 the outer step, the quantizers, error feedback, clipping, outlier rejection, checkpoints,
