@@ -139,6 +139,75 @@ def _circle_through(graph: dict[str, set[str]], start: str) -> list[str] | None:
     return None
 
 
+# The core's layers, bottom to top (docs/ENGINE_NOTES.md): a module imports only from its own
+# layer and the layers below it. The package's ``__init__`` is the layer above them all.
+LAYERS = (
+    ("errors", "clock", "events", "config", "ahead", "_compat"),
+    ("codec", "mailbox"),
+    ("protocol", "aggregators"),
+    ("adapters", "workqueue", "data"),
+    ("syncer",),
+    ("sharded", "sim", "cli"),
+    ("session",),
+)
+MAX_LINES = 450
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return len(LAYERS)  # the package itself
+    for i, names in enumerate(LAYERS):
+        if parts[1] in names:
+            return i
+    raise AssertionError(f"{module} is in no layer: add its package to LAYERS")
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{m} (layer {_layer(m)}) imports {n} (layer {_layer(n)})"
+        for m, names in graph.items()
+        for n in names
+        if _layer(n) > _layer(m)
+    )
+
+
+def test_every_module_imports_only_from_its_layer_and_below():
+    graph = _module_graph()
+    assert len(graph) > 100  # the graph sees the whole core
+    assert not _upward(graph), _upward(graph)
+
+
+def test_the_layer_check_sees_an_upward_import(tmp_path):
+    pkg = tmp_path / "gradientmail_core"
+    (pkg / "codec").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "codec" / "__init__.py").write_text("")
+    (pkg / "codec" / "x.py").write_text("def f():\n    from ..syncer.node import Node\n")
+    (pkg / "syncer").mkdir()
+    (pkg / "syncer" / "__init__.py").write_text("")
+    (pkg / "syncer" / "node.py").write_text("from ..codec import x\n")
+    assert _upward(_module_graph(root=tmp_path)) == [
+        "gradientmail_core.codec.x (layer 1) imports gradientmail_core.syncer.node (layer 4)"
+    ]
+
+
+def test_the_core_has_no_import_circle():
+    graph = _module_graph()
+    circles = [c for m in sorted(graph) if (c := _circle_through(graph, m))]
+    assert not circles, circles[:5]
+
+
+def test_no_module_is_over_450_lines():
+    long = [
+        f"{p.relative_to(ROOT)}: {n} lines"
+        for pkg in ("gradientmail_core", "gradientmail_lightning")
+        for p in sorted((ROOT / pkg).rglob("*.py"))
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    ]
+    assert not long, long
+
+
 def test_the_session_and_its_engine_hosts_form_no_import_circle():
     # The session delegates to a host chosen from the model; the hosts never reach back up to it.
     assert not _offenders("gradientmail_core.sharded", ("gradientmail_core.session",))

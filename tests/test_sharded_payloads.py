@@ -47,7 +47,8 @@ def _worker(out: Path) -> None:
     from torch.distributed.fsdp import fully_shard
 
     import gradientmail_core as gm
-    from gradientmail_core.adapters.torch_sharded import find_sharded, gather_refs
+    from gradientmail_core.adapters.torch_sharded import find_sharded
+    from gradientmail_core.adapters.torch_transfer import gather_refs
     from gradientmail_core.codec import quant
     from gradientmail_core.codec.payload import schema_digest
     from gradientmail_core.mailbox.file import FileMailbox

@@ -315,16 +315,3 @@ class ShardedTorchAdapter:
 
 # ---------------------------------------------------------------------------------------------
 # Moving chunks between ranks
-
-
-_MOVED = ("Chunk", "apply_local", "gather_chunks", "gather_refs", "scatter_chunks")
-
-
-def __getattr__(name: str) -> Any:
-    """The collectives that move chunks between ranks live in ``torch_transfer.py`` (imported from
-    here too)."""
-    if name in _MOVED:  # (and in the module's public names)
-        from . import torch_transfer
-
-        return getattr(torch_transfer, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

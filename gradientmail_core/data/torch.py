@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sized
 
 from ..errors import MissingExtra
 from ..workqueue import WorkQueue
-from . import iter_indices
+from .indices import iter_indices
 
 try:
     from torch.utils.data import Sampler
