@@ -1,5 +1,5 @@
 """One chunk of a chunked payload, encoded and decoded (``docs/protocol.md``, "Chunked payloads";
-the plan is ``protocol/chunks.py``'s).
+the plan is ``plan.py``'s).
 
 A chunk is an ordinary payload (``payload.py``) holding its pieces: a whole tensor under its
 name and shape, part of a tensor under the tensor's name with the 1-D shape ``[stop - start]``,
@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from ..protocol.chunks import Piece, fragment_plan, is_whole, piece_shape
 from . import quant
 from .payload import _canonical, default_payload_cap
+from .plan import Piece, fragment_plan, is_whole, piece_shape
 from .stream import Chunk, PayloadStream, decode_stream, stream_payload, stream_quantized
 
 Values = Mapping[str, np.ndarray] | Mapping[str, quant.QTensor]
