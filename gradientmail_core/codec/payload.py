@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from ..errors import PayloadCorrupt
 from . import compress as codec  # the byte-plane zstd codec (tests patch it as ``payload.codec``)
 from . import quant, reader, safetensors_io, stream, writer
 from .budget import Budget
@@ -91,17 +92,19 @@ def decode_payload(
     ``PayloadLayoutMismatch`` (a ``PayloadCorrupt``); broken bytes raise ``PayloadCorrupt``.
     """
     view = memoryview(data).cast("B")
+    cap = default_payload_cap(expected) if max_bytes is None else max_bytes
+    if view.nbytes > cap:
+        raise PayloadCorrupt(f"payload is {view.nbytes} bytes, above the cap of {cap}")
     return reader.decode_parts(
         [view],
         expected,
         size=view.nbytes,
         sha256=None,
         compression=compression,
-        max_bytes=max_bytes,
         kind=kind,
         dtypes=dtypes,
-        key="payload",
         meta=meta,
+        key=None,
         budget=Budget(workers=WORKERS, piece=stream.PIECE),
     )
 

@@ -24,7 +24,7 @@ from ..errors import PayloadCorrupt, PayloadLayoutMismatch
 from . import compress as zstd_codec
 from . import quant, safetensors_io
 from .budget import Budget, bounded, call
-from .header import check_header, default_payload_cap, header_cap, header_info, storage_layout
+from .header import check_header, header_cap, header_info, storage_layout
 from .writer import ELEMENTWISE, Chunk
 
 
@@ -91,27 +91,29 @@ def decode_parts(
     size: int,
     sha256: str | None,
     compression: str,
-    max_bytes: int | None,
     kind: str | None,
     dtypes: Mapping[str, str] | None,
-    key: str,
     meta: Mapping[str, str] | None,
+    key: str | None,
     budget: Budget,
 ) -> dict[str, np.ndarray]:
     """The ``size`` bytes ``chunks`` yields -> ``{name: float32 array}`` of the ``expected``
-    tensors (arguments as ``stream.decode_stream``'s). ``sha256`` None: the bytes are not
-    hashed (whole bytes the caller holds, checked or not needing it)."""
-    cap = default_payload_cap(expected) if max_bytes is None else max_bytes
-    if size > cap:
-        raise PayloadCorrupt(f"{key}: {size} bytes, above the cap of {cap}")
-    src = _Incoming(chunks, size, key, sha256)
+    tensors (arguments as ``stream.decode_stream``'s; the caller has held ``size`` to its cap).
+    ``sha256`` None: the bytes are not hashed (whole bytes the caller holds). ``key``: the
+    object the bytes come from, named in every message about them; None for whole bytes (the
+    format's messages as they are)."""
+    src = _Incoming(chunks, size, key or "payload", sha256)
     limit = min(header_cap(expected), safetensors_io.HARD_HEADER_CAP)
     head = bytes(src.read(min(size, 8)))
     n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
     if 2 <= n <= limit and 8 + n <= size:
         head += src.read(n)
-    # A payload too short for its prefix, or a header length out of bounds, is refused here.
-    header, _ = safetensors_io.read_header(head, max_header_bytes=limit, total=size)
+    try:  # a payload too short for its prefix, or a header length out of bounds, is refused here
+        header, _ = safetensors_io.read_header(head, max_header_bytes=limit, total=size)
+    except PayloadCorrupt as e:
+        if key is None:
+            raise
+        raise PayloadCorrupt(f"{key}: {e}") from None
     info = header_info(header, compression)
     try:
         entries, layout = check_header(header, info, expected, kind=kind, dtypes=dtypes, meta=meta)

@@ -40,7 +40,7 @@ import numpy as np
 from ..errors import PayloadCorrupt
 from . import quant, reader, writer
 from .budget import Budget
-from .header import SCALE
+from .header import SCALE, default_payload_cap
 from .writer import ELEMENTWISE, Chunk
 
 PIECE = 4 << 20  # bytes per piece of a plain stream (and per read of the spool)
@@ -147,17 +147,19 @@ def decode_stream(
 ) -> dict[str, np.ndarray]:
     """``decode_payload`` of the bytes ``chunks`` yields, decoded as they arrive, returned only
     once all ``size`` bytes have come and hash to ``sha256`` (``PayloadCorrupt`` otherwise)."""
+    cap = default_payload_cap(expected) if max_bytes is None else max_bytes
+    if size > cap:
+        raise PayloadCorrupt(f"{key}: {size} bytes, above the cap of {cap}")
     return reader.decode_parts(
         chunks,
         expected,
         size=size,
         sha256=sha256,
         compression=compression,
-        max_bytes=max_bytes,
         kind=kind,
         dtypes=dtypes,
-        key=key,
         meta=meta,
+        key=key,
         budget=Budget(piece=PIECE),
     )
 
