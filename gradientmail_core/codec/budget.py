@@ -33,9 +33,10 @@ class Budget:
 
 
 def bounded(fn: Callable[[Any], Any], items: Iterable[Any], workers: int) -> Iterator[Any]:
-    """``map(fn, items)`` in order, on ``workers`` threads with at most ``workers`` results
-    waiting; ``items`` is drawn on the caller's thread, as room frees. With one worker, lazily
-    on the caller's thread: each item is drawn just before its result is needed."""
+    """``map(fn, items)`` in order, on ``workers`` threads, at most ``2 * workers`` items
+    submitted and not yet handed on (so a thread that finishes before the oldest finds the next
+    item waiting); ``items`` is drawn on the caller's thread, as room frees. With one worker,
+    lazily on the caller's thread: each item is drawn just before its result is needed."""
     if workers <= 1:
         yield from map(fn, items)
         return
@@ -43,7 +44,7 @@ def bounded(fn: Callable[[Any], Any], items: Iterable[Any], workers: int) -> Ite
         pending: deque[Future[Any]] = deque()
         for item in items:
             pending.append(pool.submit(fn, item))
-            if len(pending) >= workers:
+            if len(pending) >= 2 * workers:
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()

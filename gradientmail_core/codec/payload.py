@@ -1,10 +1,12 @@
 """Payloads as one ``bytes``: the format (``header.py``) written and read whole.
 
-There is one writer and one reader of the format, ``stream.py``'s; this module is them over
-whole bytes. ``encode_payload`` and ``encode_quantized`` produce the writer's bytes once and join
-them (no hash pass: a key is named from the result); ``decode_payload`` is the reader over one
-buffer (no hash: the caller has checked the bytes, or does not need to). Whole bytes are all in
-memory, so both work on ``WORKERS`` pieces or tensors at a time, where a stream takes one.
+The format has one writer (``writer.py``) and one reader (``reader.py``); ``stream.py`` runs them
+over parts, this module over whole bytes. ``encode_payload`` and ``encode_quantized`` produce the
+writer's bytes once and join them (no hash pass: the caller names the key from the result);
+``decode_payload`` is the reader over one buffer, not hashed (the caller has checked the bytes,
+or does not need to). The output, or the input, is all in memory anyway, so both work on
+``WORKERS`` pieces or tensors at a time (threads from ``budget.PARALLEL_BYTES``), and compressed
+tensors wait for their place in memory, as they are.
 
 The names of the format (``SCALE``, ``storage_layout``, ``metadata``, ``header_info``,
 ``check_header``, ``PayloadInfo``, the caps, ``schema_digest``, ``sha256_hex``) stay importable
@@ -69,7 +71,6 @@ def encode_quantized(
 
 
 def _join(source: writer.Source, kind: str, compression: str, meta: Mapping[str, str] | None) -> bytes:
-    # The output holds every byte anyway: compressed tensors wait in memory, as they are.
     budget = Budget(workers=WORKERS, piece=stream.PIECE, spool_memory=math.inf)
     return writer.encoding(source, kind=kind, compression=compression, meta=meta, budget=budget).join()
 

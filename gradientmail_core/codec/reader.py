@@ -4,7 +4,8 @@ decoded, as its parts arrive (``stream.decode_stream``) or from one buffer
 
 The header is checked against the expected layout as soon as it has arrived, before any tensor
 is materialised. Plain F32/F16/BF16 tensors are then decoded into their output arrays
-``budget.piece`` bytes at a time; others once their bytes (and scale) are in. The size, and with
+``budget.piece`` bytes at a time as they arrive; others, and those whose bytes have all arrived
+(whole bytes), once their bytes (and scale) are in. The size, and with
 a ``sha256`` the hash, are checked at the end, and nothing is returned before: a stream cut
 short, too long, or with any byte changed is ``PayloadCorrupt``. ``budget.workers`` pieces or
 tensors are decoded at once (threads from ``PARALLEL_BYTES`` of payload); the bytes a piece is
@@ -127,13 +128,14 @@ def decode_parts(
 
     def work() -> Iterator[Callable[[], tuple[str, np.ndarray] | None]]:
         # Each tensor's decoding as its bytes arrive: an elementwise one a piece at a time into
-        # its output array (then that array, shaped), any other once its last part is in.
+        # its output array (then that array, shaped), unless all its bytes are here already
+        # (whole bytes, a small tensor): then, as any other, in one go once its last part is in.
         held: dict[str, memoryview] = {}
         for k in sorted(entries, key=lambda e: entries[e]["data_offsets"][0]):
             begin, stop = entries[k]["data_offsets"]
             name = k.split("#", 1)[0]
             dtype, shape = info.dtypes[name], tuple(int(d) for d in expected[name])
-            if compression != "zstd" and dtype in ELEMENTWISE:
+            if compression != "zstd" and dtype in ELEMENTWISE and src.buf.nbytes < stop - begin:
                 np_dtype = safetensors_io.NUMPY_DTYPES[layout[k][0]]
                 flat = np.empty(safetensors_io.numel(shape), np.float32)
                 assert flat.size * np_dtype.itemsize == stop - begin  # check_header matched the layout

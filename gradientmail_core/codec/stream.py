@@ -19,7 +19,8 @@ the sha256 of its bytes, so the hash must be known before the first byte goes ou
 differ from the first pass, so a mailbox's ``put_stream`` aborts instead of storing them.
 Memory beyond the input tensors: about ``PIECE`` (plain F32/F16/BF16), one tensor's quantized
 form (F8_E4M3, F4: a whole-tensor scale or block scales), or ``SPOOL_MEMORY`` plus ``WORKERS``
-tensors (zstd): never the whole payload.
+tensors being compressed and as many compressed ones waiting for the spool (zstd): never the
+whole payload.
 
 Reading (``decode_stream``): the header is checked against the expected layout as soon as it has
 arrived; plain F32/F16/BF16 tensors are decoded into their output arrays piece by piece, others
@@ -33,7 +34,6 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
 
 import numpy as np
 
@@ -52,7 +52,7 @@ class PayloadStream:
     """A payload that can be produced again, piece by piece. ``size`` and ``sha256`` are known
     from the first pass; ``chunks()`` yields the bytes. Close it (or use ``with``) to drop a spool."""
 
-    def __init__(self, head: bytes, parts: Callable[[], Iterator[Chunk]], spool: Any = None) -> None:
+    def __init__(self, head: bytes, parts: Callable[[], Iterator[Chunk]], spool: writer.Spool | None = None) -> None:
         self._head, self._parts, self._spool = head, parts, spool
         digest, size = hashlib.sha256(head), len(head)
         for chunk in parts():

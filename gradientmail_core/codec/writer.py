@@ -152,7 +152,7 @@ def _plain_parts(source: Source, order: list[tuple[str, int]], piece: int, worke
         for name, part in order:
             if source.elementwise(name):
                 assert source.flat is not None
-                flat, dtype, step = source.flat(name), source.dtypes[name], piece // 4
+                flat, dtype, step = source.flat(name), source.dtypes[name], max(piece // 4, 1)
                 for i in range(0, flat.size, step):
                     yield name, -1, functools.partial(_quantized_piece, flat[i : i + step], dtype)
             else:
