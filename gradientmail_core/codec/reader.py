@@ -143,6 +143,7 @@ def decode_parts(
                 for i in range(0, flat.size, step):
                     raw = src.read(min(step, flat.size - i) * np_dtype.itemsize)
                     yield functools.partial(_piece_into, flat[i : i + step], raw, np_dtype, dtype)
+                    del raw  # not kept while the next piece arrives
                 yield functools.partial(_shaped, name, flat, shape)
                 continue
             held[k] = src.read(stop - begin)

@@ -165,15 +165,16 @@ def _plain_parts(source: Source, order: list[tuple[str, int]], piece: int, worke
     try:
         for name, part, got in results:
             if part < 0:
-                yield _u8(got)
-                continue
-            if got is not None:
-                held[name] = got
-            arrays = held[name]
-            left[name] -= 1
-            if not left[name]:
-                del held[name]
-            yield from slices(_u8(arrays[part]), piece)
+                view = _u8(got)
+            else:
+                if got is not None:
+                    held[name] = got
+                view = _u8(held[name][part])
+                left[name] -= 1
+                if not left[name]:
+                    del held[name]
+            del got  # only ``view`` (a piece, or the part being sent) stays while the next is made
+            yield from slices(view, piece)
     finally:
         results.close()  # type: ignore[attr-defined]  # a generator: stops its threads
 
