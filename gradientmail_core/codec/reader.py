@@ -53,6 +53,10 @@ class _Incoming:
             return True
         return False
 
+    def has(self, n: int) -> bool:
+        """Are the next ``n`` bytes here already (no wait, no copy to read them)?"""
+        return self.buf.nbytes >= n
+
     def read(self, n: int) -> memoryview:
         if self.buf.nbytes >= n:
             out, self.buf = self.buf[:n], self.buf[n:]
@@ -135,7 +139,7 @@ def decode_parts(
             begin, stop = entries[k]["data_offsets"]
             name = k.split("#", 1)[0]
             dtype, shape = info.dtypes[name], tuple(int(d) for d in expected[name])
-            if compression != "zstd" and dtype in ELEMENTWISE and src.buf.nbytes < stop - begin:
+            if compression != "zstd" and dtype in ELEMENTWISE and not src.has(stop - begin):
                 np_dtype = safetensors_io.NUMPY_DTYPES[layout[k][0]]
                 flat = np.empty(safetensors_io.numel(shape), np.float32)
                 assert flat.size * np_dtype.itemsize == stop - begin  # check_header matched the layout
