@@ -9,7 +9,7 @@ bound; ``stream.py``), whole bytes in memory use ``WORKERS`` (``payload.py``).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +32,7 @@ class Budget:
         return self.workers if nbytes >= PARALLEL_BYTES else 1
 
 
-def bounded(fn: Callable[[Any], Any], items: Iterable[Any], workers: int) -> Iterator[Any]:
+def bounded(fn: Callable[[Any], Any], items: Iterable[Any], workers: int) -> Generator[Any, None, None]:
     """``map(fn, items)`` in order, on ``workers`` threads, at most ``2 * workers`` items
     submitted and not yet handed on (so a thread that finishes before the oldest finds the next
     item waiting); ``items`` is drawn on the caller's thread, as room frees. With one worker,

@@ -176,7 +176,7 @@ def _plain_parts(source: Source, order: list[tuple[str, int]], piece: int, worke
             del got  # only ``view`` (a piece, or the part being sent) stays while the next is made
             yield from slices(view, piece)
     finally:
-        results.close()  # type: ignore[attr-defined]  # a generator: stops its threads
+        results.close()  # stops its threads, if any
 
 
 def _quantized_piece(values: np.ndarray, dtype: str) -> np.ndarray:
