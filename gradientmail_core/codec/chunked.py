@@ -1,7 +1,7 @@
 """One chunk of a chunked payload, encoded and decoded (``docs/protocol.md``, "Chunked payloads";
-the plan is ``protocol/chunks.py``'s).
+the plan is ``plan.py``'s).
 
-A chunk is an ordinary payload (``payload.py``) holding its pieces: a whole tensor under its
+A chunk is an ordinary payload (``header.py``) holding its pieces: a whole tensor under its
 name and shape, part of a tensor under the tensor's name with the 1-D shape ``[stop - start]``,
 plus the metadata ``"pieces"`` (canonical JSON ``{name: [start, stop]}`` of the partial pieces)
 and ``"chunk"`` (``"k/n"``, when ``n > 1``). One chunk of whole tensors has neither: it is the
@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from ..protocol.chunks import Piece, fragment_plan, is_whole, piece_shape
 from . import quant
-from .payload import _canonical, default_payload_cap
+from .header import canonical, default_payload_cap
+from .plan import Piece, fragment_plan, is_whole, piece_shape
 from .stream import Chunk, PayloadStream, decode_stream, stream_payload, stream_quantized
 
 Values = Mapping[str, np.ndarray] | Mapping[str, quant.QTensor]
@@ -49,7 +49,7 @@ class ChunkSpec:
         out = {}
         partial = {p.name: [p.start, p.stop] for p in self.pieces if not is_whole(p, self.shapes)}
         if partial:
-            out["pieces"] = _canonical(partial)
+            out["pieces"] = canonical(partial)
         if self.n > 1:
             out["chunk"] = f"{self.k}/{self.n}"
         return out

@@ -1,134 +1,49 @@
-"""The payload format: named float32 tensors in their storage dtypes, in a safetensors file.
+"""Payloads as one ``bytes``: the format (``header.py``) written and read whole.
 
-Byte layout of ``.safetensors`` (``compression=""``): a standard safetensors file written by
-``safetensors_io.write`` (8-byte little-endian header length, canonical JSON header padded with
-spaces to 8-byte alignment, tensor data laid out by element size then name). Per parameter
-``name`` with logical dtype:
+The format has one writer (``writer.py``) and one reader (``reader.py``); ``stream.py`` runs them
+over parts, this module over whole bytes. ``encode_payload`` and ``encode_quantized`` produce the
+writer's bytes once and join them (no hash pass: the caller names the key from the result);
+``decode_payload`` is the reader over one buffer, not hashed (the caller has checked the bytes,
+or does not need to). The output, or the input, is all in memory anyway, so both work on
+``WORKERS`` pieces or tensors at a time (threads from ``budget.PARALLEL_BYTES``), and compressed
+tensors wait for their place in memory, as they are.
 
-=========  ==========================================  ==========================================
-logical    ``name``                                    ``name#scale``
-=========  ==========================================  ==========================================
-F32        F32, the tensor's shape                     --
-F16        F16, the tensor's shape                     --
-BF16       BF16, the tensor's shape                    --
-F8_E4M3    F8_E4M3 codes, the tensor's shape           U8 [1]: E8M0 scale of the tensor
-F4         U8 [16 * nblocks]: E2M1 codes, low nibble   U8 [nblocks]: E8M0 scale per block of 32
-           first, flattened, zero-padded to 32
-I2         U8 [8 * nblocks]: 2-bit codes, four a byte,  U8 [nblocks]: scale per block of 32
-           lowest bits first, flattened, zero-padded   (E8M0; 0 = zero block, 255 = NaN block)
-=========  ==========================================  ==========================================
-
-``__metadata__`` = ``{"format": "gradientmail/1", "kind": kind, "compression": "none" | "zstd",
-"dtypes": canonical JSON {name: logical dtype}, "shapes": canonical JSON {name: shape}}``. The
-logical shapes are there because the stored ones cannot always carry them (packed F4/I2, zstd).
-'#' never occurs in parameter names, so auxiliary tensors cannot collide with them.
-
-A chunk of a chunked payload (``docs/protocol.md``, "Chunked payloads"; ``codec/chunked.py``) is
-the same format holding its pieces: a piece that is part of a tensor is stored under the tensor's
-name with the 1-D logical shape ``[stop - start]``, and the metadata gains ``"pieces"`` (canonical
-JSON ``{name: [start, stop]}`` of the partial pieces) and ``"chunk"`` (``"k/n"`` when ``n > 1``).
-Both are absent from a payload of whole tensors in one chunk, which keeps today's bytes; a reader
-is told which of them to expect (``meta``) and refuses any other (``PayloadLayoutMismatch``).
-
-Byte layout of ``.safetensors.zst`` (``compression="zstd"``): the same container, with the
-same tensor names and metadata, but each stored tensor above is replaced by a ``U8 [len]``
-tensor holding ``compress.compress(its bytes, its element size)``: one zstd frame of the byte
-planes. Tensors are compressed separately so a reader bounds each by its exact expected size.
-
-Reading validates the header against the expected layout (names, shapes, dtypes, sizes,
-metadata) before any tensor is materialised; anything off is ``PayloadCorrupt``.
+The names of the format (``SCALE``, ``storage_layout``, ``metadata``, ``header_info``,
+``check_header``, ``PayloadInfo``, the caps, ``schema_digest``, ``sha256_hex``) stay importable
+from here.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import math
 import os
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ..errors import PayloadCorrupt, PayloadLayoutMismatch
-from ..protocol.records import TensorSpec
+from ..errors import PayloadCorrupt
 from . import compress as codec  # the byte-plane zstd codec (tests patch it as ``payload.codec``)
-from . import quant, safetensors_io
+from . import quant, reader, safetensors_io, stream, writer
+from .budget import Budget
+from .header import (
+    COMPRESSIONS,
+    FORMAT,
+    LAYOUT_KEYS,
+    SCALE,
+    PayloadInfo,
+    check_header,
+    default_payload_cap,
+    header_cap,
+    header_info,
+    metadata,
+    schema_digest,
+    sha256_hex,
+    storage_layout,
+)
 
-FORMAT = "gradientmail/1"
-SCALE = "#scale"
-LAYOUT_KEYS = ("pieces", "chunk")  # the metadata of a chunk (absent from a whole payload)
-COMPRESSIONS = {"": "none", "zstd": "zstd"}
-T = TypeVar("T")
-
-
-def sha256_hex(data: bytes | memoryview) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def _canonical(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-
-
-def schema_digest(schema: Sequence[TensorSpec]) -> str:
-    """sha256 of the canonical JSON ``[[name, dtype, shape], ...]`` sorted by name.
-
-    Sorted so the digest names the set of tensors, not the order a framework registers them in
-    (payloads are keyed by name, so two nodes listing the same tensors differently interoperate).
-    """
-    rows = sorted([s.name, s.dtype, [int(d) for d in s.shape]] for s in schema)
-    return sha256_hex(_canonical(rows).encode("ascii"))
-
-
-# ---------------------------------------------------------------------------------------------
-# Layout
-
-
-def storage_layout(shape: Sequence[int], dtype: str) -> list[tuple[str, str, tuple[int, ...]]]:
-    """[(suffix, safetensors dtype, shape)] of what a tensor of ``dtype`` is stored as."""
-    shape = tuple(int(d) for d in shape)
-    if dtype == "F8_E4M3":
-        return [("", "F8_E4M3", shape), (SCALE, "U8", (1,))]
-    if dtype == "F4":
-        nbytes, nscales = quant.f4_sizes(safetensors_io.numel(shape))
-        return [("", "U8", (nbytes,)), (SCALE, "U8", (nscales,))]
-    if dtype == "I2":
-        nbytes, nscales = quant.i2_sizes(safetensors_io.numel(shape))
-        return [("", "U8", (nbytes,)), (SCALE, "U8", (nscales,))]
-    return [("", quant.STORAGE[dtype], shape)]
-
-
-def header_cap(names: Any) -> int:
-    # Per tensor: two entries of ~100 bytes, its shape (up to 16 dims) in the metadata, and its
-    # name up to four times, JSON-escaped twice in the metadata (a non-ASCII char: 12+ bytes).
-    return (1 << 20) + sum(1024 + 32 * len(n) for n in names)
-
-
-def default_payload_cap(expected: Mapping[str, Sequence[int]]) -> int:
-    """Largest acceptable payload for these tensors: F32 data (the widest dtype) plus scales,
-    worst-case zstd framing overhead, and a header allowance."""
-    total = header_cap(expected)
-    for shape in expected.values():
-        n = safetensors_io.numel(shape)
-        total += 4 * n + n // 32 + 1 + n // 128 + 128
-    return total
-
-
-# ---------------------------------------------------------------------------------------------
-# Encode
-
-# Tensors are encoded and decoded independently, so a few threads share the work (numpy and
-# zstd release the GIL) without changing a byte. Few: this runs beside training.
+# Threads a one-shot encode or decode uses (``bench/codec.py --workers`` sets it); a stream's
+# are ``stream.WORKERS``.
 WORKERS = min(4, os.cpu_count() or 1)
-_PARALLEL_BYTES = 8 << 20  # below this, thread start-up costs more than it saves
-
-
-def _map(fn: Callable[[str], T], names: list[str], nbytes: int) -> list[T]:
-    if WORKERS <= 1 or len(names) <= 1 or nbytes < _PARALLEL_BYTES:
-        return [fn(n) for n in names]
-    with ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="gradientmail-codec") as pool:
-        return list(pool.map(fn, names))
 
 
 def encode_payload(
@@ -143,21 +58,8 @@ def encode_payload(
     """float32 tensors -> payload bytes, each stored in its dtype. Equal input gives equal bytes.
     ``meta``: a chunk's layout metadata (``LAYOUT_KEYS``); ``f8_scales``: the E8M0 scale byte an
     F8_E4M3 tensor is encoded with (a piece takes its whole tensor's), else its own."""
-    if isinstance(dtypes, str):
-        dtypes = dict.fromkeys(tensors, dtypes)
-    if set(dtypes) != set(tensors):
-        raise ValueError(f"dtypes name {sorted(set(dtypes) ^ set(tensors))[:10]} not matching the tensors")
-    _check(dtypes, compression)
-    shapes = {name: tuple(np.shape(x)) for name, x in tensors.items()}
-    scales = f8_scales or {}
-    return _encode(
-        lambda name: quant.quantize(tensors[name], dtypes[name], f8_scale=scales.get(name)),
-        dtypes,
-        shapes,
-        kind,
-        compression,
-        meta,
-    )
+    source = writer.floats(tensors, dtypes, compression, f8_scales)
+    return _join(source, kind, compression, meta)
 
 
 def encode_quantized(
@@ -165,191 +67,12 @@ def encode_quantized(
 ) -> bytes:
     """Tensors quantized already (by a device-side quantizer) -> payload bytes: the bytes
     ``encode_payload`` gives for the float32 tensors they are the quantization of."""
-    dtypes = {name: q.dtype for name, q in tensors.items()}
-    _check(dtypes, compression)
-    return _encode(tensors.__getitem__, dtypes, {n: q.shape for n, q in tensors.items()}, kind, compression, meta)
+    return _join(writer.quantized(tensors, compression), kind, compression, meta)
 
 
-def metadata(
-    kind: str,
-    compression: str,
-    dtypes: Mapping[str, str],
-    shapes: Mapping[str, Sequence[int]],
-    meta: Mapping[str, str] | None = None,
-) -> dict[str, str]:
-    """A payload's ``__metadata__`` (a chunk's layout keys added when given)."""
-    out = {
-        "format": FORMAT,
-        "kind": kind,
-        "compression": COMPRESSIONS[compression],
-        "dtypes": _canonical(dict(dtypes)),
-        "shapes": _canonical({name: [int(d) for d in shape] for name, shape in shapes.items()}),
-    }
-    for k, v in (meta or {}).items():
-        assert k in LAYOUT_KEYS and isinstance(v, str), f"not a chunk's layout metadata: {k!r}"
-        out[k] = v
-    return out
-
-
-def _check(dtypes: Mapping[str, str], compression: str) -> None:
-    if compression not in COMPRESSIONS:
-        raise ValueError(f"unknown compression {compression!r}, expected one of {sorted(COMPRESSIONS)}")
-    for name, dtype in dtypes.items():
-        if not name or "#" in name or name == safetensors_io.METADATA_KEY:
-            raise ValueError(f"invalid tensor name {name!r}: empty, reserved, or containing '#'")
-        if dtype not in quant.DTYPES:
-            raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}, expected one of {quant.DTYPES}")
-
-
-def _encode(
-    quantized: Callable[[str], quant.QTensor],
-    dtypes: Mapping[str, str],
-    shapes: Mapping[str, tuple[int, ...]],
-    kind: str,
-    compression: str,
-    meta: Mapping[str, str] | None = None,
-) -> bytes:
-    def encode_one(name: str) -> dict[str, tuple[str, Sequence[int], Any]]:
-        q = quantized(name)
-        arrays = [q.data] if q.scale is None else [q.data, q.scale]
-        out: dict[str, tuple[str, Sequence[int], Any]] = {}
-        for (suffix, st_dtype, shape), arr in zip(storage_layout(q.shape, q.dtype), arrays, strict=True):
-            if compression == "zstd":
-                blob = codec.compress(arr.reshape(-1).view(np.uint8), arr.dtype.itemsize)
-                out[name + suffix] = ("U8", (len(blob),), blob)
-            else:
-                out[name + suffix] = (st_dtype, shape, arr)
-        return out
-
-    stored: dict[str, tuple[str, Sequence[int], Any]] = {}
-    for part in _map(encode_one, list(dtypes), sum(safetensors_io.numel(s) for s in shapes.values()) * 4):
-        stored.update(part)
-    return safetensors_io.write(stored, metadata(kind, compression, dtypes, shapes, meta))
-
-
-# ---------------------------------------------------------------------------------------------
-# Decode
-
-
-@dataclass(frozen=True)
-class PayloadInfo:
-    kind: str
-    compression: str
-    dtypes: dict[str, str]
-    shapes: dict[str, tuple[int, ...]]
-    layout: dict[str, str] = field(default_factory=dict)  # a chunk's "pieces" and "chunk" metadata
-
-
-def header_info(header: Mapping[str, Any], compression: str) -> PayloadInfo:
-    meta = header.get(safetensors_io.METADATA_KEY)
-    if not isinstance(meta, dict):
-        raise PayloadCorrupt("payload has no __metadata__; expected a gradientmail payload")
-    if meta.get("format") != FORMAT:
-        raise PayloadCorrupt(f"payload format is {meta.get('format')!r}, expected {FORMAT!r}")
-    if compression not in COMPRESSIONS:
-        raise PayloadCorrupt(f"unknown compression {compression!r}, expected one of {sorted(COMPRESSIONS)}")
-    if meta.get("compression") != COMPRESSIONS[compression]:
-        raise PayloadCorrupt(
-            f"payload says compression {meta.get('compression')!r}, its key says {COMPRESSIONS[compression]!r}"
-        )
-    kind = meta.get("kind")
-    if not isinstance(kind, str):
-        raise PayloadCorrupt("payload metadata has no kind")
-    try:
-        dtypes = json.loads(meta.get("dtypes", ""))
-    except ValueError:
-        raise PayloadCorrupt(f"payload dtypes metadata is not JSON: {meta.get('dtypes')!r:.200}") from None
-    if not isinstance(dtypes, dict) or not all(isinstance(d, str) and d in quant.DTYPES for d in dtypes.values()):
-        raise PayloadCorrupt(f"payload dtypes metadata must map names to one of {quant.DTYPES}, found {dtypes!r:.200}")
-    try:
-        shapes = json.loads(meta.get("shapes", ""))
-    except ValueError:
-        raise PayloadCorrupt(f"payload shapes metadata is not JSON: {meta.get('shapes')!r:.200}") from None
-    if (
-        not isinstance(shapes, dict)
-        or set(shapes) != set(dtypes)
-        or not all(isinstance(s, list) and all(safetensors_io.is_int(d) and d >= 0 for d in s) for s in shapes.values())
-    ):
-        raise PayloadCorrupt(
-            f"payload shapes metadata must give a shape for every tensor in dtypes, found {shapes!r:.200}"
-        )
-    layout = {k: meta[k] for k in LAYOUT_KEYS if k in meta}
-    if not all(isinstance(v, str) for v in layout.values()):
-        raise PayloadCorrupt(f"payload chunk metadata must be strings, found {layout!r:.200}")
-    return PayloadInfo(kind, compression, dtypes, {k: tuple(v) for k, v in shapes.items()}, layout)
-
-
-def _read(
-    data: bytes | memoryview, compression: str, max_bytes: int, header_cap: int
-) -> tuple[dict[str, Any], int, PayloadInfo]:
-    if len(data) > max_bytes:
-        raise PayloadCorrupt(f"payload is {len(data)} bytes, above the cap of {max_bytes}")
-    header, start = safetensors_io.read_header(data, max_header_bytes=header_cap)
-    return header, start, header_info(header, compression)
-
-
-def payload_info(data: bytes | memoryview, compression: str = "", *, max_header_bytes: int = 64 << 20) -> PayloadInfo:
-    """Kind, compression and logical dtypes of a payload, from its header alone."""
-    _, _, info = _read(data, compression, len(data), max_header_bytes)
-    return info
-
-
-def payload_dtypes(data: bytes | memoryview, compression: str = "") -> dict[str, str]:
-    return payload_info(data, compression).dtypes
-
-
-def check_header(
-    header: Mapping[str, Any],
-    info: PayloadInfo,
-    expected: Mapping[str, Sequence[int]],
-    *,
-    kind: str | None = None,
-    dtypes: Mapping[str, str] | None = None,
-    meta: Mapping[str, str] | None = None,
-) -> tuple[dict[str, Any], dict[str, tuple[str, tuple[int, ...]]]]:
-    """Check a parsed header against the expected tensors (see ``decode_payload``); returns its
-    tensor entries and the exact stored layout ``{stored name: (safetensors dtype, shape)}``.
-    ``meta``: the chunk layout metadata expected (``LAYOUT_KEYS``; none for a whole payload)."""
-    compression = info.compression
-    if kind is not None and info.kind != kind:
-        raise PayloadCorrupt(f"payload is of kind {info.kind!r}, expected {kind!r}")
-    if info.layout != dict(meta or {}):
-        raise PayloadLayoutMismatch(
-            f"payload is chunk {info.layout.get('chunk', '0/1')} with pieces {info.layout.get('pieces', '{}')!r:.200}, "
-            f"expected chunk {(meta or {}).get('chunk', '0/1')} with pieces {(meta or {}).get('pieces', '{}')!r:.200}"
-        )
-    if set(info.dtypes) != set(expected):
-        missing, extra = sorted(set(expected) - set(info.dtypes)), sorted(set(info.dtypes) - set(expected))
-        raise PayloadLayoutMismatch(
-            f"payload tensors differ from the expected: missing {missing[:10]}, unexpected {extra[:10]}"
-        )
-    for name, shape in expected.items():
-        if info.shapes[name] != tuple(shape):
-            raise PayloadLayoutMismatch(
-                f"tensor {name!r}: expected shape {list(shape)}, payload has {list(info.shapes[name])}"
-            )
-        if dtypes is not None and info.dtypes[name] != dtypes[name]:
-            raise PayloadLayoutMismatch(
-                f"tensor {name!r}: expected dtype {dtypes[name]}, payload has {info.dtypes[name]}"
-            )
-
-    # The exact stored layout follows from the expected shapes and the declared dtypes.
-    layout: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for name, shape in expected.items():
-        for suffix, st_dtype, st_shape in storage_layout(shape, info.dtypes[name]):
-            layout[name + suffix] = (st_dtype, st_shape)
-    entries = {k: v for k, v in header.items() if k != safetensors_io.METADATA_KEY}
-    if compression == "zstd":
-        # Compressed sizes are free; the names are not, and each must be a U8 [n] blob.
-        safetensors_io.check_names(entries, layout)
-        for k, entry in entries.items():
-            if entry["dtype"] != "U8" or len(entry["shape"]) != 1:
-                raise PayloadCorrupt(
-                    f"tensor {k!r}: expected a compressed U8 [n], found {entry['dtype']} {entry['shape']}"
-                )
-    else:
-        safetensors_io.check_layout(entries, layout)
-    return entries, layout
+def _join(source: writer.Source, kind: str, compression: str, meta: Mapping[str, str] | None) -> bytes:
+    budget = Budget(workers=WORKERS, piece=stream.PIECE, spool_memory=math.inf)
+    return writer.encoding(source, kind=kind, compression=compression, meta=meta, budget=budget).join()
 
 
 def decode_payload(
@@ -369,33 +92,53 @@ def decode_payload(
     tensor data is read. A well-formed payload of other tensor names, shapes or dtypes raises
     ``PayloadLayoutMismatch`` (a ``PayloadCorrupt``); broken bytes raise ``PayloadCorrupt``.
     """
+    view = memoryview(data).cast("B")
     cap = default_payload_cap(expected) if max_bytes is None else max_bytes
-    header, start, info = _read(data, compression, cap, header_cap(expected))
-    entries, layout = check_header(header, info, expected, kind=kind, dtypes=dtypes, meta=meta)
-    buf = memoryview(data)
+    if view.nbytes > cap:
+        raise PayloadCorrupt(f"payload is {view.nbytes} bytes, above the cap of {cap}")
+    return reader.decode_parts(
+        [view],
+        expected,
+        size=view.nbytes,
+        sha256=None,
+        compression=compression,
+        kind=kind,
+        dtypes=dtypes,
+        meta=meta,
+        key=None,
+        budget=Budget(workers=WORKERS, piece=stream.PIECE),
+    )
 
-    def stored(k: str) -> np.ndarray | None:
-        entry = entries.get(k)
-        if entry is None:
-            return None
-        begin, stop = entry["data_offsets"]
-        chunk = buf[start + begin : start + stop]
-        st_dtype, st_shape = layout[k]
-        np_dtype = safetensors_io.NUMPY_DTYPES[st_dtype]
-        if compression != "zstd":
-            return np.frombuffer(chunk, dtype=np_dtype).reshape(st_shape)
-        size = safetensors_io.DTYPE_SIZES[st_dtype] * safetensors_io.numel(st_shape)
-        planes = codec.decompress_array(chunk, np_dtype.itemsize, size)
-        if planes.size != size:
-            raise PayloadCorrupt(f"tensor {k!r}: decompressed to {planes.size} bytes, expected {size}")
-        return planes.view(np_dtype).reshape(st_shape)
 
-    def decode_one(name: str) -> np.ndarray:
-        data = stored(name)
-        assert data is not None  # the layout check guarantees it
-        shape = tuple(int(d) for d in expected[name])
-        return quant.dequantize(quant.QTensor(info.dtypes[name], shape, data, stored(name + SCALE)))
+def payload_info(data: bytes | memoryview, compression: str = "", *, max_header_bytes: int = 64 << 20) -> PayloadInfo:
+    """Kind, compression and logical dtypes of a payload, from its header alone."""
+    header, _ = safetensors_io.read_header(data, max_header_bytes=max_header_bytes)
+    return header_info(header, compression)
 
-    names = list(expected)
-    out = dict(zip(names, _map(decode_one, names, len(data)), strict=True))
-    return out
+
+def payload_dtypes(data: bytes | memoryview, compression: str = "") -> dict[str, str]:
+    return payload_info(data, compression).dtypes
+
+
+__all__ = [
+    "COMPRESSIONS",
+    "FORMAT",
+    "LAYOUT_KEYS",
+    "SCALE",
+    "WORKERS",
+    "PayloadInfo",
+    "check_header",
+    "codec",
+    "decode_payload",
+    "default_payload_cap",
+    "encode_payload",
+    "encode_quantized",
+    "header_cap",
+    "header_info",
+    "metadata",
+    "payload_dtypes",
+    "payload_info",
+    "schema_digest",
+    "sha256_hex",
+    "storage_layout",
+]
