@@ -8,11 +8,12 @@ bound; ``stream.py``), whole bytes in memory use ``WORKERS`` (``payload.py``).
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Generator, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
+
+from ..ahead import call as call
+from ..ahead import ordered
 
 PARALLEL_BYTES = 8 << 20  # of float32 input or of payload: below this, thread start-up costs more than it saves
 
@@ -35,20 +36,5 @@ class Budget:
 def bounded(fn: Callable[[Any], Any], items: Iterable[Any], workers: int) -> Generator[Any, None, None]:
     """``map(fn, items)`` in order, on ``workers`` threads, at most ``2 * workers`` items
     submitted and not yet handed on (so a thread that finishes before the oldest finds the next
-    item waiting); ``items`` is drawn on the caller's thread, as room frees. With one worker,
-    lazily on the caller's thread: each item is drawn just before its result is needed."""
-    if workers <= 1:
-        yield from map(fn, items)
-        return
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gradientmail-codec") as pool:
-        pending: deque[Future[Any]] = deque()
-        for item in items:
-            pending.append(pool.submit(fn, item))
-            if len(pending) >= 2 * workers:
-                yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
-
-
-def call(fn: Callable[[], Any]) -> Any:
-    return fn()
+    item waiting); with one worker, lazily on the caller's thread (``ahead.ordered``)."""
+    return ordered(fn, items, threads=workers if workers > 1 else 0, queued=2 * workers, name="codec")

@@ -33,7 +33,7 @@ from ..aggregators import merge as merge_mod
 from ..aggregators import outer as outer_mod
 from ..aggregators.fused import cosine_from, cosine_into, cosine_units, merge_into, norm_of
 from ..aggregators.leaves import Pooled
-from ..ahead import ahead
+from ..ahead import ordered
 from ..codec.chunked import ChunkSpec
 from ..config import RDA, DiLoCo
 from .fragment import Accepted, FragmentState
@@ -54,8 +54,8 @@ class Source:
         self.chunk, self.in_memory, self.threaded = chunk, in_memory, threaded
 
     def stream(self, pairs: Sequence[tuple[int, int]]) -> Generator[dict[str, np.ndarray], None, None]:
-        makes = [lambda i=i, k=k: self.chunk(i, k) for i, k in pairs]
-        yield from ahead(makes, threaded=self.threaded and len(pairs) > 1, ahead_n=READ_AHEAD, name="read")
+        threads = READ_AHEAD if self.threaded and len(pairs) > 1 else 0
+        yield from ordered(lambda ik: self.chunk(*ik), pairs, threads=threads, queued=READ_AHEAD + 1, name="read")
 
 
 def merge_terms(

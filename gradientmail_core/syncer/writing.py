@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..ahead import ahead
+from ..ahead import call, ordered
 from ..codec import quant
 from ..codec.chunked import chunk_specs, stream_chunk
 from ..codec.stream import ELEMENTWISE, PayloadStream
@@ -195,7 +195,8 @@ def write_payloads(
 
     def write_all() -> dict[str, dict[str, list[Any]]]:
         out: dict[str, dict[str, list[Any]]] = {}
-        made = ahead([make for *_, make in jobs], threaded=threaded, ahead_n=AHEAD, drop=_close)
+        makes = [job[3] for job in jobs]
+        made = ordered(call, makes, threads=AHEAD if threaded else 0, queued=AHEAD + 1, name="commit", drop=_close)
         try:
             for (kind, written, k, _), data in zip(jobs, made, strict=True):
                 with data:
@@ -221,12 +222,12 @@ def write_payloads(
     for kind_written, chunks in parts.items():
         kind, flag = kind_written.split("/")
         assert sorted(int(k) for k in chunks) == list(range(counts[kind])), f"round {r}: {kind} chunks {sorted(chunks)}"
-        ordered = [chunks[str(k)] for k in range(counts[kind])]
-        shas[kind_written] = [sha for sha, _ in ordered]
+        in_order = [chunks[str(k)] for k in range(counts[kind])]
+        shas[kind_written] = [sha for sha, _ in in_order]
         if flag == "1":
             made_refs = [
                 PayloadRef(key=keys.round_blob_key(r, kind, sha, compression), sha256=sha, size=size)
-                for sha, size in ordered
+                for sha, size in in_order
             ]
             refs[kind] = join_refs(made_refs)
             for ref in made_refs:
