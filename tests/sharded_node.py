@@ -5,7 +5,10 @@
 the run and closes its rounds); ``torchrun --nproc_per_node 2 sharded_node.py sharded ...`` runs a
 sharded node (a learner). Each writes its final parameters (``OUT.npz``, gathered with
 ``full_tensor()`` on a sharded node) and a report (``OUT.json``: rounds seen, the participants of
-every commit it aligned with, and on a sharded node each rank's metered allocations).
+every commit it aligned with, and on a sharded node each rank's metered allocations). With
+``--record-locals`` it also writes ``OUT.locals.npz``: the full parameters just before each
+``session.step`` (``"{local_step}@{name}"``, the parameters a publish in that step captures) and
+after the last (``"final@{name}"``), for a test to compute what each contribution must be.
 """
 
 from __future__ import annotations
@@ -159,6 +162,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--break-after", type=int, default=0, help="...after this many")
     ap.add_argument("--until", default=None, help="stop training (and close) once this file exists")
     ap.add_argument("--touch", default=None, help="create this file after training, before closing")
+    ap.add_argument("--record-locals", action="store_true", help="write OUT.locals.npz (the module docstring)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     return args
@@ -196,6 +200,17 @@ def run(args: argparse.Namespace, net: torch.nn.Module, rank: int, world: int) -
         close_timeout=60.0,
         callbacks=[gm.log_events, watch],
     )
+    recorded: dict[str, np.ndarray] = {}
+
+    def record(tag: str) -> None:
+        if not args.record_locals:
+            return
+        if args.fsdp == 1 and world > 1:
+            raise SystemExit("--record-locals gathers FSDP2 parameters (full_tensor): not with --fsdp 1")
+        for n, p in net.named_parameters():
+            full = p.full_tensor() if world > 1 else p  # (full_tensor: collective, every rank in step)
+            recorded[f"{tag}@{n}"] = full.detach().float().numpy().copy()
+
     with session:
         session.wait_for(learners=args.learners, timeout=60)
         for step in range(args.steps):
@@ -205,6 +220,7 @@ def run(args: argparse.Namespace, net: torch.nn.Module, rank: int, world: int) -
             opt.zero_grad()
             torch.nn.functional.mse_loss(net(x), y).backward()
             opt.step()
+            record(str(step + 1))  # a publish in this step captures these (local_step = step + 1)
             session.step(samples=len(x) * world)
             if args.step_sleep:
                 time.sleep(args.step_sleep)
@@ -213,6 +229,9 @@ def run(args: argparse.Namespace, net: torch.nn.Module, rank: int, world: int) -
                 time.sleep(3600)  # killed here
         if args.touch and rank == 0:
             Path(args.touch).write_text("done")
+        record("final")  # what a final contribution at close captures
+    if recorded and rank == 0:
+        np.savez(args.out + ".locals.npz", **recorded)
     progress = session.progress
     report = {"aligned": aligned, "rounds_seen": session.rounds_seen, "round": progress.round}
     return session, {**report, "versions": list(progress.versions), "events": events}

@@ -1,0 +1,305 @@
+"""Deliberate breaks of the code, and the tests that must fail under each (``STYLE.md``: a test that
+cannot fail is worse than none).
+
+Each entry of ``MUTATIONS`` names a file, an exact piece of its text (the anchor, found exactly
+once) and what replaces it, the pytest node ids that must catch it, and why it matters. For each
+one this script copies the tree (``git ls-files``: tracked files and untracked ones git does not
+ignore) to a temporary directory, applies the mutation there, and runs those tests in the copy
+(``pytest -x -q -p no:cacheprovider``) with ``PYTHONPATH`` set to the copy, so the copy's code is
+the one imported, in the subprocesses the tests start too. It prints one line per mutation:
+
+    caught NAME by TEST                 a test failed
+    caught NAME (timeout after S s)     the tests hung past --timeout (a hang is a failure too)
+    missed NAME                         every test passed
+    missed NAME (anchor not found in FILE)   the code moved: update the anchor
+
+and last ``mutants: K of N caught``. It exits 0 only when every mutation was caught.
+
+``SIM_MUTANTS`` are the simulation's own broken engines (``gradientmail_core/sim/mutants.py``,
+patched in at run time): they run through their harness, ``tests/test_sim_mutants.py``, whose test
+passes when the simulation caught the mutant, so for them a passing test is ``caught``.
+
+    python scripts/mutants.py             every mutation (about 15 minutes on two cores)
+    python scripts/mutants.py --quick     the QUICK subset (a couple of minutes; scripts/test.sh runs it)
+    python scripts/mutants.py --only NAME ...   --list   -j N   --timeout S   --keep
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    file: str  # relative to the repository root
+    original: str  # exact text, found exactly once in the file
+    replacement: str
+    tests: tuple[str, ...]  # pytest node ids that must fail
+    why: str  # one line: what the break is, and which finding it answers
+    quick: bool = False  # in the --quick subset (cheap tests only)
+    sim: bool = False  # a simulation mutant run through its harness (a passing test is caught)
+
+
+def M(name: str, file: str, original: str, replacement: str, tests: str | tuple[str, ...], why: str, *, quick: bool = False) -> Mutation:  # fmt: skip
+    return Mutation(name, file, original, replacement, (tests,) if isinstance(tests, str) else tests, why, quick)
+
+
+T_SESSION = "tests/test_sharded_session.py"
+T_CLOSER = "tests/test_sharded_closer.py"
+
+# fmt: off
+MUTATIONS: list[Mutation] = [
+    # 1. What a sharded node uploads (every node ends on the newest commit, whatever it uploaded)
+    M("sharded-delta-scaled-at-publish", "gradientmail_core/sharded/rank.py",
+      "            d.sub_(local)  # float32(anchor)",
+      "            d.sub_(local).mul_(1.5)  # float32(anchor)",
+      (f"{T_SESSION}::test_a_two_rank_fsdp2_node_and_a_plain_node_train_in_lockstep_and_end_bit_identical",),
+      "finding 1: each rank's delta 1.5 times anchor - local; the uploads are checked against anchor - local"),
+    M("sharded-chunks-scaled-after-capture", "gradientmail_core/sharded/runtime.py",
+      '                cap = io.publish(int(a["f"]), int(a["r"]), int(a["seq"]))\n',
+      '                cap = io.publish(int(a["f"]), int(a["r"]), int(a["seq"]))\n'
+      "                [t.mul_(1.5) for chunk in cap.owned.values() for _, t in chunk]\n",
+      (f"{T_SESSION}::test_a_two_rank_fsdp2_node_and_a_plain_node_train_in_lockstep_and_end_bit_identical",),
+      "finding 1: the captured chunks scaled in the runtime (RankIO's own test never sees it)"),
+]
+# fmt: on
+
+# The simulation's mutants (gradientmail_core/sim/mutants.py): name, in the --quick subset.
+SIM_MUTANTS: list[tuple[str, bool]] = [
+    ("skip_readback", True),
+    ("accept_stale", False),
+    ("sweep_newest", True),
+    ("no_claim_next", False),
+    ("remote_clock_lease", True),
+    ("skip_sha_check", False),
+    ("count_twice", True),
+    ("stale_view_is_fatal", False),
+    ("gc_forgets_checkpoints", True),
+    ("replay_skips_contribution", False),
+    ("weights_not_normalised", True),
+    ("rda_length_unweighted", False),
+    ("nesterov_without_momentum", True),
+    ("outer_lr_twice", True),
+]
+
+
+def sim_mutations() -> list[Mutation]:
+    return [
+        Mutation(
+            f"sim:{name}",
+            "gradientmail_core/sim/mutants.py",
+            "",
+            "",
+            (f"tests/test_sim_mutants.py::test_mutant_is_caught[{name}]",),
+            "a broken engine the simulation must catch (its harness test passes when it does)",
+            quick,
+            sim=True,
+        )
+        for name, quick in SIM_MUTANTS
+    ]
+
+
+def everything() -> list[Mutation]:
+    return MUTATIONS + sim_mutations()
+
+
+# ---- one mutation --------------------------------------------------------------------------------
+
+
+def tree_files(root: Path) -> list[str]:
+    out = subprocess.run(
+        ["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        check=True,
+        capture_output=True,
+    ).stdout.decode()
+    return sorted({p for p in out.split("\0") if p})
+
+
+def copy_tree(root: Path, files: list[str], dest: Path) -> None:
+    for rel in files:
+        src = root / rel
+        if not src.is_file() and not src.is_symlink():
+            continue  # deleted in the working tree, still in the index
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, target, follow_symlinks=False)
+
+
+def apply(m: Mutation, copy: Path) -> str | None:
+    """Applies ``m`` in ``copy``; the reason it cannot be applied, or None."""
+    if m.sim:
+        return None
+    path = copy / m.file
+    if not path.is_file():
+        return f"no file {m.file}"
+    text = path.read_text()
+    found = text.count(m.original)
+    if found == 0:
+        return f"anchor not found in {m.file}"
+    if found > 1:
+        return f"anchor found {found} times in {m.file}"
+    text = text.replace(m.original, m.replacement)
+    if m.file.endswith(".py"):
+        try:
+            compile(text, m.file, "exec")
+        except SyntaxError as e:
+            return f"the mutated {m.file} does not compile: {e}"
+    path.write_text(text)
+    return None
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def _kill_all(proc: subprocess.Popen[bytes]) -> None:
+    # Tests start process groups of their own (torchrun): every descendant, then the group.
+    for pid in _descendants(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    proc.wait()
+
+
+@dataclass
+class Outcome:
+    mutation: Mutation
+    caught: bool
+    line: str
+    seconds: float
+    log: str = ""
+
+
+def pytest_run(copy: Path, tests: tuple[str, ...], timeout: float, python: str) -> tuple[int | None, str]:
+    """(pytest's exit status, None on timeout; its output)."""
+    env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
+    cmd = [python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rfE", *tests]
+    log = copy / ".mutant-pytest.log"
+    with open(log, "wb") as sink:  # a file, not a pipe: nothing blocks on a full pipe
+        proc = subprocess.Popen(cmd, cwd=copy, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            status: int | None = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_all(proc)
+            status = None
+    return status, log.read_text(errors="replace")
+
+
+def first_failure(output: str) -> str | None:
+    for line in output.splitlines():
+        hit = re.match(r"(?:FAILED|ERROR) (\S+)", line)
+        if hit:
+            return hit.group(1)
+    return None
+
+
+def run_one(m: Mutation, files: list[str], timeout: float, python: str, keep: bool) -> Outcome:
+    t0 = time.monotonic()
+    copy = Path(tempfile.mkdtemp(prefix=f"gm-mutant-{re.sub(r'[^A-Za-z0-9_.-]', '_', m.name)}-"))
+    try:
+        copy_tree(ROOT, files, copy)
+        problem = apply(m, copy)
+        if problem is not None:
+            return Outcome(m, False, f"missed {m.name} ({problem})", time.monotonic() - t0)
+        status, output = pytest_run(copy, m.tests, timeout, python)
+        seconds = time.monotonic() - t0
+        if status is None:
+            return Outcome(m, True, f"caught {m.name} (timeout after {timeout:.0f} s)", seconds, output)
+        if m.sim:  # the harness passes when the simulation caught the mutant
+            if status == 0:
+                return Outcome(m, True, f"caught {m.name} by {m.tests[0]}", seconds, output)
+            return Outcome(m, False, f"missed {m.name} (its harness test exited {status})", seconds, output)
+        if status == 1:
+            return Outcome(m, True, f"caught {m.name} by {first_failure(output) or 'the tests'}", seconds, output)
+        if status == 0:
+            return Outcome(m, False, f"missed {m.name}", seconds, output)
+        # 2 interrupted, 3 internal error, 4 usage error (a node id that does not exist), 5 nothing collected
+        return Outcome(m, False, f"missed {m.name} (pytest exited {status}: the tests did not run)", seconds, output)
+    finally:
+        if keep:
+            print(f"  (kept {copy})", file=sys.stderr)
+        else:
+            shutil.rmtree(copy, ignore_errors=True)
+
+
+# ---- the command -----------------------------------------------------------------------------------
+
+
+def select(args: argparse.Namespace) -> list[Mutation]:
+    table = everything()
+    if args.only:
+        names = {m.name for m in table}
+        unknown = [n for n in args.only if n not in names]
+        if unknown:
+            raise SystemExit(f"unknown mutation(s): {', '.join(unknown)}; --list shows them")
+        return [m for m in table if m.name in args.only]
+    return [m for m in table if m.quick] if args.quick else table
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="only the quick subset (CI)")
+    ap.add_argument("--only", nargs="+", metavar="NAME", help="only these mutations")
+    ap.add_argument("--list", action="store_true", help="print the mutations and their tests, run nothing")
+    ap.add_argument("-j", "--jobs", type=int, default=1, help="mutations run at once (default 1)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds a mutation's tests may take (default 600)")
+    ap.add_argument("--python", default=sys.executable, help="the interpreter that runs pytest (default: this one)")
+    ap.add_argument("--keep", action="store_true", help="keep the mutated copies (their paths go to stderr)")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print the pytest output of every missed mutation")
+    args = ap.parse_args(argv)
+    chosen = select(args)
+    if args.list:
+        for m in chosen:
+            flags = " [quick]" if m.quick else ""
+            print(f"{m.name}{flags}: {m.why}\n    {m.file}\n    " + "\n    ".join(m.tests))
+        return 0
+    files = tree_files(ROOT)
+    t0 = time.monotonic()
+    caught = 0
+    with ThreadPoolExecutor(max_workers=max(args.jobs, 1)) as pool:
+        futures = [pool.submit(run_one, m, files, args.timeout, args.python, args.keep) for m in chosen]
+        for fut in futures:  # in table order, each as soon as it (and those before it) is done
+            out = fut.result()
+            caught += out.caught
+            print(out.line, flush=True)
+            if args.verbose and not out.caught and out.log:
+                print("    " + "\n    ".join(out.log.splitlines()[-30:]), flush=True)
+    print(f"mutants: {caught} of {len(chosen)} caught ({time.monotonic() - t0:.0f} s)")
+    return 0 if caught == len(chosen) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
