@@ -75,6 +75,19 @@ MUTATIONS: list[Mutation] = [
       "                [t.mul_(1.5) for chunk in cap.owned.values() for _, t in chunk]\n",
       (f"{T_SESSION}::test_a_two_rank_fsdp2_node_and_a_plain_node_train_in_lockstep_and_end_bit_identical",),
       "finding 1: the captured chunks scaled in the runtime (RankIO's own test never sees it)"),
+    # 2. Anchors kept elsewhere than beside the parameters
+    M("disk-anchors-rounded-to-bf16", "gradientmail_core/sharded/anchors.py",
+      "                data = v.detach().contiguous()\n",
+      "                data = v.detach().contiguous().to(torch.bfloat16).to(v.dtype)\n",
+      (f"{T_CLOSER}::test_anchors_on_the_device_in_host_memory_or_on_disk_upload_and_commit_the_same_bytes",),
+      "finding 2: anchors written to disk lose bits; the disk run must upload the device run's bytes"),
+    M("host-and-disk-anchors-read-off-at-publish", "gradientmail_core/sharded/rank.py",
+      "            self.anchors.load_into(f, n, d, op)\n",
+      "            self.anchors.load_into(f, n, d, op)\n"
+      '            if self.anchors.place != "device":\n'
+      "                d.add_(1e-3)\n",
+      (f"{T_CLOSER}::test_anchors_on_the_device_in_host_memory_or_on_disk_upload_and_commit_the_same_bytes",),
+      "finding 2: anchors off the device read wrong at publish only; close still loads the newest commit"),
 ]
 # fmt: on
 
