@@ -60,6 +60,9 @@ def M(name: str, file: str, original: str, replacement: str, tests: str | tuple[
 
 T_SESSION = "tests/test_sharded_session.py"
 T_CLOSER = "tests/test_sharded_closer.py"
+T_MEMORY = (
+    "tests/test_sharded_memory.py::test_no_rank_allocates_a_fragment_in_a_publish_or_a_commit_as_the_os_measures_it"
+)
 
 # fmt: off
 MUTATIONS: list[Mutation] = [
@@ -88,6 +91,19 @@ MUTATIONS: list[Mutation] = [
       "                d.add_(1e-3)\n",
       (f"{T_CLOSER}::test_anchors_on_the_device_in_host_memory_or_on_disk_upload_and_commit_the_same_bytes",),
       "finding 2: anchors off the device read wrong at publish only; close still loads the newest commit"),
+    # 3. The memory bound, measured by the OS (the Meter counts only what the code reports to it)
+    M("full-fragment-gathered-at-publish", "gradientmail_core/sharded/rank.py",
+      "        names = self.run.fragments[f]\n        op = Meter()\n        delta = {}\n",
+      "        names = self.run.fragments[f]\n        op = Meter()\n        delta = {}\n"
+      "        _whole = [self.sharded.params[n].full_tensor() for n in names]\n",
+      (T_MEMORY,),
+      "finding 3: every rank holds full_tensor() of the whole fragment during a publish, unmetered"),
+    M("full-fragment-gathered-at-commit", "gradientmail_core/sharded/rank.py",
+      "        owned, op = got\n        names = self.run.fragments[f]\n",
+      "        owned, op = got\n        names = self.run.fragments[f]\n"
+      "        _whole = [self.sharded.params[n].full_tensor() for n in names]\n",
+      (T_MEMORY,),
+      "finding 3: every rank holds full_tensor() of the whole fragment while it writes a commit, unmetered"),
 ]
 # fmt: on
 
@@ -283,7 +299,9 @@ def select(args: argparse.Namespace) -> list[Mutation]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true", help="only the quick subset (CI)")
     ap.add_argument("--only", nargs="+", metavar="NAME", help="only these mutations")
     ap.add_argument("--list", action="store_true", help="print the mutations and their tests, run nothing")

@@ -3,11 +3,14 @@
 A 2-rank FSDP2 ``gm.Session`` node (``torchrun``, ``tests/sharded_node.py sharded``) and a plain
 node (``sharded_node.py plain``: it creates the run and closes the rounds) train one tiny MLP in
 lockstep (quorum 2, ``overlap_steps=0``) with 64-element chunks, so most chunks straddle the two
-ranks' shards. Every round commits with both contributions, and at the end both nodes hold the
-newest commit: their full parameters are bit-identical (the sharded node's gathered with
-``full_tensor()``). No rank ever allocated a fragment's bytes (``Meter``: the largest allocation,
-and the most one publish or one commit allocated in all), and the same meter does report a
-fragment when a chunk is the whole fragment (the check can fail).
+ranks' shards. Every round commits with both contributions, and what each node uploaded is
+``anchor - local`` of its own parameters at that step, byte for byte (``check_contributions``; the
+ending alone proves nothing there: ``close()`` loads the newest commit on every node). At the end
+both nodes hold the newest commit: their full parameters are bit-identical (the sharded node's
+gathered with ``full_tensor()``). The code's own ``Meter`` (the largest allocation, and the most one
+publish or one commit allocated in all) never reports a fragment's bytes, and does report one when a
+chunk is the whole fragment; what the ranks really allocate is measured by the operating system in
+``tests/test_sharded_memory.py``.
 """
 
 from __future__ import annotations
@@ -157,7 +160,9 @@ def check_contributions(mailbox: Path, locals_npz: Path, learner: str) -> int:
             compression=keys.compression_of(snap.payload.key),
         )
         got = [c.sha256 for c in chunk_refs(snap.payload)]
-        assert got == [c.sha256 for c in chunk_refs(want)], f"{learner}'s contribution to round {r} is not anchor - local"
+        assert got == [c.sha256 for c in chunk_refs(want)], (
+            f"{learner}'s contribution to round {r} is not anchor - local"
+        )
         checked += 1
     return checked
 
