@@ -104,6 +104,15 @@ MUTATIONS: list[Mutation] = [
       "        _whole = [self.sharded.params[n].full_tensor() for n in names]\n",
       (T_MEMORY,),
       "finding 3: every rank holds full_tensor() of the whole fragment while it writes a commit, unmetered"),
+    # 4. Memory a follower holds, wherever it is held
+    M("follower-keeps-a-model-copy-in-a-closure", "gradientmail_core/syncer/learner.py",
+      "        self.anchors[f] = c.theta\n",
+      "        self.anchors[f] = c.theta\n"
+      "        _keep = {n: np.array(v, copy=True) for n, v in c.theta.items()}\n"
+      "        _previous = getattr(self, '_undo', dict)\n"
+      "        self._undo = lambda: {**_previous(), **_keep}\n",
+      ("tests/test_node_memory.py::test_follower_holds_one_copy_of_the_model_with_the_fragment_in_flight",),
+      "finding 4: every commit's parameters copied into a chain of closures (an 'undo' hook)", quick=True),
 ]
 # fmt: on
 
