@@ -60,6 +60,9 @@ def M(name: str, file: str, original: str, replacement: str, tests: str | tuple[
 
 T_SESSION = "tests/test_sharded_session.py"
 T_CLOSER = "tests/test_sharded_closer.py"
+T_CARRY_RUN = (
+    "tests/test_alignment.py::test_learners_with_carry_keep_the_steps_since_their_contribution_at_every_commit_of_a_run"
+)
 T_MEMORY = (
     "tests/test_sharded_memory.py::test_no_rank_allocates_a_fragment_in_a_publish_or_a_commit_as_the_os_measures_it"
 )
@@ -113,6 +116,17 @@ MUTATIONS: list[Mutation] = [
       "        self._undo = lambda: {**_previous(), **_keep}\n",
       ("tests/test_node_memory.py::test_follower_holds_one_copy_of_the_model_with_the_fragment_in_flight",),
       "finding 4: every commit's parameters copied into a chain of closures (an 'undo' hook)", quick=True),
+    # 5. Carry (and the other runs that ended in finish + assert_identical)
+    M("carry-keeps-the-steps-twice", "gradientmail_core/adapters/handles.py",
+      "np.add(t, np.subtract(local[n], snapshot[n], dtype=np.float32), dtype=np.float32)",
+      "np.add(t, 2 * np.subtract(local[n], snapshot[n], dtype=np.float32), dtype=np.float32)",
+      (T_CARRY_RUN,),
+      "finding 5: Carry adds the local steps since the snapshot twice", quick=True),
+    M("carry-reports-the-kept-steps-twice", "gradientmail_core/syncer/learner.py",
+      "            keep = 1.0\n",
+      "            keep = 2.0\n",
+      (T_CARRY_RUN,),
+      "finding 5: after a Carry commit the next contribution reports its kept steps (and tokens) twice", quick=True),
 ]
 # fmt: on
 
