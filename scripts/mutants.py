@@ -127,6 +127,14 @@ MUTATIONS: list[Mutation] = [
       "            keep = 2.0\n",
       (T_CARRY_RUN,),
       "finding 5: after a Carry commit the next contribution reports its kept steps (and tokens) twice", quick=True),
+    M("takeover-forgets-the-momentum", "gradientmail_core/syncer/replay.py",
+      "    return FragmentState(version, theta, *run.split_outer(f, outer, theta), checkpoint=version)\n",
+      "    master, momentum = run.split_outer(f, outer, theta)\n"
+      "    return FragmentState(version, theta, master, {n: np.zeros_like(v) for n, v in momentum.items()},\n"
+      "                         checkpoint=version)\n",
+      ("tests/test_engine_takeover.py::test_closer_that_dies_is_taken_over_when_its_lease_is_lost",),
+      "finding 5: a closer that takes over starts from zero momentum (every node still ends identical)",
+      quick=True),
 ]
 # fmt: on
 

@@ -209,7 +209,7 @@ def test_a_takeover_between_checkpoints_gives_the_same_parameters_as_a_run_witho
 
 
 def test_a_closer_killed_between_checkpoints_is_taken_over_and_the_new_closer_rebuilds_exactly():
-    c = Cluster(cfg())
+    c = Cluster(cfg(), audit=True)  # the new closer's commits recomputed
     a, b, cc = c.join_all("abc")
     c.run(22)
     c.settle(4)
@@ -256,7 +256,7 @@ def test_a_missing_contribution_makes_the_new_closer_wait_and_a_wrong_one_is_ref
 
 
 def test_a_learner_joining_between_checkpoints_rebuilds_the_parameters_from_the_checkpoint():
-    c = Cluster(cfg())
+    c = Cluster(cfg(), audit=True)
     ms = c.join_all("abc")
     c.run(22)
     c.settle(4)
