@@ -116,6 +116,12 @@ MUTATIONS: list[Mutation] = [
       "        self._undo = lambda: {**_previous(), **_keep}\n",
       ("tests/test_node_memory.py::test_follower_holds_one_copy_of_the_model_with_the_fragment_in_flight",),
       "finding 4: every commit's parameters copied into a chain of closures (an 'undo' hook)", quick=True),
+    # 6. What an I2 run sends
+    M("i2-deltas-sent-as-f32", "gradientmail_core/protocol/run.py",
+      "            return dict.fromkeys(self.fragments[f], self.cfg.delta_dtype)\n",
+      '            return dict.fromkeys(self.fragments[f], "F32" if self.cfg.delta_dtype == "I2" else self.cfg.delta_dtype)\n',
+      ("tests/test_quant_i2.py::test_a_run_with_i2_deltas_and_commits_ends_identical_and_matches_its_digests",),
+      "finding 6: every node agrees to send and read I2 deltas as F32 (the commits are still I2)", quick=True),
     # 5. Carry (and the other runs that ended in finish + assert_identical)
     M("carry-keeps-the-steps-twice", "gradientmail_core/adapters/handles.py",
       "np.add(t, np.subtract(local[n], snapshot[n], dtype=np.float32), dtype=np.float32)",

@@ -5,6 +5,7 @@ reading, and a run whose deltas and commits travel as I2."""
 from __future__ import annotations
 
 import importlib.util
+import struct
 
 import numpy as np
 import pytest
@@ -296,6 +297,16 @@ def test_a_run_with_i2_deltas_and_commits_ends_identical_and_matches_its_digests
 
     shapes = {"w": (16, 12), "b": (12,)}
     c = Cluster(gm.DiLoCo(sync_every=4, fragments=2, delta_dtype="I2", commit_dtype="I2"), shapes=shapes)
+    uploaded: dict[str, bytes] = {}  # every contribution's payload, as it went up (GC deletes them later)
+    put = c.mailbox.put_if_absent
+
+    def spy(key: str, data: bytes) -> bool:
+        b = keys.parse_blob_key(key)
+        if b is not None and b.kind == "snapshot":
+            uploaded[key] = bytes(data)
+        return put(key, data)
+
+    c.mailbox.put_if_absent = spy  # type: ignore[method-assign]
     ms = c.join_all("ab")
     c.run(32)
     c.settle()
@@ -307,10 +318,21 @@ def test_a_run_with_i2_deltas_and_commits_ends_identical_and_matches_its_digests
         assert r.change is not None
         assert set(payload.payload_dtypes(c.mailbox.get(r.change.key)).values()) == {"I2"}
     assert all(e.bytes > 0 for m in ms for e in m.of(ev.Published))
+    # The deltas went up as I2: every tensor of every contribution, and its data is exactly the
+    # two-bit codes (four a byte, blocks of 32) and a scale byte per block, after the header.
+    run = ms[0].node.run
+    assert len(uploaded) >= 12
+    for key, data in uploaded.items():
+        b = keys.parse_blob_key(key)
+        assert b is not None and b.round is not None
+        f = b.round % run.P
+        assert payload.payload_dtypes(data) == dict.fromkeys(run.fragments[f], "I2"), key
+        (header,) = struct.unpack("<Q", data[:8])
+        want = sum(sum(i2_sizes(int(np.prod(run.shapes[f][n])))) for n in run.fragments[f])
+        assert len(data) - 8 - header == want, key
     first = ms[0].params
     for m in ms[1:]:
         for n in first:
             assert np.array_equal(first[n], m.params[n]), (m.name, n)
-    run = ms[0].node.run
     for r in recs[-2:]:
         assert theta_digest(run, r.fragment, {n: first[n] for n in run.fragments[r.fragment]}) == r.theta_digest
