@@ -122,6 +122,12 @@ MUTATIONS: list[Mutation] = [
       '            return dict.fromkeys(self.fragments[f], "F32" if self.cfg.delta_dtype == "I2" else self.cfg.delta_dtype)\n',
       ("tests/test_quant_i2.py::test_a_run_with_i2_deltas_and_commits_ends_identical_and_matches_its_digests",),
       "finding 6: every node agrees to send and read I2 deltas as F32 (the commits are still I2)", quick=True),
+    # 7. The library's own sha256 check of what it reads
+    M("streamed-reads-skip-the-sha256", "gradientmail_core/codec/stream.py",
+      "        if self.digest.hexdigest() != sha256:\n",
+      "        if False:\n",
+      ("tests/test_s3_multipart.py::test_a_part_read_back_corrupt_is_caught_by_the_payloads_sha256",),
+      "finding 7: payload reads decode bytes that do not hash to their reference", quick=True),
     # 5. Carry (and the other runs that ended in finish + assert_identical)
     M("carry-keeps-the-steps-twice", "gradientmail_core/adapters/handles.py",
       "np.add(t, np.subtract(local[n], snapshot[n], dtype=np.float32), dtype=np.float32)",
