@@ -128,6 +128,20 @@ MUTATIONS: list[Mutation] = [
       "        if False:\n",
       ("tests/test_s3_multipart.py::test_a_part_read_back_corrupt_is_caught_by_the_payloads_sha256",),
       "finding 7: payload reads decode bytes that do not hash to their reference", quick=True),
+    # 8. Tests that could not fail
+    M("record-refs-bound-off-by-one", "gradientmail_core/protocol/run.py",
+      "        return n * (participants + 1) > RECORD_REFS\n",
+      "        return n * participants > RECORD_REFS\n",
+      ("tests/test_chunked_payloads.py::test_a_run_whose_records_would_not_fit_is_refused_at_creation",),
+      "finding 8: a record between checkpoints forgets the change's refs (the old assertion was always true)",
+      quick=True),
+    M("refused-replay-changes-its-state", "gradientmail_core/syncer/replay.py",
+      "    if not _same(commit.record, rec):\n        raise ProtocolError(\n",
+      "    state.momentum.update(commit.state.momentum)\n"
+      "    if not _same(commit.record, rec):\n        raise ProtocolError(\n",
+      ("tests/test_checkpoint_every.py::test_a_missing_contribution_makes_the_new_closer_wait_and_a_wrong_one_is_refused",),
+      "finding 8: a replay that is refused has already written its momentum into the state it started from",
+      quick=True),
     # 5. Carry (and the other runs that ended in finish + assert_identical)
     M("carry-keeps-the-steps-twice", "gradientmail_core/adapters/handles.py",
       "np.add(t, np.subtract(local[n], snapshot[n], dtype=np.float32), dtype=np.float32)",

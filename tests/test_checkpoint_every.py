@@ -5,6 +5,7 @@ changes, and GC keeps exactly what those need (docs/protocol.md, "Checkpoints").
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import random
 
@@ -244,11 +245,16 @@ def test_a_missing_contribution_makes_the_new_closer_wait_and_a_wrong_one_is_ref
     forged = dataclasses.replace(
         newest, participants=[dataclasses.replace(p0, weight=p0.weight * 2), *newest.participants[1:]]
     )
-    before = replay.recover(store, run, f, newest, None)
     state = replay.recover(store, run, f, [r for r in records(c) if r.fragment == f][-2], None)
+    before = copy.deepcopy(state)  # what the refused replay must leave as it was
     with pytest.raises(ProtocolError, match="does not give the committed"):
         replay.replay_round(store, run, state, forged)
-    assert before.version == newest.version
+    assert (state.version, state.checkpoint) == (before.version, before.checkpoint)
+    for what in ("theta", "master", "momentum"):
+        mine, kept = getattr(state, what), getattr(before, what)
+        assert mine.keys() == kept.keys() and all(mine[n].tobytes() == kept[n].tobytes() for n in kept), what
+    # the true record still replays from that same state, to the committed one
+    assert replay.replay_round(store, run, state, newest).version == newest.version
     # a contribution gone (no newer checkpoint yet): the node waits, with the key in the message
     c.mailbox.delete([newest.contributions[-1].key])
     with pytest.raises(MailboxUnavailable, match=newest.contributions[-1].key):
