@@ -142,6 +142,11 @@ MUTATIONS: list[Mutation] = [
       ("tests/test_checkpoint_every.py::test_a_missing_contribution_makes_the_new_closer_wait_and_a_wrong_one_is_refused",),
       "finding 8: a replay that is refused has already written its momentum into the state it started from",
       quick=True),
+    M("record-fault-injection-never-fires", "tests/sharded_node.py",
+      "        if key.startswith(keys.ROUNDS) and self.left > 0:\n",
+      "        if key.startswith(keys.ROUNDS + 'never/') and self.left > 0:\n",
+      (f"{T_CLOSER}::test_a_commit_whose_record_could_not_be_written_is_computed_again_from_the_same_state",),
+      "finding 8: the record writes never fail (records written another way): the test must say so"),
     # 5. Carry (and the other runs that ended in finish + assert_identical)
     M("carry-keeps-the-steps-twice", "gradientmail_core/adapters/handles.py",
       "np.add(t, np.subtract(local[n], snapshot[n], dtype=np.float32), dtype=np.float32)",

@@ -80,7 +80,7 @@ class FailingRecords(ForwardingMailbox):
 
     def __init__(self, inner: gm.Mailbox, left: int) -> None:
         super().__init__(inner)
-        self.left = left
+        self.start = self.left = left
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         if key.startswith(keys.ROUNDS) and self.left > 0:
@@ -94,7 +94,7 @@ class FailingReads(ForwardingMailbox):
 
     def __init__(self, inner: gm.Mailbox, left: int) -> None:
         super().__init__(inner)
-        self.left = left
+        self.start = self.left = left
 
     def _fail(self, key: str) -> None:
         if key.startswith(keys.SNAPSHOT_BLOBS) and self.left > 0:
@@ -182,10 +182,13 @@ def run(args: argparse.Namespace, net: torch.nn.Module, rank: int, world: int) -
     mailbox: gm.Mailbox = gm.FileMailbox(args.mailbox)
     if args.keep:
         mailbox = Keeping(mailbox)
+    injected: list[FailingRecords | FailingReads] = []
     if args.fail_records and rank == 0:
         mailbox = FailingRecords(mailbox, args.fail_records)
+        injected.append(mailbox)
     if args.fail_reads and rank == world - 1 and world > 1:  # the last rank of a sharded node
         mailbox = FailingReads(mailbox, args.fail_reads)
+        injected.append(mailbox)
     if args.break_rank == rank and world > 1:
         mailbox = Breaking(mailbox, args.break_after)
     session = gm.Session(
@@ -234,6 +237,8 @@ def run(args: argparse.Namespace, net: torch.nn.Module, rank: int, world: int) -
         np.savez(args.out + ".locals.npz", **recorded)
     progress = session.progress
     report = {"aligned": aligned, "rounds_seen": session.rounds_seen, "round": progress.round}
+    # How many of the injected failures happened (each wrapper counts down what it has left).
+    report["injected"] = {type(w).__name__: w.start - w.left for w in injected}
     return session, {**report, "versions": list(progress.versions), "events": events}
 
 

@@ -166,7 +166,9 @@ def test_a_commit_whose_record_could_not_be_written_is_computed_again_from_the_s
     # The sharded closer's first two round records fail to write (a store outage): its ranks
     # keep the state each commit started from until the record lands, so the next poll commits
     # the same round again, from the same state, and every commit is still the one-process one.
-    report, _ = _closed_by_shard(tmp_path, "--fail-records", "2", steps=16)
+    report, ranks = _closed_by_shard(tmp_path, "--fail-records", "2", steps=16)
+    assert ranks[0]["injected"] == {"FailingRecords": 2}, "the record writes did not fail: the test exercised nothing"
+    assert ranks[0]["events"].count("StoreFailure") >= 2, ranks[0]["events"]  # the node saw each one fail
     assert len(report["aligned"]) == 4 and all(a[3] == ["plain", "shard"] for a in report["aligned"])
     assert recompute_every_round(tmp_path / "mailbox") == ["shard"] * 4
 
@@ -178,4 +180,5 @@ def test_a_rank_that_cannot_read_a_contribution_for_a_while_delays_the_commit_an
     report, ranks = _closed_by_shard(tmp_path, "--fail-reads", "3", steps=16)
     assert len(report["aligned"]) == 4 and all(a[3] == ["plain", "shard"] for a in report["aligned"])
     assert recompute_every_round(tmp_path / "mailbox") == ["shard"] * 4
-    assert "StoreFailure" in ranks[0]["events"], "no read failed: the test exercised nothing"
+    assert ranks[1]["injected"] == {"FailingReads": 3}, "no read failed: the test exercised nothing"
+    assert "StoreFailure" in ranks[0]["events"], ranks[0]["events"]  # rank 0's node saw the op fail
