@@ -52,10 +52,12 @@ class Mutation:
     why: str  # one line: what the break is, and which finding it answers
     quick: bool = False  # in the --quick subset (cheap tests only)
     sim: bool = False  # a simulation mutant run through its harness (a passing test is caught)
+    env: tuple[tuple[str, str], ...] = ()  # set for its tests (a smaller simulation sweep)
 
 
-def M(name: str, file: str, original: str, replacement: str, tests: str | tuple[str, ...], why: str, *, quick: bool = False) -> Mutation:  # fmt: skip
-    return Mutation(name, file, original, replacement, (tests,) if isinstance(tests, str) else tests, why, quick)
+def M(name: str, file: str, original: str, replacement: str, tests: str | tuple[str, ...], why: str, *, quick: bool = False, env: dict[str, str] | None = None) -> Mutation:  # fmt: skip
+    tests = (tests,) if isinstance(tests, str) else tests
+    return Mutation(name, file, original, replacement, tests, why, quick, env=tuple((env or {}).items()))
 
 
 T_SESSION = "tests/test_sharded_session.py"
@@ -147,6 +149,12 @@ MUTATIONS: list[Mutation] = [
       "        if key.startswith(keys.ROUNDS + 'never/') and self.left > 0:\n",
       (f"{T_CLOSER}::test_a_commit_whose_record_could_not_be_written_is_computed_again_from_the_same_state",),
       "finding 8: the record writes never fail (records written another way): the test must say so"),
+    M("sim-runs-without-error-feedback", "gradientmail_core/sim/actors.py",
+      "                self.draw.cfg,\n                sn.clock,\n",
+      '                __import__("dataclasses").replace(self.draw.cfg, error_feedback=False),\n                sn.clock,\n',
+      ("tests/test_sim.py::test_the_sweep_mixes_checkpoints_error_feedback_and_chunks",),
+      "finding 8: the simulated nodes run without the error feedback their scenario drew",
+      env={"GM_SIM_SEEDS": "40", "GM_SIM_ROUNDS": "20"}),
     # 5. Carry (and the other runs that ended in finish + assert_identical)
     M("carry-keeps-the-steps-twice", "gradientmail_core/adapters/handles.py",
       "np.add(t, np.subtract(local[n], snapshot[n], dtype=np.float32), dtype=np.float32)",
@@ -294,9 +302,10 @@ class Outcome:
     log: str = ""
 
 
-def pytest_run(copy: Path, tests: tuple[str, ...], timeout: float, python: str) -> tuple[int | None, str]:
+def pytest_run(m: Mutation, copy: Path, timeout: float, python: str) -> tuple[int | None, str]:
     """(pytest's exit status, None on timeout; its output)."""
-    env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
+    tests = m.tests
+    env = {**os.environ, **dict(m.env), "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
     cmd = [python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rfE", *tests]
     log = copy / ".mutant-pytest.log"
     with open(log, "wb") as sink:  # a file, not a pipe: nothing blocks on a full pipe
@@ -325,7 +334,7 @@ def run_one(m: Mutation, files: list[str], timeout: float, python: str, keep: bo
         problem = apply(m, copy)
         if problem is not None:
             return Outcome(m, False, f"missed {m.name} ({problem})", time.monotonic() - t0)
-        status, output = pytest_run(copy, m.tests, timeout, python)
+        status, output = pytest_run(m, copy, timeout, python)
         seconds = time.monotonic() - t0
         if status is None:
             return Outcome(m, True, f"caught {m.name} (timeout after {timeout:.0f} s)", seconds, output)
