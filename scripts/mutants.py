@@ -155,6 +155,12 @@ MUTATIONS: list[Mutation] = [
       ("tests/test_sim.py::test_the_sweep_mixes_checkpoints_error_feedback_and_chunks",),
       "finding 8: the simulated nodes run without the error feedback their scenario drew",
       env={"GM_SIM_SEEDS": "40", "GM_SIM_ROUNDS": "20"}),
+    M("mlx-delta-sign-flipped-in-place", "gradientmail_core/adapters/mlx.py",
+      "np.subtract(o, self.read([n])[n], out=o, dtype=np.float32)",
+      "np.subtract(self.read([n])[n], o, out=o, dtype=np.float32)",
+      ("tests/test_quant_i2.py::test_mlx_deltas_encode_to_the_numpy_bytes",),
+      "finding 8: an MLX learner's consumed delta is local - anchor (the old test compared numpy with numpy)",
+      quick=True),
     # 5. Carry (and the other runs that ended in finish + assert_identical)
     M("carry-keeps-the-steps-twice", "gradientmail_core/adapters/handles.py",
       "np.add(t, np.subtract(local[n], snapshot[n], dtype=np.float32), dtype=np.float32)",

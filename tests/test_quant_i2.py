@@ -238,23 +238,35 @@ def test_the_device_pipeline_captures_the_host_paths_bytes() -> None:
 
 
 def test_mlx_deltas_encode_to_the_numpy_bytes() -> None:
+    # An MLX learner's delta goes through the MLX adapter as a node takes it: captured (a copy of
+    # the parameters read from MLX) or consumed (MLX's subtract_from into the anchor's own
+    # arrays); either way its I2 payload is the bytes numpy encodes for anchor - parameters,
+    # computed here from the values the MLX model was built from.
     mx = pytest.importorskip("mlx.core")
     nn = pytest.importorskip("mlx.nn")
+    from gradientmail_core.adapters.handles import FragmentIO
     from gradientmail_core.adapters.mlx import MLXAdapter
 
     values = {n: v for n, v in inputs().items() if v.size and np.isfinite(v).all()}
+    anchor = {n: (v * F32(0.5) + F32(0.25)).astype(F32) for n, v in values.items()}
 
     class Params(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             for n, v in values.items():
-                self[n] = mx.array(-v)
+                self[n] = mx.array(v)
 
-    adapter = MLXAdapter(Params())
-    local = adapter.read(list(values))
-    deltas = {n: np.subtract(0, local[n], dtype=F32) for n in values}
-    want = {n: np.subtract(0, -v, dtype=F32) for n, v in values.items()}
-    assert payload.encode_payload(deltas, "I2", kind="delta") == payload.encode_payload(want, "I2", kind="delta")
+    io = FragmentIO(MLXAdapter(Params()))
+    assert io.consumes  # the path an MLX learner takes when its node lends it the anchors
+    names = list(values)
+    dtypes = dict.fromkeys(names, "I2")
+    want = payload.encode_payload(
+        {n: np.subtract(anchor[n], values[n], dtype=F32) for n in names}, dtypes, kind="delta"
+    )
+    captured = io.capture(names, anchor).encode(dtypes, compression="")
+    consumed = io.consume(names, {n: a.copy() for n, a in anchor.items()}).encode(dtypes, compression="")
+    assert captured == want and consumed == want
+    assert payload.payload_dtypes(want) == dtypes
 
 
 # ---------------------------------------------------------------------------------------------
