@@ -161,6 +161,11 @@ MUTATIONS: list[Mutation] = [
       ("tests/test_quant_i2.py::test_mlx_deltas_encode_to_the_numpy_bytes",),
       "finding 8: an MLX learner's consumed delta is local - anchor (the old test compared numpy with numpy)",
       quick=True),
+    M("only-ec-keys-refused", "gradientmail_core/protocol/identity.py",
+      "    if not isinstance(key, ed.Ed25519PrivateKey):\n",
+      '    if type(key).__name__ == "ECPrivateKey":\n',
+      ("tests/test_identity.py::test_an_rsa_or_ec_key_is_refused",),
+      "finding 8: an RSA identity key is taken (the 'RSA is refused' test used an EC key)", quick=True),
     # 5. Carry (and the other runs that ended in finish + assert_identical)
     M("carry-keeps-the-steps-twice", "gradientmail_core/adapters/handles.py",
       "np.add(t, np.subtract(local[n], snapshot[n], dtype=np.float32), dtype=np.float32)",
