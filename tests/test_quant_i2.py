@@ -115,6 +115,16 @@ def test_grid_values_are_exact_and_quantizing_twice_changes_nothing() -> None:
     np.testing.assert_array_equal(roundtrip(y), y)
 
 
+def test_of_equally_good_scales_the_first_tried_the_largest_is_kept() -> None:
+    # 24 ones and 8 twos. Scale 1 (levels 1 and 3; a two is a tie at twice the scale: inner, 1)
+    # misses each two by 1; scale 1/2 (levels 1/2 and 3/2) misses every value by 1/2: a squared
+    # error of 8 either way. The search keeps the first of equals, the larger scale.
+    x = np.array([1.0] * 24 + [2.0] * 8, F32)
+    packed, scale = quantize_i2(x)
+    assert scale.tolist() == [127]  # 2**0
+    np.testing.assert_array_equal(dequantize_i2(packed, scale, x.shape), np.ones(32, F32))
+
+
 def test_a_tie_at_twice_the_scale_goes_to_the_inner_level() -> None:
     # [3, 3, 3, 2]: scale 1 fits the 3s exactly; 2 is halfway between the levels 1 and 3.
     np.testing.assert_array_equal(roundtrip(np.array([3.0, 3.0, 3.0, 2.0, -2.0], F32)), [3, 3, 3, 1, -1])
