@@ -463,7 +463,8 @@ def main(argv: list[str] | None = None) -> int:
             print(out.line, flush=True)
             if args.verbose and not out.caught and out.log:
                 print("    " + "\n    ".join(out.log.splitlines()[-30:]), flush=True)
-    print(f"mutants: {caught} of {len(chosen)} caught ({time.monotonic() - t0:.0f} s)")
+    print(f"({time.monotonic() - t0:.0f} s)", file=sys.stderr)
+    print(f"mutants: {caught} of {len(chosen)} caught")
     return 0 if caught == len(chosen) else 1
 
 

@@ -253,7 +253,7 @@ def test_a_four_rank_node_a_two_rank_node_and_a_plain_node_in_one_run_end_bit_id
     # the same bytes a plain node would.
     mailbox = tmp_path / "mailbox"
     mailbox.mkdir()
-    three = ("--steps", "16", "--quorum", "3", "--learners", "3")
+    three = ("--steps", "16", "--quorum", "3", "--learners", "3", "--keep", "--record-locals")
     a = plain(mailbox, tmp_path / "plain", *three)
     b = sharded(mailbox, tmp_path / "two", *three, name="two")
     c = sharded(mailbox, tmp_path / "four", *three, ranks=4, name="four")
@@ -264,3 +264,5 @@ def test_a_four_rank_node_a_two_rank_node_and_a_plain_node_in_one_run_end_bit_id
         assert all(want[n].tobytes() == got[n].tobytes() for n in want), f"{node} differs from the plain node"
     report = json.loads((tmp_path / "plain.json").read_text())
     assert len(report["aligned"]) == 4 and all(a[3] == ["four", "plain", "two"] for a in report["aligned"])
+    for node in ("two", "four"):  # each uploaded anchor - local of its own parameters
+        assert check_contributions(mailbox, tmp_path / f"{node}.locals.npz", node) == 4
