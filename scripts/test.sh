@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up .venv (torch CPU first, then the project with every extra) and runs
-# ruff (lint + format check), mypy over gradientmail_core, and the whole test suite.
+# ruff (lint + format check), mypy over gradientmail_core, the whole test suite, and the quick
+# subset of scripts/mutants.py (deliberate breaks of the code the tests must catch; about a minute).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
@@ -14,3 +15,4 @@ command -v "$PY" >/dev/null || PY=python3
 .venv/bin/ruff format --check .
 .venv/bin/mypy gradientmail_core
 .venv/bin/python -m pytest -q "$@"
+.venv/bin/python scripts/mutants.py --quick -j 2

@@ -1,5 +1,13 @@
 """A small deterministic cluster for engine tests: N learners with numpy models over one
-MemoryMailbox and one FakeClock, driven single-threaded (train step, tick, advance)."""
+MemoryMailbox and one FakeClock, driven single-threaded (train step, tick, advance).
+
+``Cluster(..., audit=True)`` puts the simulation's auditor (``gradientmail_core/sim/audit.py``)
+between every member and the store: each commit is recomputed as it is written, from the
+contributions its record lists, bit for bit with the engine's functions and within float32
+rounding with an independent float64 reference, and deletions of what the run still needs are
+caught. ``test_engine_rounds.finish`` then asserts that every round was verified, without a
+violation: "every node ends identical" holds by construction (closing loads the newest commit
+everywhere); that each commit is the right one does not."""
 
 from __future__ import annotations
 
@@ -17,6 +25,7 @@ from gradientmail_core.mailbox.memory import MemoryMailbox
 from gradientmail_core.protocol.run import open_run
 from gradientmail_core.protocol.store import RunStore
 from gradientmail_core.protocol.tape import fetch_theta
+from gradientmail_core.sim.audit import AuditMailbox, Auditor
 from gradientmail_core.syncer.bridge import Bridge
 from gradientmail_core.syncer.learner import Learner
 from gradientmail_core.syncer.node import Node, NodeOptions
@@ -102,6 +111,17 @@ class Cluster:
     compression: str = ""
     members: dict[str, Member] = field(default_factory=dict)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=lambda: dict(SHAPES))
+    audit: bool = False  # every commit checked by the simulation's auditor (the module docstring)
+    auditor: Auditor | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.audit:
+            self.auditor = Auditor(self.mailbox)
+
+    def path(self, name: str) -> Mailbox:
+        """``name``'s way to the store: through the auditor when the cluster is audited (a fault
+        wrapper goes above it: ``CrashingMailbox(c.path(name), ...)``)."""
+        return self.mailbox if self.auditor is None else AuditMailbox(self.mailbox, self.auditor, name)
 
     def join(
         self, name: str, seed: int | None = None, compression: str | None = None, mailbox: Mailbox | None = None
@@ -109,7 +129,7 @@ class Cluster:
         seed = len(self.members) if seed is None else seed
         params = make_params(100 + seed, self.shapes)
         adapter = NumpyAdapter(params)
-        store = RunStore(mailbox or self.mailbox)
+        store = RunStore(mailbox or self.path(name))
         events: list[ev.Event] = []
         comp = self.compression if compression is None else compression
         run, created = open_run(

@@ -5,7 +5,10 @@
 the run and closes its rounds); ``torchrun --nproc_per_node 2 sharded_node.py sharded ...`` runs a
 sharded node (a learner). Each writes its final parameters (``OUT.npz``, gathered with
 ``full_tensor()`` on a sharded node) and a report (``OUT.json``: rounds seen, the participants of
-every commit it aligned with, and on a sharded node each rank's metered allocations).
+every commit it aligned with, and on a sharded node each rank's metered allocations). With
+``--record-locals`` it also writes ``OUT.locals.npz``: the full parameters just before each
+``session.step`` (``"{local_step}@{name}"``, the parameters a publish in that step captures) and
+after the last (``"final@{name}"``), for a test to compute what each contribution must be.
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ class FailingRecords(ForwardingMailbox):
 
     def __init__(self, inner: gm.Mailbox, left: int) -> None:
         super().__init__(inner)
-        self.left = left
+        self.start = self.left = left
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         if key.startswith(keys.ROUNDS) and self.left > 0:
@@ -92,7 +95,7 @@ class FailingReads(ForwardingMailbox):
 
     def __init__(self, inner: gm.Mailbox, left: int) -> None:
         super().__init__(inner)
-        self.left = left
+        self.start = self.left = left
 
     def _fail(self, key: str) -> None:
         if key.startswith(keys.SNAPSHOT_BLOBS) and self.left > 0:
@@ -160,6 +163,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--break-after", type=int, default=0, help="...after this many")
     ap.add_argument("--until", default=None, help="stop training (and close) once this file exists")
     ap.add_argument("--touch", default=None, help="create this file after training, before closing")
+    ap.add_argument("--record-locals", action="store_true", help="write OUT.locals.npz (the module docstring)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     return args
@@ -179,10 +183,13 @@ def run(args: argparse.Namespace, net: torch.nn.Module, rank: int, world: int) -
     mailbox: gm.Mailbox = gm.FileMailbox(args.mailbox)
     if args.keep:
         mailbox = Keeping(mailbox)
+    injected: list[FailingRecords | FailingReads] = []
     if args.fail_records and rank == 0:
         mailbox = FailingRecords(mailbox, args.fail_records)
+        injected.append(mailbox)
     if args.fail_reads and rank == world - 1 and world > 1:  # the last rank of a sharded node
         mailbox = FailingReads(mailbox, args.fail_reads)
+        injected.append(mailbox)
     if args.break_rank == rank and world > 1:
         mailbox = Breaking(mailbox, args.break_after)
     session = gm.Session(
@@ -197,6 +204,17 @@ def run(args: argparse.Namespace, net: torch.nn.Module, rank: int, world: int) -
         close_timeout=60.0,
         callbacks=[gm.log_events, watch],
     )
+    recorded: dict[str, np.ndarray] = {}
+
+    def record(tag: str) -> None:
+        if not args.record_locals:
+            return
+        if args.fsdp == 1 and world > 1:
+            raise SystemExit("--record-locals gathers FSDP2 parameters (full_tensor): not with --fsdp 1")
+        for n, p in net.named_parameters():
+            full = p.full_tensor() if world > 1 else p  # (full_tensor: collective, every rank in step)
+            recorded[f"{tag}@{n}"] = full.detach().float().numpy().copy()
+
     with session:
         session.wait_for(learners=args.learners, timeout=60)
         for step in range(args.steps):
@@ -206,6 +224,7 @@ def run(args: argparse.Namespace, net: torch.nn.Module, rank: int, world: int) -
             opt.zero_grad()
             torch.nn.functional.mse_loss(net(x), y).backward()
             opt.step()
+            record(str(step + 1))  # a publish in this step captures these (local_step = step + 1)
             session.step(samples=len(x) * world)
             if args.step_sleep:
                 time.sleep(args.step_sleep)
@@ -214,8 +233,13 @@ def run(args: argparse.Namespace, net: torch.nn.Module, rank: int, world: int) -
                 time.sleep(3600)  # killed here
         if args.touch and rank == 0:
             Path(args.touch).write_text("done")
+        record("final")  # what a final contribution at close captures
+    if recorded and rank == 0:
+        np.savez(args.out + ".locals.npz", **recorded)
     progress = session.progress
     report = {"aligned": aligned, "rounds_seen": session.rounds_seen, "round": progress.round}
+    # How many of the injected failures happened (each wrapper counts down what it has left).
+    report["injected"] = {type(w).__name__: w.start - w.left for w in injected}
     return session, {**report, "versions": list(progress.versions), "events": events}
 
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from harness import Cluster
+from harness import Cluster, Member
 
 import gradientmail_core as gm
 from gradientmail_core.adapters.base import NumpyAdapter
 from gradientmail_core.adapters.handles import FragmentIO
-from gradientmail_core.syncer.bridge import CommitNotice
+from gradientmail_core.syncer.bridge import CommitNotice, Publish
 
 F32 = np.float32
 
@@ -123,12 +123,64 @@ def test_adaptive_switches_per_fragment_with_hysteresis():
     assert decisions == [False, True, True, True, False, False, True]
 
 
-def test_learners_with_carry_train_a_run_and_leave_on_the_same_parameters():
+def _watch_alignment(m: Member) -> tuple[list[bool], list[Publish]]:
+    """Checks every commit ``m``'s learner aligns with against ``theta + (local - snapshot)``,
+    computed here (float32, the subtraction first): ``snapshot`` is the fragment as ``m`` trained
+    it up to its contribution to the committed round (recorded as its learner publishes), or its
+    anchor if it has no part in the round. Returns, per commit, whether steps were kept (the
+    parameters had moved since the snapshot), and the contributions the learner handed its node."""
+    learner, kept, sent = m.learner, [], []
+    snapshots: dict[int, dict[str, np.ndarray]] = {}
+    publish, apply, hand_over = learner.publish, learner.apply, learner.bridge.publish
+
+    def on_publish(r: int, *, final: bool = False) -> None:
+        snapshots[r] = {n: m.params[n].copy() for n in learner.run.fragments[r % learner.run.P]}
+        publish(r, final=final)
+
+    def on_apply(c: CommitNotice) -> None:
+        names = learner.run.fragments[c.fragment]
+        fresh = c.version > learner.versions.get(c.fragment, -1)
+        local = {n: m.params[n].copy() for n in names}
+        base = snapshots[c.round] if m.name in c.participants else dict(learner.anchors[c.fragment])
+        apply(c)
+        if fresh:
+            for n in names:
+                want = np.add(c.theta[n], np.subtract(local[n], base[n], dtype=F32), dtype=F32)
+                assert np.array_equal(m.params[n], want), (m.name, c.round, n)
+            kept.append(any(not np.array_equal(local[n], base[n]) for n in names))
+
+    def on_hand_over(p: Publish) -> None:
+        sent.append(p)
+        hand_over(p)
+
+    learner.publish, learner.apply = on_publish, on_apply  # type: ignore[method-assign]
+    learner.bridge.publish = on_hand_over  # type: ignore[method-assign]
+    return kept, sent
+
+
+def test_learners_with_carry_keep_the_steps_since_their_contribution_at_every_commit_of_a_run():
     c = Cluster(gm.DiLoCo(sync_every=8, fragments=2, alignment=gm.Carry(), quorum_size=2, overlap_steps=0))
     a, b = c.join_all(["a", "b"])
-    c.run(40, ticks_per_step=3)
+    watched = {m.name: _watch_alignment(m) for m in (a, b)}
+    # The nodes poll every third step, so a commit finds its learners a step or two past their
+    # contributions: the steps Carry keeps (Overwrite would drop them).
+    for step in range(48):
+        for m in (a, b):
+            m.train()
+        if step % 3 == 2:
+            c.tick_all()
+            c.clock.advance(0.05)
     c.settle()
-    assert c.head() >= 6
+    assert c.head() >= 9
+    for name, (steps_kept, sent) in watched.items():
+        assert len(steps_kept) >= 10 and sum(steps_kept) >= 8, (name, steps_kept)
+        # Each contribution reports the steps its delta carries: with Carry nothing is dropped,
+        # so every step since the learner's previous contribution of the fragment (4 samples each).
+        last = dict.fromkeys(range(c.cfg.fragments), 0)
+        assert len(sent) >= 10
+        for p in sent:
+            assert (p.steps, p.tokens) == (p.local_step - last[p.fragment], 4 * (p.local_step - last[p.fragment])), p
+            last[p.fragment] = p.local_step
     for m in (a, b):
         c.close(m)
     for n in a.params:

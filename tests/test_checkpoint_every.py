@@ -5,6 +5,7 @@ changes, and GC keeps exactly what those need (docs/protocol.md, "Checkpoints").
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import random
 
@@ -213,7 +214,7 @@ def test_a_takeover_between_checkpoints_gives_the_same_parameters_as_a_run_witho
 
 
 def test_a_closer_killed_between_checkpoints_is_taken_over_and_the_new_closer_rebuilds_exactly():
-    c = Cluster(cfg())
+    c = Cluster(cfg(), audit=True)  # the new closer's commits recomputed
     a, b, cc = c.join_all("abc")
     c.run(22)
     c.settle(4)
@@ -248,12 +249,17 @@ def test_a_missing_contribution_makes_the_new_closer_wait_and_a_wrong_one_is_ref
     forged = dataclasses.replace(
         newest, participants=[dataclasses.replace(p0, weight=p0.weight * 2), *newest.participants[1:]]
     )
-    before = replay.recover(_closer(b.node), store, run, f, newest)
     k = _closer(b.node)
     state = replay.recover(k, store, run, f, [r for r in records(c) if r.fragment == f][-2])
+    before = copy.deepcopy(state)  # what the refused replay must leave as it was
     with pytest.raises(ProtocolError, match="does not give the committed"):
         replay.replay_round(k, store, run, state, forged)
-    assert before.version == newest.version
+    assert (state.version, state.checkpoint) == (before.version, before.checkpoint)
+    for what in ("theta", "master", "momentum"):
+        mine, kept = getattr(state, what), getattr(before, what)
+        assert mine.keys() == kept.keys() and all(mine[n].tobytes() == kept[n].tobytes() for n in kept), what
+    # the true record still replays from that same state, to the committed one
+    assert replay.replay_round(k, store, run, state, newest).version == newest.version
     # a contribution gone (no newer checkpoint yet): the node waits, with the key in the message
     c.mailbox.delete([newest.contributions[-1].key])
     with pytest.raises(MailboxUnavailable, match=newest.contributions[-1].key):
@@ -261,7 +267,7 @@ def test_a_missing_contribution_makes_the_new_closer_wait_and_a_wrong_one_is_ref
 
 
 def test_a_learner_joining_between_checkpoints_rebuilds_the_parameters_from_the_checkpoint():
-    c = Cluster(cfg())
+    c = Cluster(cfg(), audit=True)
     ms = c.join_all("abc")
     c.run(22)
     c.settle(4)

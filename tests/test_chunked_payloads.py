@@ -302,15 +302,20 @@ def test_a_run_whose_records_would_not_fit_is_refused_at_creation():
     store = RunStore(MemoryMailbox())
     run, _ = open_run(store, model.schema(), model.read, dataclasses.replace(cfg, chunk_elements=64 * 32),
                       learner="a", compression="", rng=random.Random(0))  # fmt: skip
-    # between checkpoints, a record would list participants x chunks contributions: past what a
-    # record holds, the round is written as a checkpoint
+    # checkpoint_every=1 (this run): every version is a checkpoint, whatever the participants
     n = len(run.plan(0))
-    assert not run.checkpoint_due(0, 1, final=False, participants=1) or run.cfg.checkpoint_every == 1
+    assert run.cfg.checkpoint_every == 1 and run.checkpoint_due(0, 1, final=False, participants=1)
+    # between checkpoints, a record would list (participants + 1) x chunks refs (the change and
+    # every contribution): past what a record holds, the round is written as a checkpoint
     ck = RunInfo.from_manifest(
         dataclasses.replace(run.manifest, config={**run.manifest.config, "commit_dtype": "F4", "checkpoint_every": 5})
     )
+    fits = RECORD_REFS // n - 1  # the most participants whose refs fit: n * (fits + 1) <= RECORD_REFS
+    assert n * (fits + 1) <= RECORD_REFS < n * (fits + 2)
     assert not ck.checkpoint_due(0, 1, final=False, participants=1)
-    assert ck.checkpoint_due(0, 1, final=False, participants=RECORD_REFS // n + 1)
+    assert not ck.checkpoint_due(0, 1, final=False, participants=fits)
+    assert ck.checkpoint_due(0, 1, final=False, participants=fits + 1)
+    assert ck.checkpoint_due(0, 5, final=False, participants=1)  # a checkpoint version stays one
 
 
 # ---- runs: one chunk is today's bytes; many chunks end bit-identical ----------------------------

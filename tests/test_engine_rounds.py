@@ -39,13 +39,26 @@ def assert_identical(members) -> None:
 
 
 def finish(c: Cluster) -> None:
+    """Let the run settle and every live member leave (each then holds the newest commit: that the
+    members end identical is by construction). In an audited cluster, also: every round the tape
+    holds was recomputed by the auditor as it was written, without a violation."""
     c.settle()
     for m in c.live():
         c.close(m)
+    if c.auditor is not None:
+        assert_audited(c)
+
+
+def assert_audited(c: Cluster) -> None:
+    """The auditor of ``c`` recomputed every round of the tape as it was written, and found nothing wrong."""
+    assert c.auditor is not None, "not an audited cluster: Cluster(..., audit=True)"
+    c.auditor.check_tape()
+    assert not c.auditor.violations, "\n".join(map(str, c.auditor.violations[:5]))
+    assert c.auditor.stats["rounds_verified"] == len(records(c)) > 0, c.auditor.stats
 
 
 def test_three_learners_commit_a_contiguous_tape_and_end_identical():
-    c = Cluster(gm.DiLoCo(sync_every=8, fragments=2, quorum_size=3))
+    c = Cluster(gm.DiLoCo(sync_every=8, fragments=2, quorum_size=3), audit=True)
     ms = c.join_all("abc")
     c.run(80)
     finish(c)
@@ -83,7 +96,7 @@ def test_round_closes_when_every_live_learner_reported_below_quorum():
 
 
 def test_garbage_collection_keeps_manifest_init_tape_and_last_2p_rounds():
-    c = Cluster(gm.DiLoCo(sync_every=4, fragments=2))
+    c = Cluster(gm.DiLoCo(sync_every=4, fragments=2), audit=True)  # (deletes nothing the run needs)
     ms = c.join_all("ab")
     c.run(80)
     finish(c)
@@ -245,7 +258,7 @@ def test_flush_on_close_publishes_final_contributions_committed_without_momentum
 
 
 def test_zstd_payloads_interoperate_with_uncompressed_nodes():
-    c = Cluster(gm.DiLoCo(sync_every=4, fragments=2, quorum_size=2))
+    c = Cluster(gm.DiLoCo(sync_every=4, fragments=2, quorum_size=2), audit=True)
     a = c.join("a", compression="zstd")
     b = c.join("b", compression="")
     for m in (a, b):

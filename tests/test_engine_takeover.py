@@ -19,7 +19,7 @@ def took_over(c: Cluster) -> list[ev.TookOver]:
 
 
 def test_closer_that_dies_is_taken_over_when_its_lease_is_lost():
-    c = Cluster(gm.DiLoCo(sync_every=4, fragments=2))
+    c = Cluster(gm.DiLoCo(sync_every=4, fragments=2), audit=True)  # the new closer's commits are recomputed
     a, b, cc = c.join_all("abc")
     c.run(12)
     assert {r.closer for r in records(c)} == {"a"}
@@ -35,7 +35,7 @@ def test_closer_that_dies_is_taken_over_when_its_lease_is_lost():
 
 
 def test_stalled_closer_is_taken_over_by_timeout_and_superseded_when_it_resumes():
-    c = Cluster(gm.DiLoCo(sync_every=4, fragments=1))
+    c = Cluster(gm.DiLoCo(sync_every=4, fragments=1), audit=True)
     from gradientmail_core.syncer.node import NodeOptions
 
     c.options = NodeOptions(poll_interval=0.1, lease_timeout=5.0, round_timeout=0.5)
@@ -64,8 +64,8 @@ def test_stalled_closer_is_taken_over_by_timeout_and_superseded_when_it_resumes(
 
 
 def test_closer_crash_between_payload_and_record_is_recomputed_with_the_same_bytes():
-    c = Cluster(gm.DiLoCo(sync_every=4, fragments=1, quorum_size=3))
-    crashing = CrashingMailbox(c.mailbox, lambda op, key: op == "put" and key == keys.round_key(1))
+    c = Cluster(gm.DiLoCo(sync_every=4, fragments=1, quorum_size=3), audit=True)
+    crashing = CrashingMailbox(c.path("a"), lambda op, key: op == "put" and key == keys.round_key(1))
     a = c.join("a", mailbox=crashing)
     b, cc = c.join("b"), c.join("c")
     for m in c.live():
@@ -86,8 +86,8 @@ def test_closer_crash_between_payload_and_record_is_recomputed_with_the_same_byt
 def test_closer_crash_after_commit_holds_the_next_claim_and_it_is_taken_over():
     # The closer claims the next round before its commit lands (so no follower sees it unclaimed
     # while the closer lives); dying right after the commit leaves that claim to a dead holder.
-    c = Cluster(gm.DiLoCo(sync_every=4, fragments=1))
-    crashing = CrashingMailbox(c.mailbox, lambda op, key: op == "put" and key == keys.round_key(0), after=True)
+    c = Cluster(gm.DiLoCo(sync_every=4, fragments=1), audit=True)
+    crashing = CrashingMailbox(c.path("a"), lambda op, key: op == "put" and key == keys.round_key(0), after=True)
     a = c.join("a", mailbox=crashing)
     b = c.join("b")
     for m in c.live():
@@ -102,7 +102,7 @@ def test_closer_crash_after_commit_holds_the_next_claim_and_it_is_taken_over():
 
 
 def test_restarted_learner_continues_from_the_store():
-    c = Cluster(gm.DiLoCo(sync_every=4, fragments=2))
+    c = Cluster(gm.DiLoCo(sync_every=4, fragments=2), audit=True)
     a, b = c.join_all("ab")
     c.run(20)
     c.crash(b)
@@ -126,7 +126,7 @@ def test_restarted_learner_continues_from_the_store():
 
 
 def test_learner_that_leaves_is_not_waited_for_and_a_joiner_starts_from_committed_parameters():
-    c = Cluster(gm.DiLoCo(sync_every=4, fragments=1, quorum_size=2))
+    c = Cluster(gm.DiLoCo(sync_every=4, fragments=1, quorum_size=2), audit=True)
     a, b = c.join_all("ab")
     c.run(8)
     c.close(b)  # deletes its lease: not waited for any more

@@ -152,17 +152,24 @@ def test_a_bad_key_file_is_refused_with_a_clear_error(tmp_path, content, mode, m
     assert str(path) in str(e.value)
 
 
-def test_an_rsa_key_is_refused(tmp_path):
+@pytest.mark.parametrize("kind", ["rsa", "ec"])
+def test_an_rsa_or_ec_key_is_refused(tmp_path, kind):
+    # A PEM PKCS#8 private key that parses, of another algorithm: refused by its type, by name.
     from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
-    key = ec.generate_private_key(ec.SECP256R1())
-    path = tmp_path / "ec.key"
+    key = (
+        rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        if kind == "rsa"
+        else ec.generate_private_key(ec.SECP256R1())
+    )
+    path = tmp_path / f"{kind}.key"
     path.write_bytes(
         key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     )
     path.chmod(0o600)
-    with pytest.raises(ValueError, match="not an Ed25519 private key"):
+    held = "RSAPrivateKey" if kind == "rsa" else "ECPrivateKey"
+    with pytest.raises(ValueError, match=f"holds a {held}, not an Ed25519 private key"):
         Identity.load(path)
 
 

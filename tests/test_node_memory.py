@@ -8,10 +8,12 @@ it held. ``bench/memory.py`` measures the same in processes (peak RSS)."""
 
 from __future__ import annotations
 
+import functools
+import gc
 import queue
+import sys
 import threading
 import types
-from collections import deque
 from typing import Any
 
 import numpy as np
@@ -26,13 +28,24 @@ MODEL = sum(4 * a * b for a, b in SHAPES.values())
 FRAGMENT = MODEL // 4
 SLACK = 16 << 10  # payload headers, records, events: small next to a fragment
 
-_SKIP = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, str, int, float, type(threading.Lock()))
+# Not followed: what every object reaches (types, modules, code) and never holds a model.
+_SKIP = (type, types.ModuleType, types.CodeType, str, int, float, bool, type(None), type(threading.Lock()))
+
+
+def _shared() -> set[int]:
+    """Module namespaces (a function's globals, a frame's builtins): they reach everything."""
+    return {id(vars(mod)) for mod in list(sys.modules.values()) if mod is not None and hasattr(mod, "__dict__")}
 
 
 def held_bytes(m: Member) -> int:
     """Bytes of the distinct buffers reachable from ``m``'s node and learner (each array counted
-    once by the buffer that owns its memory), not counting the model, the store or the clock."""
-    skip = {id(m.node.store), id(m.node.clock), id(m.learner.adapter), id(m.params)}
+    once by the buffer that owns its memory), not counting the model, the store, the clock or the
+    test's ``Member`` (its training target).
+
+    Everything an object refers to is followed (``gc.get_referents``): attributes, containers,
+    and what no attribute names: a function's closure cells and defaults, a partial's arguments,
+    a bound method's object, a generator's or a thread's frame and its locals, a queue's items."""
+    skip = {id(m), id(m.node.store), id(m.node.clock), id(m.learner.adapter), id(m.params)} | _shared()
     seen: set[int] = set(skip)
     owners: dict[int, int] = {}
     todo: list[Any] = [m.node, m.learner]
@@ -53,18 +66,60 @@ def held_bytes(m: Member) -> int:
         if isinstance(obj, bytes | bytearray | memoryview):
             owners[id(obj)] = memoryview(obj).nbytes
             continue
-        if isinstance(obj, dict):
-            todo.extend(obj.values())
-        elif isinstance(obj, list | tuple | set | frozenset | deque):
-            todo.extend(obj)
-        elif isinstance(obj, types.MethodType):
-            todo.append(obj.__self__)
-        elif isinstance(obj, queue.Queue):
-            todo.extend(obj.queue)
-        else:
-            todo.extend(getattr(obj, "__dict__", {}).values())
-            todo.extend(getattr(obj, s) for s in getattr(type(obj), "__slots__", ()) if hasattr(obj, s))
+        if isinstance(obj, types.FrameType):  # f_back leads to the caller (the test itself)
+            todo.extend(obj.f_locals.values())
+            continue
+        if isinstance(obj, types.GeneratorType | types.CoroutineType):
+            if obj.gi_frame is not None if isinstance(obj, types.GeneratorType) else obj.cr_frame is not None:
+                todo.append(obj.gi_frame if isinstance(obj, types.GeneratorType) else obj.cr_frame)
+            continue
+        todo.extend(gc.get_referents(obj))
     return sum(owners.values())
+
+
+def test_the_count_sees_arrays_held_where_no_attribute_names_them():
+    # The count must see a model copy however it is held: in a closure, a partial, a bound
+    # method's object, a generator's frame, a default argument, a queue (the four 64 KiB tensors
+    # of a fragment, held once each way).
+    c = Cluster(gm.DiLoCo(sync_every=8, fragments=4, quorum_size=2), shapes=dict(SHAPES))
+    (b,) = c.join_all("b")
+    base = held_bytes(b)
+
+    def copy() -> dict[str, np.ndarray]:
+        return {n: v.copy() for n, v in list(b.params.items())[:2]}
+
+    def held_in_a_closure(kept: Any) -> Any:
+        return lambda: kept
+
+    def held_in_a_generator(kept: Any) -> Any:
+        yield kept
+
+    class Holder:
+        def __init__(self) -> None:
+            self.kept = copy()
+
+        def hook(self) -> None:
+            pass
+
+    def default(kept: dict[str, np.ndarray] = copy()) -> None:  # noqa: B006
+        pass
+
+    gen = held_in_a_generator(copy())
+    next(gen)
+    q: queue.Queue[Any] = queue.Queue()
+    q.put(copy())
+    for name, hook in {
+        "closure": held_in_a_closure(copy()),
+        "partial": functools.partial(print, copy()),
+        "bound method": Holder().hook,
+        "generator": gen,
+        "default": default,
+        "queue": q,
+    }.items():
+        b.node.hook_under_test = hook  # type: ignore[attr-defined]
+        assert held_bytes(b) - base == 2 * 64 << 10, name
+    del b.node.hook_under_test  # type: ignore[attr-defined]
+    assert held_bytes(b) == base
 
 
 def run_measured(c: Cluster, steps: int) -> dict[tuple[str, str], int]:

@@ -5,6 +5,7 @@ reading, and a run whose deltas and commits travel as I2."""
 from __future__ import annotations
 
 import importlib.util
+import struct
 
 import numpy as np
 import pytest
@@ -112,6 +113,16 @@ def test_grid_values_are_exact_and_quantizing_twice_changes_nothing() -> None:
     np.testing.assert_array_equal(roundtrip(x), x)
     y = roundtrip(np.random.default_rng(2).standard_normal(1000).astype(F32) * F32(1e-3))
     np.testing.assert_array_equal(roundtrip(y), y)
+
+
+def test_of_equally_good_scales_the_first_tried_the_largest_is_kept() -> None:
+    # 24 ones and 8 twos. Scale 1 (levels 1 and 3; a two is a tie at twice the scale: inner, 1)
+    # misses each two by 1; scale 1/2 (levels 1/2 and 3/2) misses every value by 1/2: a squared
+    # error of 8 either way. The search keeps the first of equals, the larger scale.
+    x = np.array([1.0] * 24 + [2.0] * 8, F32)
+    packed, scale = quantize_i2(x)
+    assert scale.tolist() == [127]  # 2**0
+    np.testing.assert_array_equal(dequantize_i2(packed, scale, x.shape), np.ones(32, F32))
 
 
 def test_a_tie_at_twice_the_scale_goes_to_the_inner_level() -> None:
@@ -237,23 +248,35 @@ def test_the_device_pipeline_captures_the_host_paths_bytes() -> None:
 
 
 def test_mlx_deltas_encode_to_the_numpy_bytes() -> None:
+    # An MLX learner's delta goes through the MLX adapter as a node takes it: captured (a copy of
+    # the parameters read from MLX) or consumed (MLX's subtract_from into the anchor's own
+    # arrays); either way its I2 payload is the bytes numpy encodes for anchor - parameters,
+    # computed here from the values the MLX model was built from.
     mx = pytest.importorskip("mlx.core")
     nn = pytest.importorskip("mlx.nn")
+    from gradientmail_core.adapters.handles import FragmentIO
     from gradientmail_core.adapters.mlx import MLXAdapter
 
     values = {n: v for n, v in inputs().items() if v.size and np.isfinite(v).all()}
+    anchor = {n: (v * F32(0.5) + F32(0.25)).astype(F32) for n, v in values.items()}
 
     class Params(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             for n, v in values.items():
-                self[n] = mx.array(-v)
+                self[n] = mx.array(v)
 
-    adapter = MLXAdapter(Params())
-    local = adapter.read(list(values))
-    deltas = {n: np.subtract(0, local[n], dtype=F32) for n in values}
-    want = {n: np.subtract(0, -v, dtype=F32) for n, v in values.items()}
-    assert payload.encode_payload(deltas, "I2", kind="delta") == payload.encode_payload(want, "I2", kind="delta")
+    io = FragmentIO(MLXAdapter(Params()))
+    assert io.consumes  # the path an MLX learner takes when its node lends it the anchors
+    names = list(values)
+    dtypes = dict.fromkeys(names, "I2")
+    want = payload.encode_payload(
+        {n: np.subtract(anchor[n], values[n], dtype=F32) for n in names}, dtypes, kind="delta"
+    )
+    captured = io.capture(names, anchor).encode(dtypes, compression="")
+    consumed = io.consume(names, {n: a.copy() for n, a in anchor.items()}).encode(dtypes, compression="")
+    assert captured == want and consumed == want
+    assert payload.payload_dtypes(want) == dtypes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -296,6 +319,16 @@ def test_a_run_with_i2_deltas_and_commits_ends_identical_and_matches_its_digests
 
     shapes = {"w": (16, 12), "b": (12,)}
     c = Cluster(gm.DiLoCo(sync_every=4, fragments=2, delta_dtype="I2", commit_dtype="I2"), shapes=shapes)
+    uploaded: dict[str, bytes] = {}  # every contribution's payload, as it went up (GC deletes them later)
+    put = c.mailbox.put_if_absent
+
+    def spy(key: str, data: bytes) -> bool:
+        b = keys.parse_blob_key(key)
+        if b is not None and b.kind == "snapshot":
+            uploaded[key] = bytes(data)
+        return put(key, data)
+
+    c.mailbox.put_if_absent = spy  # type: ignore[method-assign]
     ms = c.join_all("ab")
     c.run(32)
     c.settle()
@@ -307,10 +340,21 @@ def test_a_run_with_i2_deltas_and_commits_ends_identical_and_matches_its_digests
         assert r.change is not None
         assert set(payload.payload_dtypes(c.mailbox.get(r.change.key)).values()) == {"I2"}
     assert all(e.bytes > 0 for m in ms for e in m.of(ev.Published))
+    # The deltas went up as I2: every tensor of every contribution, and its data is exactly the
+    # two-bit codes (four a byte, blocks of 32) and a scale byte per block, after the header.
+    run = ms[0].node.run
+    assert len(uploaded) >= 12
+    for key, data in uploaded.items():
+        b = keys.parse_blob_key(key)
+        assert b is not None and b.round is not None
+        f = b.round % run.P
+        assert payload.payload_dtypes(data) == dict.fromkeys(run.fragments[f], "I2"), key
+        (header,) = struct.unpack("<Q", data[:8])
+        want = sum(sum(i2_sizes(int(np.prod(run.shapes[f][n])))) for n in run.fragments[f])
+        assert len(data) - 8 - header == want, key
     first = ms[0].params
     for m in ms[1:]:
         for n in first:
             assert np.array_equal(first[n], m.params[n]), (m.name, n)
-    run = ms[0].node.run
     for r in recs[-2:]:
         assert theta_digest(run, r.fragment, {n: first[n] for n in run.fragments[r.fragment]}) == r.theta_digest

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 from harness import Cluster, Member, make_params
-from test_engine_rounds import assert_identical, assert_tape_contiguous, records
+from test_engine_rounds import assert_audited, assert_identical, assert_tape_contiguous, records
 
 import gradientmail_core as gm
 from gradientmail_core import events as ev
@@ -42,7 +42,7 @@ class Roles(Cluster):
         params = make_params(100 + seed, self.shapes)
         adapter = NumpyAdapter(params)
         auth = policy(self.secret)
-        store = RunStore(GuardedMailbox(self.mailbox, auth=auth), auth=auth)
+        store = RunStore(GuardedMailbox(self.path(name), auth=auth), auth=auth)
         events: list[ev.Event] = []
         run, created = open_run(
             store, adapter.schema(), adapter.read, self.cfg, learner=name, compression="", rng=random.Random(seed)
@@ -76,7 +76,7 @@ class Roles(Cluster):
         events = self.syncer_events.setdefault(name, [])
         o = self.options
         s = gm.Syncer(
-            self.mailbox,
+            self.path(name),
             syncer_id=name,
             poll_interval=o.poll_interval,
             lease_timeout=o.lease_timeout,
@@ -205,7 +205,7 @@ def test_a_both_node_closes_when_present_and_learner_only_nodes_never_take_over(
 
 
 def test_a_learner_and_a_both_node_the_both_node_closes_every_round():
-    c = Roles(gm.DiLoCo(sync_every=4, fragments=2, quorum_size=2), options=options())
+    c = Roles(gm.DiLoCo(sync_every=4, fragments=2, quorum_size=2), options=options(), audit=True)
     a = c.learners("a")[0]
     b = c.learners("b", role="both")[0]
     c.run(40)
@@ -215,6 +215,7 @@ def test_a_learner_and_a_both_node_the_both_node_closes_every_round():
     recs = assert_tape_contiguous(c)
     assert len(recs) == 40 // 4 * 2 and {r.closer for r in recs} == {"b"}
     assert all({p.learner for p in r.participants} == {"a", "b"} for r in recs)
+    assert_audited(c)  # each commit is its participants' merge and outer step
     assert_identical([a, b])
 
 
@@ -245,7 +246,7 @@ def test_a_syncer_never_creates_a_run_it_waits_and_says_so():
 
 
 def test_a_syncer_closes_every_round_and_is_not_counted_as_a_learner():
-    c = Roles(gm.DiLoCo(sync_every=4, fragments=2, quorum_size=2), options=options())
+    c = Roles(gm.DiLoCo(sync_every=4, fragments=2, quorum_size=2), options=options(), audit=True)
     a, b = c.learners("ab")
     c.settle(2)  # they see no node that may close rounds
     s = c.start_syncer("s")
@@ -265,6 +266,7 @@ def test_a_syncer_closes_every_round_and_is_not_counted_as_a_learner():
     assert all(r.live == 2 and {p.learner for p in r.participants} == {"a", "b"} for r in recs)
     assert all(r.grace_seconds == 0 for r in recs)
     assert any((r.grace_planned or 0) > 0 for r in recs)  # a window was planned, and not waited
+    assert_audited(c)  # the syncer, which trains nothing, commits its learners' merge
     assert_identical([a, b])
     # it trains nothing and keeps no commits for a training thread
     assert s.node.stats.published == 0 and s.node.bridge.inbox.qsize() == 0
@@ -276,7 +278,7 @@ def test_a_syncer_closes_every_round_and_is_not_counted_as_a_learner():
 
 
 def test_no_closer_fires_once_when_the_syncer_lapses_and_closer_back_when_it_returns():
-    c = Roles(gm.DiLoCo(sync_every=4, fragments=2, quorum_size=2), options=options())
+    c = Roles(gm.DiLoCo(sync_every=4, fragments=2, quorum_size=2), options=options(), audit=True)
     a, b = c.learners("ab")
     c.settle(2)
     c.start_syncer("s")
@@ -308,6 +310,7 @@ def test_no_closer_fires_once_when_the_syncer_lapses_and_closer_back_when_it_ret
         c.close(m)
     recs = assert_tape_contiguous(c)
     assert {r.closer for r in recs} == {"s"}
+    assert_audited(c)  # the restarted syncer went on from the outer state in the store
     assert_identical([a, b])
 
 

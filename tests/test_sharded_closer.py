@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_sharded_session import finish, plain, sharded
+from test_sharded_session import check_contributions, finish, plain, sharded, snapshots
 
 import gradientmail_core as gm
 from gradientmail_core.protocol import keys
@@ -109,17 +109,43 @@ def test_a_sharded_closer_commits_the_bytes_of_a_one_process_closer(tmp_path, ex
     assert recompute_every_round(tmp_path / "mailbox") == ["shard"] * 4
 
 
-@pytest.mark.parametrize("place", ["disk", "host"])
-def test_anchors_kept_on_disk_or_in_host_memory_change_no_byte(tmp_path, place):
-    # The ranks' anchors in a file per fragment (the process holds no copy) or in host memory (on
-    # this CPU machine, the same memory as the parameters): the run ends as with anchors beside
-    # the parameters, and the files are gone after close.
-    report, ranks = _closed_by_shard(tmp_path, "--anchors", place, steps=16)
-    assert len(report["aligned"]) == 4 and all(a[3] == ["plain", "shard"] for a in report["aligned"])
-    for r in ranks:
-        assert r["anchors_place"] == place
-        if place == "disk":
-            assert r["anchors_dir"] and not Path(r["anchors_dir"]).exists()
+def stored_payloads(mailbox: Path) -> dict[str, list[str]]:
+    """Every contribution (round and learner) and every commit's parameters, outer state and change
+    (round and kind), as the sha256s of their chunks."""
+    store = RunStore(gm.FileMailbox(str(mailbox)))
+    out: dict[str, list[str]] = {}
+    for snap in snapshots(store):
+        out[f"contribution {snap.round} {snap.learner}"] = [c.sha256 for c in chunk_refs(snap.payload)]
+    for key in store.keys(keys.ROUNDS):
+        rec = store.read_record(key, RoundRecord)
+        assert rec is not None
+        for kind in ("theta", "outer", "change"):
+            ref = getattr(rec, kind)
+            out[f"{kind} {rec.round}"] = [] if ref is None else [c.sha256 for c in chunk_refs(ref)]
+    return out
+
+
+def test_anchors_on_the_device_in_host_memory_or_on_disk_upload_and_commit_the_same_bytes(tmp_path):
+    # The same lockstep run three times, the sharded node (the closer) keeping its ranks' anchors
+    # beside the parameters, in host memory (on this CPU machine, the same memory), or in a file
+    # per fragment (the process holds no copy): its contributions are anchor - local of its own
+    # parameters each time, and every contribution and commit is the same bytes in all three.
+    seen = {}
+    for place in ("device", "host", "disk"):
+        run = tmp_path / place
+        run.mkdir()
+        report, ranks = _closed_by_shard(run, "--anchors", place, "--record-locals", steps=16)
+        assert len(report["aligned"]) == 4 and all(a[3] == ["plain", "shard"] for a in report["aligned"])
+        assert check_contributions(run / "mailbox", run / "shard.locals.npz", "shard") == 4
+        for r in ranks:
+            assert r["anchors_place"] == place
+            if place == "disk":  # the files are gone after close
+                assert r["anchors_dir"] and not Path(r["anchors_dir"]).exists()
+        seen[place] = stored_payloads(run / "mailbox")
+    assert len(seen["device"]) == 8 + 4 * 3, sorted(seen["device"])  # 2 contributions and 3 payloads a round
+    for place in ("host", "disk"):
+        differ = [k for k in seen["device"] if seen[place].get(k) != seen["device"][k]]
+        assert not differ and seen[place].keys() == seen["device"].keys(), (place, differ)
 
 
 def test_an_fsdp1_node_learns_and_closes_rounds_bit_identical_with_a_plain_node(tmp_path):
@@ -138,7 +164,9 @@ def test_a_commit_whose_record_could_not_be_written_is_computed_again_from_the_s
     # The sharded closer's first two round records fail to write (a store outage): its ranks
     # keep the state each commit started from until the record lands, so the next poll commits
     # the same round again, from the same state, and every commit is still the one-process one.
-    report, _ = _closed_by_shard(tmp_path, "--fail-records", "2", steps=16)
+    report, ranks = _closed_by_shard(tmp_path, "--fail-records", "2", steps=16)
+    assert ranks[0]["injected"] == {"FailingRecords": 2}, "the record writes did not fail: the test exercised nothing"
+    assert ranks[0]["events"].count("StoreFailure") >= 2, ranks[0]["events"]  # the node saw each one fail
     assert len(report["aligned"]) == 4 and all(a[3] == ["plain", "shard"] for a in report["aligned"])
     assert recompute_every_round(tmp_path / "mailbox") == ["shard"] * 4
 
@@ -150,4 +178,5 @@ def test_a_rank_that_cannot_read_a_contribution_for_a_while_delays_the_commit_an
     report, ranks = _closed_by_shard(tmp_path, "--fail-reads", "3", steps=16)
     assert len(report["aligned"]) == 4 and all(a[3] == ["plain", "shard"] for a in report["aligned"])
     assert recompute_every_round(tmp_path / "mailbox") == ["shard"] * 4
-    assert "StoreFailure" in ranks[0]["events"], "no read failed: the test exercised nothing"
+    assert ranks[1]["injected"] == {"FailingReads": 3}, "no read failed: the test exercised nothing"
+    assert "StoreFailure" in ranks[0]["events"], ranks[0]["events"]  # rank 0's node saw the op fail

@@ -3,15 +3,19 @@
 A 2-rank FSDP2 ``gm.Session`` node (``torchrun``, ``tests/sharded_node.py sharded``) and a plain
 node (``sharded_node.py plain``: it creates the run and closes the rounds) train one tiny MLP in
 lockstep (quorum 2, ``overlap_steps=0``) with 64-element chunks, so most chunks straddle the two
-ranks' shards. Every round commits with both contributions, and at the end both nodes hold the
-newest commit: their full parameters are bit-identical (the sharded node's gathered with
-``full_tensor()``). No rank ever allocated a fragment's bytes (``Meter``: the largest allocation,
-and the most one publish or one commit allocated in all), and the same meter does report a
-fragment when a chunk is the whole fragment (the check can fail).
+ranks' shards. Every round commits with both contributions, and what each node uploaded is
+``anchor - local`` of its own parameters at that step, byte for byte (``check_contributions``; the
+ending alone proves nothing there: ``close()`` loads the newest commit on every node). At the end
+both nodes hold the newest commit: their full parameters are bit-identical (the sharded node's
+gathered with ``full_tensor()``). The code's own ``Meter`` (the largest allocation, and the most one
+publish or one commit allocated in all) never reports a fragment's bytes, and does report one when a
+chunk is the whole fragment; what the ranks really allocate is measured by the operating system in
+``tests/test_sharded_memory.py``.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -22,6 +26,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+import gradientmail_core as gm
+from gradientmail_core.codec import quant
+from gradientmail_core.protocol import keys
+from gradientmail_core.protocol.records import RoundRecord, Snapshot, chunk_refs
+from gradientmail_core.protocol.run import RunInfo, read_manifest
+from gradientmail_core.protocol.store import RunStore
 
 torch = pytest.importorskip("torch")
 
@@ -99,6 +110,63 @@ def finish(*procs: subprocess.Popen[bytes], timeout: float = 150) -> None:
     assert all(p.returncode == 0 for p in procs), "\n\n".join(outs)
 
 
+def snapshots(store: RunStore) -> list[Snapshot]:
+    out = []
+    for key in store.keys(keys.SNAPSHOTS):
+        snap = store.read_record(key, Snapshot)
+        assert snap is not None, key
+        out.append(snap)
+    return out
+
+
+def check_contributions(mailbox: Path, locals_npz: Path, learner: str) -> int:
+    """Every contribution ``learner`` uploaded (the run kept with ``--keep``) is, chunk for chunk,
+    the bytes a plain node's publisher writes for ``anchor - local`` (float32, then quantized to the
+    run's delta dtypes), computed here from the node's own parameters at that step
+    (``--record-locals``) and the commit it was aligned with (``base_version``, read from the store).
+    Returns how many contributions were checked."""
+    store = RunStore(gm.FileMailbox(str(mailbox)))
+    manifest = read_manifest(store)
+    assert manifest is not None
+    run = RunInfo.from_manifest(manifest)
+    theta_refs = {(f, 0): manifest.init[f] for f in range(run.P)}
+    for key in store.keys(keys.ROUNDS):
+        rec = store.read_record(key, RoundRecord)
+        assert rec is not None and rec.theta is not None, key
+        theta_refs[rec.fragment, rec.version] = rec.theta
+    local = np.load(locals_npz)
+    ours = RunStore(gm.MemoryMailbox())
+    checked = 0
+    for snap in snapshots(store):
+        if snap.learner != learner:
+            continue
+        r = snap.round
+        f = r % run.P
+        ref = theta_refs[f, snap.base_version]
+        anchor = store.get_payload(ref, run.shapes[f], chunk_elements=run.chunk_elements)
+        assert anchor is not None, (r, ref.key)
+        tag = "final" if snap.final else str(snap.local_step)
+        dtypes = run.delta_dtypes(f)
+        want = ours.put_fragment(
+            functools.partial(keys.snapshot_blob_key, r, learner, compression=keys.compression_of(snap.payload.key)),
+            {
+                n: quant.quantize(np.subtract(anchor[n], local[f"{tag}@{n}"], dtype=np.float32), dtypes[n])
+                for n in run.fragments[f]
+            },
+            shapes=run.shapes[f],
+            dtypes=dtypes,
+            chunk_elements=run.chunk_elements,
+            kind="delta",
+            compression=keys.compression_of(snap.payload.key),
+        )
+        got = [c.sha256 for c in chunk_refs(snap.payload)]
+        assert got == [c.sha256 for c in chunk_refs(want)], (
+            f"{learner}'s contribution to round {r} is not anchor - local"
+        )
+        checked += 1
+    return checked
+
+
 def run_pair(tmp_path: Path, *extra: str, sharded_creates: bool = False) -> tuple[dict, list[dict]]:
     mailbox = tmp_path / "mailbox"
     mailbox.mkdir()
@@ -122,7 +190,12 @@ def run_pair(tmp_path: Path, *extra: str, sharded_creates: bool = False) -> tupl
 
 
 def test_a_two_rank_fsdp2_node_and_a_plain_node_train_in_lockstep_and_end_bit_identical(tmp_path):
-    report, ranks = run_pair(tmp_path, "--steps", "32")
+    report, ranks = run_pair(tmp_path, "--steps", "32", "--keep", "--record-locals")
+    # What each node uploaded is anchor - local of its own parameters, byte for byte (the plain
+    # node's check shows the computation here is a plain node's; the sharded node's, that its
+    # ranks' chunks add up to it). The commits alone could not tell: every node applies them.
+    assert check_contributions(tmp_path / "mailbox", tmp_path / "plain.locals.npz", "plain") == 8
+    assert check_contributions(tmp_path / "mailbox", tmp_path / "shard.locals.npz", "shard") == 8
     # 32 steps, a round every 4 (P=2, H=8): 8 rounds, each merged from both nodes' contributions.
     assert [a[0] for a in report["aligned"]] == list(range(8))
     assert all(a[3] == ["plain", "shard"] for a in report["aligned"]), report["aligned"]
@@ -164,7 +237,10 @@ def test_a_rank_whose_uploads_fail_makes_every_rank_raise_session_failed_and_the
 
 def test_a_sharded_node_creates_a_run_of_f4_deltas_each_rank_uploading_its_initial_chunks(tmp_path):
     # Quantized deltas too (F4, scales per block): the two nodes still end bit-identical.
-    report, _ = run_pair(tmp_path, "--steps", "16", "--delta-dtype", "F4", sharded_creates=True)
+    report, _ = run_pair(
+        tmp_path, "--steps", "16", "--delta-dtype", "F4", "--keep", "--record-locals", sharded_creates=True
+    )
+    assert check_contributions(tmp_path / "mailbox", tmp_path / "shard.locals.npz", "shard") == 4
     manifest = json.loads((tmp_path / "mailbox" / "manifest.json").read_text())
     assert manifest["created_by"] == "shard"
     assert any(ref.get("more") for ref in manifest["init"]), "the initial parameters are not chunked"
@@ -177,7 +253,7 @@ def test_a_four_rank_node_a_two_rank_node_and_a_plain_node_in_one_run_end_bit_id
     # the same bytes a plain node would.
     mailbox = tmp_path / "mailbox"
     mailbox.mkdir()
-    three = ("--steps", "16", "--quorum", "3", "--learners", "3")
+    three = ("--steps", "16", "--quorum", "3", "--learners", "3", "--keep", "--record-locals")
     a = plain(mailbox, tmp_path / "plain", *three)
     b = sharded(mailbox, tmp_path / "two", *three, name="two")
     c = sharded(mailbox, tmp_path / "four", *three, ranks=4, name="four")
@@ -188,3 +264,5 @@ def test_a_four_rank_node_a_two_rank_node_and_a_plain_node_in_one_run_end_bit_id
         assert all(want[n].tobytes() == got[n].tobytes() for n in want), f"{node} differs from the plain node"
     report = json.loads((tmp_path / "plain.json").read_text())
     assert len(report["aligned"]) == 4 and all(a[3] == ["four", "plain", "two"] for a in report["aligned"])
+    for node in ("two", "four"):  # each uploaded anchor - local of its own parameters
+        assert check_contributions(mailbox, tmp_path / f"{node}.locals.npz", node) == 4

@@ -86,6 +86,7 @@ class SimResult:
     sim_seconds: float
     rounds: int
     losses: tuple[float, float] = (0.0, 0.0)  # loss of the initial and of the final parameters
+    algorithm: DiLoCo | None = None  # the run's config as its manifest says (None: no run was created)
 
     @property
     def ok(self) -> bool:

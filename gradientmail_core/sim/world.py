@@ -105,6 +105,7 @@ class Simulation(Chaos):
             self.T,
             self.auditor.head + 1,
             losses,
+            self.auditor.run.cfg if self.auditor.run is not None else None,
         )
 
     def _loop(self) -> None:
