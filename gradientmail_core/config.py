@@ -11,7 +11,7 @@ from typing import Any
 from .errors import RunConfigMismatch
 
 DELTA_DTYPES = ("F32", "F16", "BF16", "F8_E4M3", "F4", "I2")
-CHUNK_BLOCK = 32  # chunk sizes are multiples of the F4/I2 quantizer block (protocol/chunks.py BLOCK)
+CHUNK_BLOCK = 32  # chunk sizes are multiples of the F4/I2 quantizer block (codec/plan.py BLOCK)
 DEFAULT_CHUNK_ELEMENTS = 1 << 24  # 16 Mi elements: 64 MiB of fp32, 8 MiB of F4 per chunk payload
 
 

@@ -34,7 +34,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without torch
     raise MissingExtra("torch") from e
 
-from ..protocol.chunks import (  # noqa: E402 (the plan is pure: it lives with the protocol)
+from ..protocol.chunks import (  # noqa: E402 (the plan, codec/plan.py, and the ranks' layout)
     BLOCK,
     Layout,
     Piece,
