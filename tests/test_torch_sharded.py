@@ -24,6 +24,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from gradientmail_core.adapters import torch_sharded as ts  # noqa: E402
+from gradientmail_core.adapters import torch_transfer as tt  # noqa: E402
 from gradientmail_core.adapters.torch_sharded import BLOCK, Piece  # noqa: E402
 
 shapes_st = st.lists(
@@ -173,13 +174,13 @@ def _worker(out: Path) -> None:
     names = list(sharded.shapes)
     local = {n: sharded.local(n) for n in names}
     meter = ts.Meter()
-    owned = ts.gather_chunks(sharded, names, CHUNK, local, meter=meter)
+    owned = tt.gather_chunks(sharded, names, CHUNK, local, meter=meter)
     for k, pieces in owned.items():
         for i, (_, values) in enumerate(pieces):
             np.save(out / f"r{rank}-c{k}-p{i}.npy", values.float().numpy())
     # A commit back: every owned chunk's values as 2 * theta + 1, then each rank's shards.
     commit = {k: [(p, (v.float() * 2 + 1).to(v.dtype)) for p, v in pieces] for k, pieces in owned.items()}
-    ts.scatter_chunks(sharded, names, CHUNK, commit, local, meter=meter)
+    tt.scatter_chunks(sharded, names, CHUNK, commit, local, meter=meter)
     reference = _model()
     applied = {}
     with torch.no_grad():
@@ -188,7 +189,7 @@ def _worker(out: Path) -> None:
             applied[n] = bool(torch.equal(p.full_tensor(), want))
     # Each rank's refs of its chunks (a made-up sha: the chunk index, repeated), known to every rank.
     fake = {k: (f"{k:02x}{rank:02x}" * 16, 1000 + k) for k in owned}
-    refs = ts.gather_refs(sharded, fake)
+    refs = tt.gather_refs(sharded, fake)
     refused = {}
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
