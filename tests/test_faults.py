@@ -11,9 +11,9 @@ from gradientmail_core.clock import FakeClock
 from gradientmail_core.codec.payload import encode_payload
 from gradientmail_core.errors import MailboxUnavailable, PayloadCorrupt
 from gradientmail_core.mailbox import CreateOutcome, create_once
-from gradientmail_core.mailbox.faults import Fault, FaultLog, FaultyMailbox, InjectedCrash, round_of
 from gradientmail_core.mailbox.memory import MemoryMailbox
 from gradientmail_core.protocol import keys
+from gradientmail_core.protocol.faults import Fault, FaultLog, FaultyMailbox, InjectedCrash, round_of
 from gradientmail_core.protocol.store import RunStore
 
 SNAP = keys.snapshot_key(3, "a")

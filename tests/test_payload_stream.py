@@ -14,10 +14,10 @@ import pytest
 from gradientmail_core.codec import compress, payload, quant, stream
 from gradientmail_core.errors import MailboxUnavailable, PayloadCorrupt, PayloadLayoutMismatch
 from gradientmail_core.mailbox import Chunk, memory
-from gradientmail_core.mailbox.faults import Fault, FaultyMailbox
 from gradientmail_core.mailbox.memory import MemoryMailbox
 from gradientmail_core.protocol import keys
 from gradientmail_core.protocol import store as store_module
+from gradientmail_core.protocol.faults import Fault, FaultyMailbox
 from gradientmail_core.protocol.records import PayloadRef
 from gradientmail_core.protocol.store import RunStore
 
