@@ -46,7 +46,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gradientmail_core as gm  # noqa: E402
 from gradientmail_core import keys  # noqa: E402
 from gradientmail_core.adapters.base import NumpyAdapter  # noqa: E402
-from gradientmail_core.codec.payload import encode_payload  # noqa: E402
 from gradientmail_core.mailbox import CreateOutcome, create_once  # noqa: E402
 from gradientmail_core.protocol.records import Snapshot  # noqa: E402
 from gradientmail_core.protocol.run import open_run  # noqa: E402
@@ -93,15 +92,17 @@ def measure(n_params: int, n_contrib: int, root: str) -> dict:
     # (an engine from before open_run took a schema and a read function takes the adapter)
     model_args = (adapter,) if "adapter" in inspect.signature(open_run).parameters else (adapter.schema(), adapter.read)
     run, _ = open_run(store, *model_args, cfg, learner="closer", compression="", rng=random.Random(0))
-    # Each contributor's snapshot of round 0: an F32 delta payload and its record.
+    # Each contributor's snapshot of round 0: an F32 delta (the chunks of the run's plan) and its record.
     for i in range(n_contrib):
         rng = np.random.default_rng(1 + i)
         delta = {n: (1e-3 * rng.standard_normal(p.shape, dtype=np.float32)) for n, p in params.items()}
-        data = encode_payload(delta, "F32", kind="delta")
-        del delta
         learner = f"l{i:02d}"
-        ref = store.put_payload(lambda sha, lr=learner: keys.snapshot_blob_key(0, lr, sha, ""), data)
-        del data
+        # the chunks of the run's plan (one payload for a fragment of one chunk), as a learner uploads them
+        ref = store.put_fragment(
+            lambda sha, lr=learner: keys.snapshot_blob_key(0, lr, sha, ""), delta, shapes=run.shapes[0],
+            dtypes="F32", chunk_elements=run.chunk_elements, kind="delta", compression="",
+        )  # fmt: skip
+        del delta
         snap = Snapshot(
             learner=learner,
             round=0,
