@@ -189,6 +189,9 @@ def main() -> None:
     ap.add_argument("--contributions", type=int, nargs="*", default=[2, 8, 16])
     ap.add_argument("--dir", default=None, help="where the FileMailbox lives (default: a temp dir)")
     ap.add_argument(
+        "--repeat", type=int, default=1, help="runs of each row and arm (alternating); rows show the median"
+    )
+    ap.add_argument(
         "--engine",
         action="append",
         default=[],
@@ -222,10 +225,14 @@ def main() -> None:
                     f"{available_bytes() / 2**30:.1f} GiB available"
                 )
                 continue
-            results = {}
-            # Arms alternate, the order flipping every row.
-            for name, path in arms if len(rows) % 2 == 0 else list(reversed(arms)):
-                r = results[name] = run_worker(n_params, n, path, args.dir)
+            results: dict[str, dict] = {}
+            runs: dict[str, list[dict]] = {name: [] for name, _ in arms}
+            # Arms alternate, the order flipping every repeat; each arm's row is its median total.
+            for rep in range(args.repeat):
+                for name, path in arms if (len(rows) + rep) % 2 == 0 else list(reversed(arms)):
+                    runs[name].append(run_worker(n_params, n, path, args.dir))
+            for name, _ in arms:
+                r = results[name] = sorted(runs[name], key=lambda x: x["total"])[len(runs[name]) // 2]
                 print(
                     f"{n_params / 1e6:>6.0f}M {n:>7} {name:>7} | {r['floor']:>7.3f} "
                     f"{r['bytes'] / r['floor'] / 1e9:>5.1f} | {r['compute']:>8.2f} {r['write']:>6.2f} "
