@@ -257,8 +257,13 @@ def test_a_tensor_over_a_reduction_chunk_commits_the_references_bytes() -> None:
 def test_threaded_reads_and_payload_encoding_commit_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = cfg_of(C, commit_dtype="I2", delta_dtype="F4")
     inline = close_rounds(cfg)
+    # a fragment of one chunk whose tensor spans the in-memory merge's blocks: merged on threads
+    shapes = {"big": (1024 + 4, 1024), "b": (100,)}
+    whole = cfg_of(WHOLE, clip_norm=2.0, delta_dtype="F4")
+    inline_whole = close_rounds(whole, shapes=shapes, special="large", rounds=1)
     monkeypatch.setattr(kernel, "THREADED_BYTES", 0)
     assert_same(inline, close_rounds(cfg))
+    assert_same(inline_whole, close_rounds(whole, shapes=shapes, special="large", rounds=1))
 
 
 # ---- the streamed norm ---------------------------------------------------------------------------

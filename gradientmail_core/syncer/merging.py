@@ -162,7 +162,7 @@ def merge_and_step(
     direction: dict[str, float] = {}
     if split:
         merged = pooled_norms(
-            split, 1, lambda k, m: [_merged(m, (part(i, k, m) for i in range(n)), scales, clips, None, None)]
+            split, 1, lambda k, m: [_merged(m, (part(i, k, m) for i in range(n)), scales, clips, None)[0]]
         )
         direction = {nm: math.sqrt(v) for nm, v in merged[0].items()}
     # Pass 2: every chunk merged (and the cosine's sums), scaled, stepped.
@@ -199,21 +199,31 @@ def merge_and_step(
             for k, clipped in visits:
                 if reads is not None:  # the chunk's pieces together: each contribution's chunk read once
                     got = [next(reads) for _ in range(n)]
-                    merged = _merged(
-                        clipped, (part(i, k, clipped, got[i]) for i in range(n)), scales, clips, units, cos
+                    merged, sums = _merged(
+                        clipped, (part(i, k, clipped, got[i]) for i in range(n)), scales, clips, units
                     )
                     del got
-                    for (pc, _, _), v in zip(clipped, merged, strict=True):
+                    for t, ((pc, _, _), v) in enumerate(zip(clipped, merged, strict=True)):
+                        if cos is not None and sums is not None:
+                            cos.feed(pc.name, sums[t])
                         step(pc, v)
                     continue
-                for one in clipped:  # held in memory: one tensor's piece at a time, by blocks
-                    pc, a, b = one
+                for pc, a, _ in clipped:  # held in memory: one tensor's piece at a time, by blocks
                     v = _scratch(pc.size)
-                    for lo in range(0, pc.size, BLOCK):
+
+                    def block(
+                        lo: int, pc: Any = pc, a: int = a, v: np.ndarray = v, k: int = k
+                    ) -> list[np.ndarray] | None:
                         hi = min(lo + BLOCK, pc.size)
-                        block = [(pc, a + lo, a + hi)]
-                        xs = (part(i, k, block) for i in range(n))
-                        _merged(block, xs, scales, clips, units, cos, into=[v[lo:hi]])
+                        piece = [(pc, a + lo, a + hi)]
+                        xs = (part(i, k, piece) for i in range(n))
+                        return _merged(piece, xs, scales, clips, units, into=[v[lo:hi]])[1]
+
+                    # blocks side by side on worker threads (a large fragment), their cosine sums in order
+                    threads = fused.WORKERS if source.threaded and pc.size > BLOCK else 0
+                    for sums in ordered(block, range(0, pc.size, BLOCK), threads=threads, queued=2 * threads):
+                        if cos is not None and sums is not None:
+                            cos.feed(pc.name, sums[0])
                     step(pc, v)
         return cos.wire() if cos is not None else {}
 
@@ -228,20 +238,19 @@ def _merged(
     scales: Mapping[str, Sequence[np.float32 | None]],
     clips: Sequence[np.float32 | None],
     units: Sequence[float | None] | None,
-    cos: Pooled | None,
     *,
     into: Sequence[np.ndarray] | None = None,
-) -> list[np.ndarray]:
+) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
     """``pieces`` merged (not scaled) from each contribution's values of them (in learner order,
     each taken, used and dropped in turn), as ``fused._merge_range`` merges them: each piece's
-    float32 values (in ``into``, or a buffer of this call's). With ``units``, feeds each piece's
-    cosine sum (of the contributions as given, before clipping) to ``cos``."""
+    float32 values (in ``into``, or a buffer of this call's), and with ``units`` each piece's
+    cosine sum (float64, of the contributions as given, before clipping)."""
     sizes = [b - a for _, a, b in pieces]
     starts = np.cumsum([0, *sizes]).tolist()
     if into is None:
         buf = np.empty(starts[-1], np.float32)
         into = [buf[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
-    acc = np.empty(starts[-1], np.float64) if units is not None and cos is not None else None
+    acc = np.empty(starts[-1], np.float64) if units is not None else None
     first_merge = [True] * len(pieces)
     first_cos = True
     for i, xs in enumerate(contributions):
@@ -261,10 +270,8 @@ def _merged(
     for t, v in enumerate(into):
         if first_merge[t]:
             v.fill(0)  # no contribution has a direction here
-    if cos is not None and acc is not None:
-        for t, (pc, _, _) in enumerate(pieces):
-            cos.feed(pc.name, acc[starts[t] : starts[t + 1]])
-    return list(into)
+    sums = None if acc is None else [acc[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
+    return list(into), sums
 
 
 _local = threading.local()
