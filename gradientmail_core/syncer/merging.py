@@ -32,7 +32,7 @@ from ..aggregators import fused
 from ..aggregators import merge as merge_mod
 from ..aggregators import outer as outer_mod
 from ..aggregators.fused import cosine_from, cosine_into, cosine_units, merge_into, norm_of
-from ..aggregators.leaves import Pooled
+from ..aggregators.leaves import Pooled, combine_leaves, dot_range, dot_total
 from ..ahead import ordered
 from ..codec.chunked import ChunkSpec
 from ..config import RDA, DiLoCo
@@ -170,13 +170,13 @@ def merge_and_step(
     cos = Pooled("cosine", sizes, ranges) if units is not None else None
     lr, beta = cfg.outer_lr, cfg.outer_momentum
 
-    def step(pc: Any, v: np.ndarray) -> None:
+    def step(pc: Any, v: np.ndarray, sq: float | None = None) -> None:
         name, scale = pc.name, None
         if name in radial:
             if name in direction:
                 norm = direction[name]
-            else:  # this process holds the whole tensor, in this chunk: its norm now
-                norm = math.sqrt(fused.sq_norms({name: v})[name])
+            else:  # this process holds the whole tensor, in this chunk: its norm now (or summed as merged)
+                norm = math.sqrt(fused.sq_norms({name: v})[name] if sq is None else sq)
             if norm == 0.0:
                 v.fill(0)  # +0.0 everywhere (the direction may hold -0.0)
             else:
@@ -190,6 +190,31 @@ def merge_and_step(
             mo = flat(st.momentum[name])[a:b]
             nmo = flat(new_momentum[name])[a:b]
             outer_mod.outer_step_tensor(m_old, mo, v, lr=lr, beta=beta, scale=scale, out=(nm, nmo), name=name)
+
+    def held(k: int, pc: Any, a: int) -> tuple[np.ndarray, float | None]:
+        """A piece of contributions held in memory merged block by block (side by side on worker
+        threads for a large fragment), its cosine sums fed in order; its squared norm summed as
+        merged when this process takes it (RDA, a tensor held whole)."""
+        v = _scratch(pc.size)
+        norm_here = pc.name in radial and pc.name not in direction
+
+        def block(lo: int) -> tuple[list[np.ndarray] | None, Any]:
+            hi = min(lo + BLOCK, pc.size)
+            piece = [(pc, a + lo, a + hi)]
+            sums = _merged(piece, (part(i, k, piece) for i in range(n)), scales, clips, units, into=[v[lo:hi]])[1]
+            if not norm_here:
+                return sums, None
+            d = dot_range(pc.size, lo, hi)  # (the tensor held whole: blocks in its own coordinates)
+            d.feed(v[lo:hi])
+            return sums, d.finish()
+
+        threads = fused.WORKERS if source.threaded and pc.size > BLOCK else 0
+        dots = []
+        for sums, dot in ordered(block, range(0, pc.size, BLOCK), threads=threads, queued=2 * threads):
+            if cos is not None and sums is not None:
+                cos.feed(pc.name, sums[0])
+            dots.append(dot)
+        return v, dot_total(pc.size, combine_leaves(pc.size, "dot", dots)) if norm_here else None
 
     def pass2() -> dict[str, Any]:
         if cos is not None:
@@ -209,22 +234,8 @@ def merge_and_step(
                         step(pc, v)
                     continue
                 for pc, a, _ in clipped:  # held in memory: one tensor's piece at a time, by blocks
-                    v = _scratch(pc.size)
-
-                    def block(
-                        lo: int, pc: Any = pc, a: int = a, v: np.ndarray = v, k: int = k
-                    ) -> list[np.ndarray] | None:
-                        hi = min(lo + BLOCK, pc.size)
-                        piece = [(pc, a + lo, a + hi)]
-                        xs = (part(i, k, piece) for i in range(n))
-                        return _merged(piece, xs, scales, clips, units, into=[v[lo:hi]])[1]
-
-                    # blocks side by side on worker threads (a large fragment), their cosine sums in order
-                    threads = fused.WORKERS if source.threaded and pc.size > BLOCK else 0
-                    for sums in ordered(block, range(0, pc.size, BLOCK), threads=threads, queued=2 * threads):
-                        if cos is not None and sums is not None:
-                            cos.feed(pc.name, sums[0])
-                    step(pc, v)
+                    v, sq = held(k, pc, a)
+                    step(pc, v, sq)
         return cos.wire() if cos is not None else {}
 
     pooled = ranks.phase(pass2)
