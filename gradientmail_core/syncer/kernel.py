@@ -37,7 +37,7 @@ from .merging import Source, Span, merge_and_step
 from .ranks import OneProcess, Ranks, flat, whole_layout
 from .reading import Visit, contribution_cap, read_chunk, tensor_of, visits
 from .spool import Spool
-from .writing import Put, new_theta, write_payloads
+from .writing import Put, write_commit
 
 # A fragment at least this large reads ahead and encodes its payloads on worker threads; a smaller
 # one (a simulation's, a test's) inline, without starting threads.
@@ -272,9 +272,8 @@ class FragmentCloser:
         except BaseException:
             self.reserved[f] = out  # nothing was committed: the next attempt writes every element again
             raise
-        theta, built = new_theta(run, self.ranks, self.layout, f, st, master, keep=self.keep_theta)
-        refs, theta_digest, outer_digest, payloads = write_payloads(
-            run, self.ranks, self.layout, op, momentum, master, built, put=put, threaded=threaded
+        theta, refs, theta_digest, outer_digest, payloads = write_commit(
+            run, self.ranks, self.layout, op, st, master, momentum, keep=self.keep_theta, put=put, threaded=threaded
         )
         version = op.version + 1
         kept = theta if self.keep_theta or run.cfg.commit_dtype is not None else master
