@@ -33,23 +33,8 @@ T = TypeVar("T")
 
 
 class OpFailed(SessionFailed):
-    """A closer op failed on some rank (every rank raises it at the same phase)."""
-
-    def __init__(self, errors: list[tuple[int, dict[str, Any]]]) -> None:
-        self.errors = errors
-        super().__init__("; ".join(f"rank {r}: {e['e']}" for r, e in errors))
-
-    @property
-    def unavailable(self) -> bool:
-        return all(e.get("t") == "unavailable" for _, e in self.errors)
-
-    @property
-    def lost(self) -> Lost | None:
-        """A contribution's chunk no rank could read."""
-        for _, e in self.errors:
-            if e.get("t") == "lost":
-                return Lost(int(e["i"]), str(e["reason"]), str(e["e"]))
-        return None
+    """A closer op failed on some rank with an error no one-process closer raises (every rank
+    raises it at the same phase)."""
 
 
 class GlooRanks:
@@ -88,7 +73,8 @@ class GlooRanks:
         return [unpack(b[: int(s.item())].numpy().tobytes()) for b, s in zip(bufs, sizes, strict=True)]
 
     def phase(self, fn: Callable[[], T]) -> list[T]:
-        """Run ``fn`` here, then pool every rank's result; ``OpFailed`` on every rank if any failed."""
+        """Run ``fn`` here, then pool every rank's result; if any failed, every rank raises what a
+        one-process closer would (``Lost``, ``MailboxUnavailable``), or ``OpFailed``."""
         try:
             mine: dict[str, Any] = {"v": fn()}
         except Lost as e:
@@ -100,13 +86,14 @@ class GlooRanks:
             mine = {"e": f"{type(e).__name__}: {e}", "t": "error"}
         got = self.all(mine)
         errors = [(r, g) for r, g in enumerate(got) if "e" in g]
+        lost = [g for _, g in errors if g["t"] == "lost"]
+        if lost:  # rejected there as any closer rejects a contribution it cannot read
+            raise Lost(int(lost[0]["i"]), str(lost[0]["reason"]), str(lost[0]["e"]))
+        why = "; ".join(f"rank {r}: {g['e']}" for r, g in errors)
+        if errors and all(g["t"] == "unavailable" for _, g in errors):
+            raise MailboxUnavailable(f"a rank of this node could not read the store: {why}")
         if errors:
-            failed = OpFailed(errors)
-            if failed.lost is not None:
-                raise failed.lost  # rejected there as any closer rejects a contribution it cannot read
-            if failed.unavailable:
-                raise MailboxUnavailable(f"a rank of this node could not read the store: {failed}")
-            raise failed
+            raise OpFailed(why)
         return [g["v"] for g in got]
 
     def _params(self, shapes: Mapping[str, Sequence[int]], layout: Layout) -> ShardedParams:

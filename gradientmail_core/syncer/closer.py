@@ -15,20 +15,17 @@ from typing import Any
 import numpy as np
 
 from ..errors import MailboxUnavailable
-from ..protocol.rebuild import cast as cast  # (these lived here; still imported from here)
-from ..protocol.rebuild import rebuild_theta as rebuild_theta
-from ..protocol.rebuild import theta_digest as theta_digest
+from ..protocol.rebuild import cast, rebuild_theta, theta_digest
 from ..protocol.records import Participant, Rejection, RoundRecord, chunk_refs, ref_digest
 from ..protocol.schedule import nominal_step
-from .collector import IGNORED as IGNORED
-from .collector import Collector as Collector
-from .collector import Estimates as Estimates
-from .collector import Judged as Judged
-from .fragment import Accepted, CommitOp, Lost, Made
-from .fragment import FragmentState as FragmentState
-from .fragment import Written as Written
+from .collector import IGNORED, Collector, Estimates, Judged
+from .fragment import Accepted, CommitOp, FragmentState, Lost, Made, Written
 from .timing import ema
 from .writing import Put
+
+# (names that lived here before the closer was one; still imported from here)
+__all__ = ["IGNORED", "Collector", "Commit", "Estimates", "FragmentState", "Judged", "Written", "cast"]
+__all__ += ["commit_record", "compute_commit", "rebuild_theta", "theta_digest"]
 
 
 @dataclass

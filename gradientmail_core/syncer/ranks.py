@@ -33,14 +33,8 @@ class Ranks(Protocol):
     rank: int
     world: int
 
-    def begin(self, name: str, /, **args: Any) -> None:
-        """An op starts (``FragmentCloser``'s ``load``, ``judge``, ``commit``, ``landed``): the rank
-        that leads announces it to the others, which run it with these arguments."""
-        ...
-
-    def phase(self, fn: Callable[[], T]) -> list[T]:
-        """``fn()`` here, then every rank's result in rank order (on every rank)."""
-        ...
+    def begin(self, name: str, /, **args: Any) -> None: ...
+    def phase(self, fn: Callable[[], T]) -> list[T]: ...
 
     def gather(
         self, shapes: Mapping[str, Sequence[int]], layout: Layout, chunk: int | None, local: Mapping[str, np.ndarray]
