@@ -359,6 +359,14 @@ def parse_blob_key(key: str) -> BlobKey | None:
     return None
 
 
+def in_snapshot_folder(key: str, sha256: str, r: int, learner: str) -> bool:
+    """Is ``key`` a payload of ``learner``'s snapshot of round ``r``, named by ``sha256``? A
+    snapshot may only point into its own folder (so GC finds it, and nobody can make a closer
+    read another learner's or a round's payload)."""
+    b = parse_blob_key(key)
+    return b is not None and (b.kind, b.round, b.learner, b.sha) == ("snapshot", r, learner, sha256)
+
+
 # ---- authenticated runs: secret-tagged record keys --------------------------------------
 #
 # In a run with a secret, every protocol record key (claims, rounds, snapshots, leases) is

@@ -23,10 +23,9 @@ from ..adapters.torch_sharded import ShardedParams
 from ..adapters.torch_transfer import gather_chunks, scatter_chunks
 from ..errors import MailboxUnavailable, SessionFailed
 from ..protocol.chunks import Layout
-from ..protocol.records import PayloadRef, chunk_refs, join_refs
-from ..syncer.fragment import Accepted, CommitOp, Lost
+from ..syncer.fragment import Lost
 from ..syncer.ranks import Owned, flat
-from .wire import pack, unpack
+from .wire import pack, unpack, wire
 
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -119,23 +118,3 @@ class GlooRanks:
         pieces = {k: [(p, torch.from_numpy(np.ascontiguousarray(v))) for p, v in ps] for k, ps in owned.items()}
         tensors = {n: torch.from_numpy(flat(v)) for n, v in local.items()}  # (views: written in place)
         scatter_chunks(self._params(shapes, layout), list(shapes), chunk, pieces, tensors)
-
-
-def wire(v: Any) -> Any:
-    """An op's argument as JSON."""
-    if isinstance(v, PayloadRef):
-        return {"ref": [[c.key, c.sha256, c.size] for c in chunk_refs(v)]}
-    if isinstance(v, CommitOp):
-        head = [v.f, v.round, v.version, v.final, v.checkpoint, v.compression]
-        return {"commit": [*head, [[wire(join_refs(list(a.refs))), a.weight, a.norms] for a in v.accepted]]}
-    return v
-
-
-def unwire(v: Any) -> Any:
-    if isinstance(v, dict) and "ref" in v:
-        return join_refs([PayloadRef(key=str(k), sha256=str(s), size=int(n)) for k, s, n in v["ref"]])
-    if isinstance(v, dict) and "commit" in v:
-        f, r, version, final, checkpoint, compression, accepted = v["commit"]
-        made = tuple(Accepted(tuple(chunk_refs(unwire(x))), w, n) for x, w, n in accepted)
-        return CommitOp(f, r, version, final, checkpoint, compression, made)
-    return v

@@ -12,14 +12,14 @@ from ..aggregators.merge import contribution_weight
 from ..errors import RecordInvalid
 from ..protocol import keys
 from ..protocol.members import SignatureInvalid
-from ..protocol.records import RoundRecord, Snapshot, chunk_refs
+from ..protocol.records import Snapshot, chunk_refs
 from ..protocol.run import RunInfo
 from ..protocol.schedule import fragment_of, version_before
 from ..protocol.store import RunStore
 from .fragment import FragmentState
 from .kernel import FragmentCloser
 from .spool import Spool
-from .timing import grace_seconds
+from .timing import Estimates, grace_seconds
 
 IGNORED = "ignored"  # a snapshot no member signed: judged once, in no record
 
@@ -33,17 +33,6 @@ class Judged:
     # Squared norm of each tensor of an accepted delta (``fused.sq_norms``, bit for bit), summed as
     # the snapshot was read: the clip, outlier and cosine norms need no second read.
     norms: dict[str, float] | None = None
-
-
-@dataclass
-class Estimates:
-    x_step: float | None = None
-    x_quorum: float | None = None
-    x_sync: float | None = None
-
-    @classmethod
-    def from_record(cls, rec: RoundRecord | None) -> Estimates:
-        return cls() if rec is None else cls(rec.x_step, rec.x_quorum, rec.x_sync)
 
 
 @dataclass
@@ -98,7 +87,7 @@ class Collector:
         status: PayloadStatus = "ok"
         finite, norms = True, None
         if snap.steps > 0 and schema_ok and snap.base_version == base:
-            if not _in_snapshot_blobs(snap, self.round, learner):
+            if not all(keys.in_snapshot_folder(x.key, x.sha256, self.round, learner) for x in chunk_refs(snap.payload)):
                 status = "corrupt"  # checked before any read: the ref may name any object
             else:
                 verdict = self.closer_for(store).judge(self.fragment, self.round, snap.payload)
@@ -169,14 +158,3 @@ class Collector:
         if self.quorum_at is None:
             return False
         return all_reported or now - self.quorum_at >= self.grace
-
-
-def _in_snapshot_blobs(snap: Snapshot, r: int, learner: str) -> bool:
-    """A snapshot may only point into its own blob folder (so GC can find it, and nobody can
-    make a closer read another learner's or a round's payload)."""
-    for ref in chunk_refs(snap.payload):
-        parsed = keys.parse_blob_key(ref.key)
-        ok = parsed is not None and parsed.kind == "snapshot" and parsed.round == r and parsed.learner == learner
-        if not ok or parsed is None or parsed.sha != ref.sha256:
-            return False
-    return True

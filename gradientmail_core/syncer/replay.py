@@ -116,10 +116,8 @@ def _contributions(closer: FragmentCloser, run: RunInfo, rec: RoundRecord) -> li
     assert rec.contributions is not None
     out = []
     for p, ref in zip(rec.participants, rec.contributions, strict=True):
-        parsed = [keys.parse_blob_key(x.key) for x in chunk_refs(ref)]
         if ref_digest(ref) != p.payload_sha256 or not all(
-            b is not None and (b.kind, b.round, b.learner, b.sha) == ("snapshot", r, p.learner, x.sha256)
-            for b, x in zip(parsed, chunk_refs(ref), strict=True)
+            keys.in_snapshot_folder(x.key, x.sha256, r, p.learner) for x in chunk_refs(ref)
         ):
             raise ProtocolError(
                 f"{keys.round_key(r)}: contribution {ref.key} is not {p.learner}'s payload of round {r}"
