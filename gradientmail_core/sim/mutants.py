@@ -21,7 +21,7 @@ from ..mailbox import CreateOutcome
 from ..protocol import keys, store
 from ..protocol.lease import LeaseWriter
 from ..protocol.records import Lease
-from ..syncer import collector, kernel, merging, node, replay  # noqa: F401
+from ..syncer import closer, kernel, merging, node, replay  # noqa: F401
 
 
 @contextlib.contextmanager
@@ -63,7 +63,7 @@ class _AnyVersion(int):
 
 def accept_stale() -> contextlib.AbstractContextManager[None]:
     """The closer accepts snapshots whose delta is relative to an older version of the fragment."""
-    return _patched((collector, "version_before", lambda r, P: _AnyVersion(r // P)))
+    return _patched((closer, "version_before", lambda r, P: _AnyVersion(r // P)))
 
 
 def sweep_newest() -> contextlib.AbstractContextManager[None]:

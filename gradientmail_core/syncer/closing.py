@@ -11,8 +11,7 @@ from ..mailbox import CreateOutcome
 from ..protocol import keys
 from ..protocol.records import RoundRecord
 from ..protocol.schedule import fragment_of, gap
-from .closer import compute_commit
-from .collector import IGNORED, Collector, Estimates
+from .closer import IGNORED, Collector, Estimates, compute_commit
 from .following import Following
 from .fragment import FragmentState
 from .replay import recover

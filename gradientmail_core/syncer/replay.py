@@ -23,8 +23,7 @@ from ..protocol.records import RoundRecord, Snapshot, chunk_refs, ref_digest
 from ..protocol.run import RunInfo
 from ..protocol.schedule import version_before
 from ..protocol.store import RunStore
-from .closer import compute_commit
-from .collector import Collector, Estimates, Judged
+from .closer import Collector, Estimates, Judged, compute_commit
 from .fragment import FragmentState, discard
 from .kernel import FragmentCloser
 

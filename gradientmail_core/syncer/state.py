@@ -19,7 +19,7 @@ from ..protocol.run import RunInfo
 from ..protocol.schedule import fragment_of
 from ..protocol.store import RunStore
 from .bridge import Bridge
-from .collector import Collector
+from .closer import Collector
 from .kernel import FragmentCloser
 
 _COMPRESSION = {"off": "", "none": "", "": "", "zstd": "zstd"}  # user-facing name -> payload suffix
