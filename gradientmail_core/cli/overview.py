@@ -21,7 +21,7 @@ from ..codec import quant, safetensors_io
 from ..errors import ProtocolError, RecordInvalid
 from ..mailbox import Mailbox
 from ..protocol import keys
-from ..protocol.records import Claim, Lease, Manifest, RoundRecord
+from ..protocol.records import Claim, Lease, Manifest, RoundRecord, decode
 from ..protocol.run import RunInfo
 from ..protocol.run import read_manifest as run_manifest
 from ..protocol.schedule import fragment_of
@@ -123,8 +123,8 @@ def read_records(
 ) -> list[RoundRecord]:
     """The records of ``rounds``, in that order (fetched concurrently). With ``auth`` each is
     checked in round order (a members-only run's membership rules depend on it); one that fails is
-    left out and added to ``failed`` (without ``failed``: raised)."""
-    store = RunStore(mailbox, auth=auth)
+    left out and added to ``failed`` (without ``failed``: raised). A record that is malformed or of
+    another format raises ``RecordInvalid``."""
 
     def fetch(r: int) -> bytes | None:
         return mailbox.get(keys.round_key(r))
@@ -137,12 +137,16 @@ def read_records(
     out = []
     for r, data in zip(rounds, blobs, strict=True):
         key = keys.round_key(r)
+        rec = decode(data, RoundRecord, key=key)  # (malformed, or another format: an error, as ever)
         try:
-            out.append(store.decode_record(data, RoundRecord, key))
+            if auth is not None:
+                auth.verify(rec, key)
         except RecordInvalid as e:
-            if failed is None or data is None:
+            if failed is None:
                 raise
             failed.append(Failed(key, str(e)))
+            continue
+        out.append(rec)
     return out
 
 
@@ -166,18 +170,25 @@ def read_leases(
         parsed = keys.parse_lease_key(k)
         if parsed is not None:
             newest[parsed[0]] = k  # listed in byte order: the last key of a learner is its newest
-    store = RunStore(mailbox, auth=auth)
     out: dict[str, tuple[str, Lease | None]] = {}
     for learner, k in sorted(newest.items()):
         data = mailbox.get(k)
         if data is None:
             continue  # renewed (or released) between the listing and the read
         try:
-            out[learner] = (k, store.decode_record(data, Lease, k))
+            lease = decode(data, Lease, key=k)
+        except RecordInvalid:
+            out[learner] = (k, None)
+            continue
+        try:
+            if auth is not None:
+                auth.verify(lease, k)
         except RecordInvalid as e:
             out[learner] = (k, None)
             if failed is not None:
                 failed.append(Failed(k, str(e)))
+            continue
+        out[learner] = (k, lease)
     return out
 
 

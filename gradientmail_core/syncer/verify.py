@@ -123,15 +123,14 @@ class RoundVerifier:
         problem = schedule_problem(rec, r, self.run.P)
         if rec is None or problem is not None:
             return RoundCheck(r, f, v, rec.closer if rec else "?", MISMATCH, problem or "no record")
-        old = head is not None and r <= head - self.run.cfg.verify_window
-        return self.check(rec, outside=old)
+        return self.check(rec, outside=None if head is None else r <= head - self.run.cfg.verify_window)
 
     def check(
         self,
         rec: RoundRecord,
         *,
         theta: tuple[int, dict[str, np.ndarray] | None] | None = None,
-        outside: bool = False,
+        outside: bool | None = None,
     ) -> RoundCheck:
         """Verify ``rec`` (a commit of its round, authenticated). ``theta``: ``(version, parameters)``
         of its fragment this node holds (used for the state before when it is that version).
@@ -153,14 +152,21 @@ class RoundVerifier:
                 self.closer.forget(f)
             status, reason = VERIFIED, ""
         except _Found as e:
+            self.closer.forget(f)
             status, reason = e.status, e.reason
         except (MailboxUnavailable, PayloadCorrupt) as e:
             self.closer.forget(f)
-            gone = "; the round is older than the run's verify window" if outside else ""
-            status, reason = UNVERIFIABLE, f"{' '.join(str(e).split())}{gone}"
+            status, reason = UNVERIFIABLE, " ".join(str(e).split())
         except ProtocolError as e:  # a contribution that is not its participant's (replay._contributions)
             self.closer.forget(f)
             status, reason = MISMATCH, " ".join(str(e).split())
+        if status == UNVERIFIABLE and outside is not None:
+            w = self.run.cfg.verify_window
+            reason += (
+                f"; the round is older than the run's verify window (the newest {w} rounds keep their inputs)"
+                if outside
+                else f"; inside the run's verify window of {w} rounds (deleted early, or the store lost it)"
+            )
         evidence = self._evidence(rec) if status == MISMATCH else None
         return RoundCheck(r, f, v, rec.closer, status, reason, evidence, self.store.bytes_down - down, theta_out)
 
@@ -175,11 +181,7 @@ class RoundVerifier:
             listed = rec.contributions[i] if rec.contributions is not None else None
             snap = self._snapshot(rec.round, p.learner)
             if snap is None and listed is None:
-                raise _Found(
-                    UNVERIFIABLE,
-                    f"{p.learner}'s snapshot record of round {rec.round} is gone (collected: only the newest "
-                    f"{self.run.cfg.verify_window} rounds keep theirs)",
-                )
+                raise _Found(UNVERIFIABLE, f"{p.learner}'s snapshot record of round {rec.round} is gone")
             if snap is not None and (
                 ref_digest(snap.payload) != p.payload_sha256
                 or (snap.steps, snap.tokens, snap.final) != (p.steps, p.tokens, p.final)
