@@ -179,8 +179,8 @@ class Auditor(Captured):
                 if snap is not None and ref_digest(snap.payload) == p.payload_sha256:
                     out.update(dict.fromkeys((c.key for c in chunk_refs(snap.payload)), q))
             prev = self.tape.get(q - run.P) if q >= run.P else None
-            for ref in (prev.theta, prev.outer) if prev is not None else ():
-                out.update(dict.fromkeys((c.key for c in chunk_refs(ref)) if ref is not None else (), q))
+            for pref in (prev.theta, prev.outer) if prev is not None else ():
+                out.update(dict.fromkeys((c.key for c in chunk_refs(pref)) if pref is not None else (), q))
         return out
 
     def deleted(self, doomed: list[str]) -> None:
