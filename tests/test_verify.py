@@ -401,3 +401,63 @@ def test_a_mismatch_in_a_secret_run_names_its_mac(capsys, tmp_path):
     v, _ = verifier(guard, auth=auth)
     check = v.check_round(4)
     assert check.status == MISMATCH and "MAC verifies under the run secret" in (check.evidence or "")
+
+
+# ---- the read-only commands check records in authenticated runs ---------------------------------
+
+
+def test_read_only_commands_name_a_record_that_fails_its_mac_and_skip_it(capsys, tmp_path):
+    where = url()
+    secret = "r" * 32
+    sim = SimRun(
+        gm.DiLoCo(sync_every=2, fragments=2, in_flight=1, quorum_size=2), secret=secret, mailbox=gm.open_mailbox(where)
+    )
+    rng = np.random.default_rng(2)
+    params = {"w": rng.standard_normal((4, 3)).astype(np.float32)}
+    sim.join("a", params)
+    sim.join("b", {k: v.copy() for k, v in params.items()})
+    sim.see_each_other()
+    _steps(sim, 12)
+    secret_file = tmp_path / "run.key"
+    secret_file.write_text(secret)
+    # Someone with write access replaces round 2's record (at its tagged name) with an altered copy.
+    raw = sim.mailbox
+    (physical,) = [k for k in raw.list(keys.ROUNDS) if keys.untag_key(k)[0] == keys.round_key(2)]
+    altered = json.loads(raw.get(physical))
+    altered["cosine"] = 0.5
+    raw.delete([physical])
+    raw.put_if_absent(physical, json.dumps(altered, sort_keys=True, separators=(",", ":")).encode())
+    rc = main(["rounds", where, "--secret-file", str(secret_file), "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 1
+    assert 2 not in [json.loads(x)["round"] for x in out.splitlines()] and len(out.splitlines()) >= 4
+    assert "rounds/0000000002.json fails its check, ignored: rounds/0000000002.json: MAC does not verify" in err
+    rc = main(["status", where, "--secret-file", str(secret_file), "--last", "8"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and "rounds/0000000002.json fails its check, ignored" in " ".join(out.split())
+    rc = main(["verify", where, "--secret-file", str(secret_file), "--rounds", "2"])
+    out, err = capsys.readouterr()
+    assert rc == 1 and "the record is not a commit" in out
+    # Without the secret, the commands refuse the run rather than show what they cannot check.
+    rc = main(["rounds", where])
+    assert rc == 2 and "pass --secret-file" in capsys.readouterr().err
+
+
+def test_status_in_a_members_only_run_names_a_lease_whose_signature_fails(capsys):
+    where = url()
+    sim = SimRun(gm.DiLoCo(sync_every=2, fragments=2, in_flight=1, quorum_size=2), mailbox=gm.open_mailbox(where))
+    a_id = IDS["a"].learner_id("a")
+    rng = np.random.default_rng(3)
+    sim.join(a_id, {"w": rng.standard_normal((4, 3)).astype(np.float32)}, auth=MemberAuth(identity=IDS["a"]))
+    _steps(sim, 4)
+    (lease_key,) = [k for k in sim.mailbox.list(keys.LEASES) if k.startswith(keys.lease_prefix(a_id))]
+    lease = json.loads(sim.mailbox.get(lease_key))
+    lease["local_step"] += 1000  # altered after it was signed
+    sim.mailbox.delete([lease_key])
+    sim.mailbox.put_if_absent(lease_key, json.dumps(lease, sort_keys=True, separators=(",", ":")).encode())
+    rc = main(["status", where])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    text = " ".join(out.split())
+    assert f"{lease_key} fails its check, ignored" in text and "does not verify" in text
+    assert "unreadable" in text
