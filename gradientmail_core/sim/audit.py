@@ -64,6 +64,7 @@ class Auditor(Captured):
         # round -> learner -> (seq of its creation, its bytes); decoded only when a round is checked
         self.snapshots: dict[int, dict[str, tuple[int, bytes]]] = {}
         self.claims: dict[int, list[tuple[str, bytes]]] = {}  # round -> (writer, bytes) of every claim
+        self._snapshot_refs: dict[tuple[int, str], tuple[str, list[str]]] = {}  # (round, learner) -> digest, keys
         self.last_listing: dict[str, int] = {}  # node -> seq of its last full listing
         self.lease_listing: dict[str, int] = {}  # node -> seq of its last listing of leases/
         self.round_blob_writes: dict[str, dict[int, int]] = {}  # node -> round -> seq of its last round payload
@@ -171,17 +172,26 @@ class Auditor(Captured):
                 continue
             for p in rec.participants:
                 out[keys.snapshot_key(q, p.learner)] = q
-                got = self.snapshots.get(q, {}).get(p.learner)
-                try:
-                    snap = decode(got[1], Snapshot) if got is not None else None
-                except GradientMailError:
-                    snap = None
-                if snap is not None and ref_digest(snap.payload) == p.payload_sha256:
-                    out.update(dict.fromkeys((c.key for c in chunk_refs(snap.payload)), q))
+                out.update(dict.fromkeys(self._payload_keys(q, p.learner, p.payload_sha256), q))
             prev = self.tape.get(q - run.P) if q >= run.P else None
             for pref in (prev.theta, prev.outer) if prev is not None else ():
                 out.update(dict.fromkeys((c.key for c in chunk_refs(pref)) if pref is not None else (), q))
         return out
+
+    def _payload_keys(self, r: int, learner: str, digest: str) -> list[str]:
+        """The chunk keys of ``learner``'s snapshot of round ``r``, when its payload is ``digest``
+        (decoded once: a snapshot record is created once)."""
+        got = self._snapshot_refs.get((r, learner))
+        if got is None:
+            data = self.snapshots.get(r, {}).get(learner)
+            try:
+                snap = decode(data[1], Snapshot) if data is not None else None
+            except GradientMailError:
+                snap = None
+            got = ("", []) if snap is None else (ref_digest(snap.payload), [c.key for c in chunk_refs(snap.payload)])
+            if data is not None:
+                self._snapshot_refs[(r, learner)] = got
+        return got[1] if got[0] == digest else []
 
     def deleted(self, doomed: list[str]) -> None:
         """After a delete reached the store: report the leases it changed."""
