@@ -438,6 +438,17 @@ def test_read_only_commands_name_a_record_that_fails_its_mac_and_skip_it(capsys,
     rc = main(["verify", where, "--secret-file", str(secret_file), "--rounds", "2"])
     out, err = capsys.readouterr()
     assert rc == 1 and "the record is not a commit" in out
+    # The newest record altered too: export writes the newest commit of that fragment that passes.
+    head = max(keys.parse_round_key(keys.untag_key(k)[0]) for k in raw.list(keys.ROUNDS))
+    (newest,) = [k for k in raw.list(keys.ROUNDS) if keys.untag_key(k)[0] == keys.round_key(head)]
+    altered = json.loads(raw.get(newest))
+    altered["live"] += 1
+    raw.delete([newest])
+    raw.put_if_absent(newest, json.dumps(altered, sort_keys=True, separators=(",", ":")).encode())
+    rc = main(["export", where, "--secret-file", str(secret_file), "-o", str(tmp_path / "m.safetensors")])
+    out, err = capsys.readouterr()
+    assert rc == 0 and f"wrote {tmp_path / 'm.safetensors'}: parameters after round {head - 1}," in out
+    assert f"{keys.round_key(head)} fails its check, ignored" in err
     # Without the secret, the commands refuse the run rather than show what they cannot check.
     rc = main(["rounds", where])
     assert rc == 2 and "pass --secret-file" in capsys.readouterr().err
