@@ -70,6 +70,7 @@ class Session:
         identity: str | os.PathLike[str] | None = None,
         owner_key: str | os.PathLike[str] | None = None,
         anchors: str | None = None,
+        verify: float = 0.0,
     ) -> None:
         me = keys.validate_learner_id(learner_id if learner_id is not None else default_learner_id())
         if not isinstance(algorithm, DiLoCo):
@@ -85,6 +86,7 @@ class Session:
             lease_every=lease_every,
             round_timeout=round_timeout,
             compression=compression,
+            verify=verify,
         )
         # docs/security.md: shared secret, identities, or neither; validated before any I/O
         self.auth, self.identity = node_policy(secret, secret_file, identity, owner_key)
@@ -207,6 +209,11 @@ def _sharded_params(adapter: Adapter) -> ShardedParams | None:
 def _host_for(setup: HostSetup, learner_id: str, anchors: str | None) -> EngineHost:
     """The engine host for this session's model: chosen once, when the session is built."""
     sharded = _sharded_params(setup.adapter)
+    if sharded is not None and setup.options.verify > 0:
+        raise ValueError(
+            f"verify={setup.options.verify!r}: a sharded node's ranks hold no whole fragment to recompute a commit "
+            "with; leave verify at 0 and check the run with `gradientmail verify URL` instead"
+        )
     if sharded is None:
         if anchors is not None:
             raise ValueError(

@@ -68,6 +68,8 @@ class SessionOptions:
     identity: str | os.PathLike[str] | None = None
     #: the owner key file of a run this node creates, if not its identity (signs the membership log).
     owner_key: str | os.PathLike[str] | None = None
+    #: the share of the commits it follows that this node recomputes before applying them (see docs/security.md).
+    verify: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "callbacks", tuple(self.callbacks))  # frozen: a list passed in is copied

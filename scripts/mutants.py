@@ -66,6 +66,7 @@ T_CLOSER = "tests/test_sharded_closer.py"
 T_CARRY_RUN = (
     "tests/test_alignment.py::test_learners_with_carry_keep_the_steps_since_their_contribution_at_every_commit_of_a_run"
 )
+T_VERIFY = "tests/test_verify.py::"
 T_MEMORY = (
     "tests/test_sharded_memory.py::test_no_rank_allocates_a_fragment_in_a_publish_or_a_commit_as_the_os_measures_it"
 )
@@ -239,6 +240,34 @@ MUTATIONS: list[Mutation] = [
       ("tests/test_error_feedback.py::test_the_residual_is_the_fed_delta_minus_what_was_sent",),
       "error feedback keeps what was sent minus what was meant: the error doubles instead of cancelling",
       quick=True),
+    # Verifying commits (issue 28): a verifier that compares nothing, trusts the weights it is
+    # given, a follower that keeps applying a forger's commits, GC that keeps no window.
+    M("verify-compares-nothing", "gradientmail_core/syncer/verify.py",
+      "        if a != b:\n            out.append(name)",
+      "        pass",
+      (f"{T_VERIFY}test_verify_names_the_first_forged_round_and_its_closer_and_fails",
+       f"{T_VERIFY}test_a_follower_with_verify_never_applies_a_forged_commit_and_reports_it_in_its_round"),
+      "a recomputed commit is never compared with the record: every forgery verifies", quick=True),
+    M("verify-trusts-recorded-weights", "gradientmail_core/syncer/verify.py",
+      "if p.steps <= 0 or contribution_weight(p.tokens, p.steps) != p.weight:",
+      "if p.steps <= 0:",
+      (f"{T_VERIFY}test_inputs_that_contradict_their_record_are_a_mismatch",),
+      "a closer may weigh a participant as it likes: the recomputation uses the recorded weights", quick=True),
+    M("follower-keeps-following-a-forger", "gradientmail_core/syncer/verifying.py",
+      "        self.distrusted[rec.closer] = rec.round\n",
+      "",
+      (f"{T_VERIFY}test_a_follower_with_verify_never_applies_a_forged_commit_and_reports_it_in_its_round",),
+      "a follower refuses the forged round but applies the forger's later commits unchecked", quick=True),
+    M("gc-keeps-no-window", "gradientmail_core/syncer/gc.py",
+      "        if w == 0:\n            return r + 1, r + 1, r + 1",
+      "        if True:\n            return r + 1, r + 1, r + 1",
+      (f"{T_VERIFY}test_an_honest_finished_run_verifies_every_round_of_its_window",),
+      "garbage collection deletes what verifying the newest rounds needs: nothing is verifiable", quick=True),
+    M("cli-checks-no-mac", "gradientmail_core/cli/overview.py",
+      "            if auth is not None:\n                auth.verify(rec, key)",
+      "            pass",
+      (f"{T_VERIFY}test_read_only_commands_name_a_record_that_fails_its_mac_and_skip_it",),
+      "gradientmail rounds/status show a record whose MAC fails as a commit", quick=True),
 ]
 # fmt: on
 
@@ -254,6 +283,7 @@ SIM_MUTANTS: list[tuple[str, bool]] = [
     ("count_twice", True),
     ("stale_view_is_fatal", False),
     ("gc_forgets_checkpoints", False),
+    ("gc_ignores_window", False),
     ("replay_skips_contribution", False),
     ("weights_not_normalised", False),
     ("rda_length_unweighted", False),

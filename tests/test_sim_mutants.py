@@ -31,6 +31,7 @@ CAUGHT_BY = {
     "stale_view_is_fatal": ("raised ProtocolError",),
     # Checkpoints: what GC deletes and what a new closer rebuilds between them.
     "gc_forgets_checkpoints": ("a recovery of fragment",),
+    "gc_ignores_window": ("inside the verify window",),
     "replay_skips_contribution": (
         "differs from the recomputed",
         "theta_digest",
@@ -78,6 +79,7 @@ def _patch_points() -> tuple:
         node.Node._list_leases,
         node.Node._fragment_state,
         node.Node._checkpoint_rounds,
+        node.Node._window,
         replay._contributions,
         replay._same,
         LeaseWriter.renew,

@@ -376,13 +376,14 @@ def in_snapshot_folder(key: str, sha256: str, r: int, learner: str) -> bool:
 # a learner's snapshot key first. The tag goes before ``.json`` and after a '.', which sorts
 # between '-' and every digit and letter, so physical byte order is logical byte order.
 
-TAGGED_PREFIXES = (CLAIMS, ROUNDS, SNAPSHOTS, LEASES)
+TAGGED_PREFIXES = (CLAIMS, ROUNDS, SNAPSHOTS, LEASES, WORK)  # (the work queues' too: docs/protocol.md section 7)
 TAG_HEX = 32
-_TAGGED_RE = re.compile(rf"((?:claims|rounds|snapshots|leases)/[A-Za-z0-9._/-]+)\.([0-9a-f]{{{TAG_HEX}}})\.json")
+_TAGGED_RE = re.compile(rf"((?:claims|rounds|snapshots|leases|work)/[A-Za-z0-9._/-]+)\.([0-9a-f]{{{TAG_HEX}}})\.json")
 
 
 def is_record_key(key: str) -> bool:
-    """True for keys of the per-round protocol records (the ones tagged in authenticated runs)."""
+    """True for keys of the protocol records tagged in authenticated runs: the per-round ones and
+    the work queues'."""
     return key.startswith(TAGGED_PREFIXES)
 
 
