@@ -205,7 +205,8 @@ def register_gradientmail(
             (its batch times the accumulation steps); the session is told the sum over the
             node's processes. Default 1 per step, unless ``handle.add_samples`` reports them.
         **options: the other options of :class:`~gradientmail_lightning.options.SessionOptions`
-            (``wait_for_learners``, ``wait_timeout``, ``learner_id``, ``poll_interval``, ...).
+            (``module``: the submodule whose parameters form the run, an attribute path of the
+            unwrapped model or a callable; ``names``, ``wait_for_learners``, ``learner_id``, ...).
 
     Call it on every process; only the main process talks to the mailbox (under FSDP2, every
     process moves its part of the payloads).
