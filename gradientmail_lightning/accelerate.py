@@ -38,7 +38,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without accelerate
     raise MissingExtra("accelerate") from e
 
-from .driver import SessionDriver
+from .driver import SessionDriver, overflowed
 from .options import SessionOptions
 
 _UNSUPPORTED = {
@@ -150,7 +150,7 @@ class GradientMailHandle:
             self.start()  # nobody called start(): join before the first real step lands
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._closed:
+        if self._closed or overflowed(optimizer):  # (a fused optimizer's step the scaler told to skip)
             return
         if self._pending_samples:
             samples, self._pending_samples = self._pending_samples, 0

@@ -347,6 +347,16 @@ class SessionDriver:
         return out
 
 
+def overflowed(optimizer: Any) -> bool:
+    """From a post-step hook of ``optimizer``: whether the GradScaler found inf/NaN gradients in this
+    step. A scaler skips a plain optimizer's ``step`` then (its hooks never run), but calls the
+    step of an optimizer that scales itself (fused AdamW, the Trainer's default) with ``found_inf``
+    set for the step to skip its own update: the hook runs while ``found_inf`` is set. Reading the
+    flag waits for the device (once per optimizer step, only under a scaler)."""
+    found = getattr(optimizer, "found_inf", None)
+    return found is not None and bool(found.item() if isinstance(found, torch.Tensor) else found)
+
+
 def first_batch_len(batch: Any) -> int:
     """Samples in a batch: the length of its first tensor (searching tuples, lists and dicts),
     else ``len(batch)``, else 1."""
