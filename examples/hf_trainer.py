@@ -200,7 +200,11 @@ def run_sft(args: argparse.Namespace, lm: Any, rows: torch.Tensor, watch: Watch,
     data = datasets.Dataset.from_dict({"input_ids": rows.tolist()})  # already tokenized: SFT trains on them as they are
     callback = GradientMailTrainerCallback(algorithm=algorithm(args), mailbox=args.mailbox, **node_options(args, watch))
     trainer = SFTTrainer(
-        model=lm, args=hf_args(args, out, sft=True), train_dataset=data, processing_class=tokenizer, callbacks=[callback]
+        model=lm,
+        args=hf_args(args, out, sft=True),
+        train_dataset=data,
+        processing_class=tokenizer,
+        callbacks=[callback],
     )
     trainer.train()
     return callback.driver.steps
@@ -222,7 +226,9 @@ def run_lightning(args: argparse.Namespace, lm: Any, rows: torch.Tensor, watch: 
         def configure_optimizers(self) -> Any:
             return torch.optim.AdamW(self.parameters(), lr=args.lr, weight_decay=0.0)
 
-    strategy = MailboxDiLoCoStrategy(algorithm=algorithm(args), mailbox=args.mailbox, module="model", **node_options(args, watch))
+    strategy = MailboxDiLoCoStrategy(
+        algorithm=algorithm(args), mailbox=args.mailbox, module="model", **node_options(args, watch)
+    )
     trainer = Trainer(
         strategy=strategy, accelerator="cpu", devices=1, max_steps=args.steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
