@@ -23,8 +23,9 @@ as ``transformer.wte.weight``, and stays one tensor after every commit (each nod
     python examples/hf_trainer.py --mailbox file:///tmp/gm-hf-2 --kinds trainer,sft,lightning,plain
 
     # or one node per command, on machines sharing the directory or a bucket
-    python examples/hf_trainer.py --node trainer --quorum 3 --mailbox s3://bucket/runs/hf-1 &
-    python examples/hf_trainer.py --node trainer --processes 2 ...   # a 2-process DDP node (torchrun)
+    python examples/hf_trainer.py --as-node trainer --quorum 3 --mailbox s3://bucket/runs/hf-1 &
+    python examples/hf_trainer.py --as-node lightning --quorum 3 --mailbox s3://bucket/runs/hf-1 &
+    torchrun --nproc_per_node 2 examples/hf_trainer.py --as-node trainer-2 ...   # a 2-process DDP node
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -273,12 +275,14 @@ def run_node(args: argparse.Namespace) -> None:
         steps = run_sft(args, lm, rows, watch, out, vocab)
     else:
         steps = runs[kind](args, lm, rows, watch, out)
-    rank = int(os.environ.get("RANK", "0"))
+    rank = int(os.environ.get("RANK", "0"))  # a Trainer node of several processes: rank 0 holds the session
     if args.out and rank == 0:
         report = {"node": args.node, "steps": steps, "aligned": watch.aligned, "tie_checks": watch.tie_checks,
                   "untied": watch.untied, "head_is_embedding": lm.lm_head.weight is lm.transformer.wte.weight}  # fmt: skip
         (out / f"{args.node}.json").write_text(json.dumps(report))
-        np.savez(out / f"{args.node}.npz", **{n: p.detach().numpy() for n, p in lm.named_parameters()})
+    if args.out:
+        suffix = f".rank{rank}" if rank else ""
+        np.savez(out / f"{args.node}{suffix}.npz", **{n: p.detach().numpy() for n, p in lm.named_parameters()})
 
 
 def launch(args: argparse.Namespace) -> None:
@@ -298,8 +302,14 @@ def launch(args: argparse.Namespace) -> None:
         if kind == "trainer" and args.processes > 1:
             torchrun = str(Path(sys.executable).with_name("torchrun"))
             cmd = [torchrun, "--standalone", f"--nproc_per_node={args.processes}", __file__]
-        node = [*cmd, "--node", kind, "--seed", str(i + 1), *common]
-        procs.append(subprocess.Popen(node, stdout=open(out / f"{kind}.log", "wb"), stderr=subprocess.STDOUT))
+        node = [*cmd, "--as-node", kind, "--seed", str(i + 1), *common]
+        with open(out / f"{kind}.log", "wb") as log:  # a session each: a node is killed with its processes
+            procs.append(subprocess.Popen(node, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    while any(p.poll() is None for p in procs) and all(p.poll() in (None, 0) for p in procs):
+        time.sleep(0.5)
+    for p in procs:  # one node failed: the others would wait for it until their timeout
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
     failed = [kinds[i] for i, p in enumerate(procs) if p.wait() != 0]
     if failed:
         raise SystemExit(f"nodes {failed} failed; see their logs in {out}")
@@ -319,7 +329,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mailbox", default="file:///tmp/gm-hf", help="mailbox URL (file:///..., s3://...)")
     ap.add_argument("--kinds", default="trainer,lightning,plain", help="the nodes to start: " + ",".join(KINDS))
-    ap.add_argument("--node", help="run this one node (trainer, lightning, plain or sft; a suffix -x names it)")
+    ap.add_argument(
+        "--as-node", dest="node", help="run this one node: trainer, lightning, plain or sft (-x suffixes name it)"
+    )
     ap.add_argument("--quorum", type=int, default=3, help="with --node: the number of nodes in the run")
     ap.add_argument("--processes", type=int, default=1, help="processes of the Trainer node (DDP under torchrun)")
     ap.add_argument("--size", default="small", choices=sorted(SIZES))

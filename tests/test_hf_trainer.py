@@ -1,7 +1,8 @@
 """The Hugging Face ``Trainer`` as a gradientmail node (``GradientMailTrainerCallback``).
 
 ``examples/hf_trainer.py`` runs as a user starts it, tiny: a ``transformers.Trainer`` node (the
-language model inside the Trainer's module, ``module="model"``, gradient accumulation 2), a TRL
+language model inside the Trainer's module, ``module="model"``, gradient accumulation 2, two DDP
+processes under ``torchrun``: one node whose rank 0 talks to the store), a TRL
 ``SFTTrainer`` node, a Lightning node (``module="model"``) and a plain-loop node train one GPT-2-style
 model in lockstep. What each node contributed is read from the run's records. In this process: the
 steps that count (a skipped fp16 step does not), the metrics in the Trainer's logs, a resumed
@@ -45,7 +46,7 @@ def test_trainer_sft_lightning_and_plain_nodes_train_one_run_in_lockstep(tmp_pat
     out, mailbox = tmp_path / "out", tmp_path / "mb"
     cmd = [sys.executable, str(ROOT / "examples" / "hf_trainer.py"), "--kinds", "trainer,sft,lightning,plain"]
     cmd += ["--size", "tiny", "--steps", str(STEPS), "--sync-every", str(SYNC), "--batch", str(BATCH)]
-    cmd += ["--accumulate", "2", "--mailbox", f"file://{mailbox}", "--out", str(out)]
+    cmd += ["--accumulate", "2", "--processes", "2", "--mailbox", f"file://{mailbox}", "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540)
     logs = "".join((out / f"{k}.log").read_text(errors="replace")[-3000:] for k in ("trainer", "sft") if out.exists())
@@ -55,7 +56,8 @@ def test_trainer_sft_lightning_and_plain_nodes_train_one_run_in_lockstep(tmp_pat
     assert summary["newest_round"] == 3 and summary["heldout_after"] < summary["heldout_before"]
 
     # Every round merged every node; each contribution covers the optimizer steps since the last
-    # one, and the Trainer and SFT nodes report the samples of 2 micro-batches per step.
+    # one, and the Trainer and SFT nodes report the samples of 2 micro-batches per step (the
+    # Trainer node's summed over its 2 processes: one node, one learner).
     records = round_records(mailbox)
     assert sorted(records) == [0, 1, 2, 3]
     for r, rec in records.items():
@@ -63,7 +65,7 @@ def test_trainer_sft_lightning_and_plain_nodes_train_one_run_in_lockstep(tmp_pat
         assert sorted(got) == nodes, r
         gap = {0: 2, 1: 4, 2: 4, 3: 4}[r]  # fragment 0 at steps 2 and 6, fragment 1 at 4 and 8
         assert {n: p["steps"] for n, p in got.items()} == dict.fromkeys(nodes, gap), r
-        assert got["trainer"]["tokens"] == got["sft"]["tokens"] == gap * BATCH * 2
+        assert got["trainer"]["tokens"] == 2 * got["sft"]["tokens"] == gap * BATCH * 2 * 2
         assert got["plain"]["tokens"] == got["lightning"]["tokens"] == gap * BATCH
 
     # One schema for all: the language model's own names (module="model" dropped the wrappers'
@@ -73,6 +75,8 @@ def test_trainer_sft_lightning_and_plain_nodes_train_one_run_in_lockstep(tmp_pat
     names = [s.name for s in manifest.schema]
     assert "transformer.wte.weight" in names and "lm_head.weight" not in names
     assert not any(n.startswith("model.") for n in names)
+    # The Trainer node's second process mirrored every alignment of rank 0: the same bytes at the end.
+    second = dict(np.load(out / "trainer.rank1.npz"))
 
     reports = {n: json.loads((out / f"{n}.json").read_text()) for n in nodes}
     finals = {n: dict(np.load(out / f"{n}.npz")) for n in nodes}
@@ -82,6 +86,7 @@ def test_trainer_sft_lightning_and_plain_nodes_train_one_run_in_lockstep(tmp_pat
         assert report["tie_checks"] == 4 and report["untied"] == 0 and report["head_is_embedding"], n
         for name, value in finals[n].items():
             assert value.tobytes() == finals["plain"][name].tobytes(), (n, name)
+    assert all(second[name].tobytes() == finals["trainer"][name].tobytes() for name in second)
 
 
 # ---- in this process ------------------------------------------------------------------------
