@@ -122,10 +122,11 @@ def _args(tmp_path: Path, **kw: object) -> TrainingArguments:
     return TrainingArguments(**{**base, **kw})  # type: ignore[arg-type]
 
 
+LOCKSTEP = gm.DiLoCo(sync_every=4, fragments=2, in_flight=1, overlap_steps=0)  # each round committed in its step
+
+
 def _callback(mailbox: gm.Mailbox, **kw: object) -> GradientMailTrainerCallback:
-    return GradientMailTrainerCallback(
-        algorithm=gm.DiLoCo(sync_every=4, fragments=2), mailbox=mailbox, **{**FAST, **kw}
-    )
+    return GradientMailTrainerCallback(algorithm=LOCKSTEP, mailbox=mailbox, **{**FAST, **kw})
 
 
 class _SessionSteps(TrainerCallback):
@@ -164,7 +165,8 @@ def test_gradient_accumulation_steps_the_session_once_per_optimizer_step_and_log
     logged = [h for h in trainer.state.log_history if "loss" in h]
     assert [h["step"] for h in logged] == [2, 4, 6]
     assert [h["gm/local_step"] for h in logged] == [2.0, 4.0, 6.0]
-    assert logged[-1]["gm/round"] >= 1 and logged[-1]["gm/bytes_sent"] > 0
+    assert [h["gm/round"] for h in logged] == [0.0, 1.0, 2.0]  # rounds at steps 2, 4 and 6
+    assert 0 < logged[0]["gm/bytes_sent"] < logged[1]["gm/bytes_sent"] < logged[2]["gm/bytes_sent"]
 
 
 def test_resume_from_checkpoint_rejoins_as_the_same_learner_with_its_counters(tmp_path: Path) -> None:

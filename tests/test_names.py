@@ -139,7 +139,8 @@ def test_a_tied_weight_travels_once_and_stays_one_tensor_after_every_commit() ->
     mailbox = gm.MemoryMailbox()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     x = torch.arange(12).repeat(2)
-    with gm.Session(model, algorithm=gm.DiLoCo(sync_every=2, fragments=1), mailbox=mailbox,
+    lockstep = gm.DiLoCo(sync_every=2, fragments=1, in_flight=1, overlap_steps=0)  # each commit aligned in step
+    with gm.Session(model, algorithm=lockstep, mailbox=mailbox,
                     **{**QUIET, "callbacks": [on_commit]}) as session:  # fmt: skip
         assert [s.name for s in session.adapter.schema()] == ["embed.weight"]
         for _ in range(8):
@@ -197,6 +198,33 @@ def test_a_plain_node_whose_names_are_one_level_deeper_is_told_to_pass_module() 
         gm.align(Holder(), mailbox=mailbox)
 
 
+def test_register_gradientmail_with_module_joins_the_run_of_the_bare_network() -> None:
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    import gradientmail_lightning  # noqa: F401  (adds Accelerator.register_gradientmail)
+
+    mailbox = gm.MemoryMailbox()
+    with gm.Session(net(), algorithm=ALGO, mailbox=mailbox, learner_id="run", **QUIET):
+        pass
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    try:
+        accelerator = Accelerator(cpu=True)
+        holder = Holder()
+        torch.nn.init.zeros_(holder.net[0].weight)  # not the run's: joining loads the run's values
+        model, optimizer = accelerator.prepare(holder, torch.optim.SGD(holder.parameters(), lr=0.1))
+        handle = accelerator.register_gradientmail(model, optimizer, algorithm=ALGO, mailbox=mailbox, module="net",
+                                                   learner_id="accelerate", **QUIET)  # fmt: skip
+        with handle:
+            assert torch.equal(holder.net[0].weight, net()[0].weight)
+            assert handle.session is not None and [s.name for s in handle.session.adapter.schema()] == NAMES
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
 def test_an_mlx_node_gets_the_same_mismatch_and_fix() -> None:
     pytest.importorskip("mlx.core")
     import mlx.nn as mnn
@@ -226,7 +254,9 @@ def test_an_mlx_node_gets_the_same_mismatch_and_fix() -> None:
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available() and TORCHRUN.exists()),
     reason="torch.distributed with gloo (and torchrun) is unavailable",
 )
-def test_a_sharded_node_whose_names_differ_raises_schema_mismatch_with_the_fix_on_every_rank(tmp_path: Path) -> None:
+def test_sharded_fsdp2_and_fsdp1_nodes_whose_names_differ_raise_schema_mismatch_with_the_fix_on_every_rank(
+    tmp_path: Path,
+) -> None:
     mb = tmp_path / "mb"
     with gm.Session(net(), algorithm=gm.DiLoCo(sync_every=4, fragments=2, chunk_elements=64),
                     mailbox=gm.FileMailbox(mb), learner_id="run", **QUIET):  # fmt: skip
@@ -236,36 +266,38 @@ def test_a_sharded_node_whose_names_differ_raises_schema_mismatch_with_the_fix_o
     cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node=2", __file__, str(mb), str(tmp_path / "rank")]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    for rank in (0, 1):
-        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert got["type"] == "SchemaMismatch", got
+    for kind, rank in [(k, r) for k in ("fsdp2", "fsdp1") for r in (0, 1)]:
+        got = json.loads((tmp_path / f"rank-{kind}-{rank}.json").read_text())
+        assert got["type"] == "SchemaMismatch", (kind, rank, got)
         assert "net.0.weight: in this model, not in the run" in got["message"]
         assert "pass module='net'" in got["message"]
         assert got["fixed"] == NAMES  # module='net' on the same sharded node gives the run's names
 
 
 def _sharded_mismatch(mailbox: str, out: str) -> None:
-    """One rank of a 2-rank FSDP2 node of ``Holder`` (names ``net.0.weight``...), opening a session on
-    the run a plain ``net()`` created (``0.weight``...)."""
+    """One rank of a 2-rank node of ``Holder`` (names ``net.0.weight``...), sharded with FSDP2 and
+    then with FSDP1, opening a session on the run a plain ``net()`` created (``0.weight``...)."""
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    model = Holder()
-    for layer in model.net:
+    fsdp2 = Holder()
+    for layer in fsdp2.net:
         if any(True for _ in layer.parameters()):
             fully_shard(layer)
-    fully_shard(model)
+    fully_shard(fsdp2)
+    fsdp1 = FullyShardedDataParallel(Holder(), use_orig_params=True, device_id=torch.device("cpu"))
     algo = gm.DiLoCo(sync_every=4, fragments=2, chunk_elements=64)
-    got: dict[str, object] = {}
-    try:
-        gm.Session(model, algorithm=algo, mailbox=gm.FileMailbox(mailbox), learner_id="shard", **QUIET).open()
-        got = {"type": "opened", "message": ""}
-    except Exception as e:
-        got = {"type": type(e).__name__, "message": str(e)}
-    got["fixed"] = [s.name for s in adapter_for(model, module="net").schema()]
-    Path(f"{out}{rank}.json").write_text(json.dumps(got))
+    for kind, model in (("fsdp2", fsdp2), ("fsdp1", fsdp1)):
+        got: dict[str, object] = {}
+        try:
+            gm.Session(model, algorithm=algo, mailbox=gm.FileMailbox(mailbox), learner_id="shard", **QUIET).open()
+            got = {"type": "opened", "message": ""}
+        except Exception as e:
+            got = {"type": type(e).__name__, "message": str(e)}
+        got["fixed"] = [s.name for s in adapter_for(model, module="net").schema()]
+        Path(f"{out}-{kind}-{rank}.json").write_text(json.dumps(got))
     dist.destroy_process_group()
 
 
