@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import numpy as np
@@ -24,7 +24,7 @@ from ..adapters.torch_transfer import gather_chunks, scatter_chunks
 from ..errors import MailboxUnavailable, SessionFailed
 from ..protocol.chunks import Layout
 from ..syncer.fragment import Lost
-from ..syncer.ranks import Owned, flat
+from ..syncer.ranks import Local, Owned, Shapes, flat
 from .wire import pack, unpack, wire
 
 _log = logging.getLogger(__name__)
@@ -95,25 +95,16 @@ class GlooRanks:
             raise OpFailed(why)
         return [g["v"] for g in got]
 
-    def _params(self, shapes: Mapping[str, Sequence[int]], layout: Layout) -> ShardedParams:
+    def _params(self, shapes: Shapes, layout: Layout) -> ShardedParams:
         return ShardedParams({}, {n: tuple(s) for n, s in shapes.items()}, self.world, self.rank, self.group, layout)
 
-    def gather(
-        self, shapes: Mapping[str, Sequence[int]], layout: Layout, chunk: int | None, local: Mapping[str, np.ndarray]
-    ) -> Owned:
+    def gather(self, shapes: Shapes, layout: Layout, chunk: int | None, local: Local) -> Owned:
         assert chunk is not None, "a sharded node joins chunked runs only"
         tensors = {n: torch.from_numpy(np.ascontiguousarray(flat(v))) for n, v in local.items()}
         got = gather_chunks(self._params(shapes, layout), list(shapes), chunk, tensors)
         return {k: [(p, t.numpy()) for p, t in pieces] for k, pieces in got.items()}
 
-    def scatter(
-        self,
-        shapes: Mapping[str, Sequence[int]],
-        layout: Layout,
-        chunk: int | None,
-        owned: Owned,
-        local: Mapping[str, np.ndarray],
-    ) -> None:
+    def scatter(self, shapes: Shapes, layout: Layout, chunk: int | None, owned: Owned, local: Local) -> None:
         assert chunk is not None, "a sharded node joins chunked runs only"
         pieces = {k: [(p, torch.from_numpy(np.ascontiguousarray(v))) for p, v in ps] for k, ps in owned.items()}
         tensors = {n: torch.from_numpy(flat(v)) for n, v in local.items()}  # (views: written in place)

@@ -12,7 +12,7 @@ it (``replay.py``, which calls ``compute_commit`` with ``outliers=False``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -163,14 +163,8 @@ class Collector:
                 del self.judged[learner]
         if self.quorum_at is None and (n_ok >= quorum_size or (all_reported and n_ok >= 1)):
             self.quorum_at = now
-            e = self.estimates
             self.grace = grace_seconds(
-                x_step=e.x_step,
-                x_quorum=e.x_quorum,
-                x_sync=e.x_sync,
-                gap=gap,
-                in_flight=in_flight,
-                overlap_steps=overlap_steps,
+                **asdict(self.estimates), gap=gap, in_flight=in_flight, overlap_steps=overlap_steps
             )
         if self.quorum_at is None:
             return False

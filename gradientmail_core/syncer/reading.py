@@ -70,14 +70,12 @@ def read_chunk(
     def get(tee: Callable[[Any], object] | None) -> dict[str, np.ndarray] | None:
         return store.get_chunk(ref, s.pieces, shapes=s.shapes, k=s.k, n=s.n, dtypes=dtypes, max_bytes=cap, tee=tee)
 
-    if spool is None:
-        return get(None)
-    if decoded:
+    if spool is None or decoded:
         fetched = get(None)
-        if fetched is not None:
-            spool.hold(ref.sha256, fetched, round)
-            return spool.decoded(ref.sha256)
-        return None
+        if fetched is None or spool is None:
+            return fetched
+        spool.hold(ref.sha256, fetched, round)
+        return spool.decoded(ref.sha256)
     with spool.writer(ref.sha256, ref.size, round) as w:
         fetched = get(None if w is None else w.write)
         if fetched is not None and w is not None:

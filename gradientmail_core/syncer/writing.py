@@ -26,11 +26,11 @@ from ..codec import quant
 from ..codec.chunked import chunk_specs, stream_chunk
 from ..codec.stream import ELEMENTWISE, PayloadStream
 from ..protocol import keys
-from ..protocol.chunks import Layout, is_whole, numel
+from ..protocol.chunks import Layout, is_whole
 from ..protocol.records import PayloadRef, digest_of, join_refs
 from ..protocol.run import RunInfo
 from .fragment import CommitOp, FragmentState, Written
-from .ranks import Owned, Ranks, flat
+from .ranks import Owned, Ranks, alloc, flat
 from .reading import tensor_of
 
 AHEAD = 2  # payload chunks encoded and hashed ahead of the one being written (large fragments)
@@ -90,12 +90,9 @@ def write_commit(
             for nm, a in got.items():
                 scales[nm] = max(scales.get(nm, 0), quant.e4m3_scale_byte(np.float32(float.fromhex(a))))
     keep = keep or cd is not None
-    local: dict[str, np.ndarray] = {}
-    for n, (lo, hi) in ranges.items():
-        if cd is None and dtypes[n] == "F32":
-            local[n] = master[n]  # the master's own array
-        elif keep:
-            local[n] = np.empty(shapes[n] if (lo, hi) == (0, numel(shapes[n])) else hi - lo, np.float32)
+    same = {n for n in ranges if cd is None and dtypes[n] == "F32"}  # the master's own arrays
+    made = alloc({n: r for n, r in ranges.items() if keep and n not in same}, shapes)
+    local = {n: master[n] if n in same else made[n] for n in ranges if n in same or n in made}
     theta: Owned = {}
 
     def build() -> bool:  # (a phase: a rank failing here fails the commit on every rank)
@@ -138,59 +135,51 @@ def write_commit(
         assert cd is not None
         return stream_chunk(values, specs[k], cd, kind="change", compression=compression, f8_scales=parted)
 
-    jobs: list[tuple[str, bool, int, Callable[[], PayloadStream]]] = []
-    for kind, written in write_plan(op.checkpoint, cd is not None, compression):
-        z = compression if written else ""
-        if kind == "theta":
-            jobs += [(kind, written, k, partial(_stream, ps, specs[k], dtypes, kind, z)) for k, ps in theta.items()]
-        elif kind == "outer":
-            jobs += [
-                (kind, written, k, partial(_stream, ps, outer_specs[k], "F32", kind, z))
-                for k, ps in owned_outer.items()
-            ]
-        else:
-            jobs += [(kind, written, k, partial(change, k)) for k in owned_master]
+    owners: dict[str, Owned] = {"theta": theta, "outer": owned_outer, "change": owned_master}
+    makers: dict[str, Callable[[int, str], PayloadStream]] = {
+        "theta": lambda k, z: _stream(theta[k], specs[k], dtypes, "theta", z),
+        "outer": lambda k, z: _stream(owned_outer[k], outer_specs[k], "F32", "outer", z),
+        "change": lambda k, z: change(k),
+    }
+    plan = write_plan(op.checkpoint, cd is not None, compression)
+    jobs = [(kind, written, k) for kind, written in plan for k in owners[kind]]
     kept: dict[str, Any] = {}
 
-    def write_all() -> dict[str, dict[str, list[Any]]]:
-        out: dict[str, dict[str, list[Any]]] = {}
-        made = ordered(call, [j[3] for j in jobs], threads=AHEAD if threaded else 0, queued=AHEAD + 1, drop=_close)
+    def write_all() -> list[list[Any]]:
+        rows = []
+        makes = [partial(makers[kind], k, compression if written else "") for kind, written, k in jobs]
+        made = ordered(call, makes, threads=AHEAD if threaded else 0, queued=AHEAD + 1, drop=_close)
         try:
-            for (kind, written, k, _), data in zip(jobs, made, strict=True):
+            for (kind, written, k), data in zip(jobs, made, strict=True):
                 with data:
                     key = keys.round_blob_key(r, kind, data.sha256, compression if written else "")
-                    if written:
-                        if put is None:
-                            kept[key] = data.read()
-                        else:
-                            put(key, data)
-                    out.setdefault(f"{kind}/{int(written)}", {})[str(k)] = [data.sha256, len(data)]
+                    if written and put is not None:
+                        put(key, data)
+                    elif written:
+                        kept[key] = data.read()
+                    rows.append([kind, written, k, data.sha256, len(data)])
         finally:
             made.close()
-        return out
+        return rows
 
-    parts: dict[str, dict[str, list[Any]]] = {}
-    for pooled in ranks.phase(write_all):
-        for name, written_chunks in pooled.items():
-            parts.setdefault(name, {}).update(written_chunks)
+    rows = sorted(tuple(row) for pooled in ranks.phase(write_all) for row in pooled)  # (kind, written, k, sha, size)
     counts = {"theta": len(specs), "change": len(specs), "outer": len(outer_specs)}
     refs: dict[str, PayloadRef] = {}
-    shas: dict[str, list[str]] = {}
+    shas: dict[tuple[str, bool], list[str]] = {}
     payloads: dict[str, Any] = {}
-    for kind_written, done in parts.items():
-        kind, flag = kind_written.split("/")
-        assert sorted(map(int, done)) == list(range(counts[kind])), f"round {r}: {kind} chunks {sorted(done)}"
-        in_order = [done[str(k)] for k in range(counts[kind])]
-        shas[kind_written] = [sha for sha, _ in in_order]
-        if flag == "1":
+    for kind, written in plan:
+        done = [row for row in rows if row[:2] == (kind, written)]
+        assert [row[2] for row in done] == list(range(counts[kind])), f"round {r}: {kind} chunks {done}"
+        shas[kind, written] = [row[3] for row in done]
+        if written:
             made_refs = [
                 PayloadRef(key=keys.round_blob_key(r, kind, sha, compression), sha256=sha, size=n)
-                for sha, n in in_order
+                for *_, sha, n in done
             ]
             refs[kind] = join_refs(made_refs)
             payloads.update({x.key: kept.get(x.key, Written(x.size, x.sha256)) for x in made_refs})
-    theta_digest = digest_of(shas["theta/1" if op.checkpoint and compression == "" else "theta/0"])
-    outer_digest = None if op.checkpoint else digest_of(shas["outer/0"])
+    theta_digest = digest_of(shas["theta", op.checkpoint and compression == ""])
+    outer_digest = None if op.checkpoint else digest_of(shas["outer", False])
     return local, refs, theta_digest, outer_digest, payloads
 
 
