@@ -205,8 +205,8 @@ class SessionDriver:
         if replicas.leader:
             session = self._session()
             try:
-                for i in range(steps):
-                    session.step(samples=total if i == 0 else 0)
+                for share in spread(total, steps):
+                    session.step(samples=share)
             except BaseException:
                 replicas.mirror(None, failed=True)
                 raise
@@ -220,8 +220,8 @@ class SessionDriver:
         # Every rank makes the same calls: session.step is a collective of the node's ranks.
         total = shards.total(int(samples))
         session = self._session()
-        for i in range(steps):
-            session.step(samples=total if i == 0 else 0)
+        for share in spread(total, steps):
+            session.step(samples=share)
         if shards.leader:
             self.round = session.progress.round
         self.steps += steps
@@ -383,3 +383,13 @@ def _first_tensor(x: Any) -> torch.Tensor | None:
 
 
 SamplesFn = Callable[[Any], int]
+
+
+def spread(samples: int, steps: int) -> list[int]:
+    """``samples`` shared over ``steps`` optimizer steps taken on them (manual optimization that
+    steps several times on one batch): as evenly as integers allow, the first steps taking the
+    remainder. Each step reports its share, so a round that holds only some of those steps still
+    weighs what it trained on (a contribution reporting no samples weighs nothing; a round of
+    such contributions only could never close)."""
+    share, extra = divmod(max(int(samples), 0), steps)
+    return [share + (1 if i < extra else 0) for i in range(steps)]
