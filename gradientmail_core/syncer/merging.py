@@ -222,12 +222,11 @@ def merge_and_step(
         reads = None if source.in_memory else source.stream([(i, k) for k, _ in visits for i in range(n)])
         with contextlib.closing(reads) if reads is not None else contextlib.nullcontext():
             for k, clipped in visits:
-                if reads is not None:  # the chunk's pieces together: each contribution's chunk read once
-                    got = [next(reads) for _ in range(n)]
-                    merged, sums = _merged(
-                        clipped, (part(i, k, clipped, got[i]) for i in range(n)), scales, clips, units
-                    )
-                    del got
+                if (
+                    reads is not None
+                ):  # each contribution's chunk read once, merged as it comes (the next read meanwhile)
+                    chunks = (part(i, k, clipped, next(reads)) for i in range(n))
+                    merged, sums = _merged(clipped, chunks, scales, clips, units)
                     for t, ((pc, _, _), v) in enumerate(zip(clipped, merged, strict=True)):
                         if cos is not None and sums is not None:
                             cos.feed(pc.name, sums[t])
