@@ -64,6 +64,7 @@ class FragmentCloser:
         self.states: dict[int, FragmentState] = {}  # landed
         self.pending: dict[int, FragmentState] = {}  # committed, record not yet written
         self.reserved: dict[int, tuple[Arrays, Arrays]] = {}
+        self.spans: dict[int, Span] = {}  # what this process holds of each fragment (fixed for the run)
 
     @classmethod
     def one_process(cls, run: RunInfo, store: RunStore, spool: Spool | None = None) -> FragmentCloser:
@@ -88,6 +89,11 @@ class FragmentCloser:
         self.reserved.pop(f, None)
 
     def span(self, f: int) -> Span:
+        if f not in self.spans:
+            self.spans[f] = self._span(f)
+        return self.spans[f]
+
+    def _span(self, f: int) -> Span:
         shapes, merge, layout = self.run.shapes[f], self.run.cfg.merge, self.layout
         ranges = {n: layout.range(n, self.ranks.rank) for n in shapes}
         specs = chunk_specs(shapes, self.run.chunk_elements)
