@@ -260,13 +260,16 @@ class FragmentCloser:
         source = Source(chunk, in_memory=len(span.specs) == 1, threaded=threaded)
         out = self.reserved.pop(f, None) or self._pair(span)
         try:
-            master, momentum, cosine = merge_and_step(run.cfg, self.ranks, span, source, op.accepted, st, op.final, out)
+            master, momentum, cosine_of = merge_and_step(
+                run.cfg, self.ranks, span, source, op.accepted, st, op.final, out
+            )
         except BaseException:
             self.reserved[f] = out  # nothing was committed: the next attempt writes every element again
             raise
         theta, refs, theta_digest, outer_digest, payloads = write_commit(
             run, self.ranks, self.layout, op, st, master, momentum, keep=self.keep_theta, put=put, threaded=threaded
         )
+        cosine = cosine_of()  # (summed on a worker meanwhile, for a large fragment held in memory)
         version = op.version + 1
         kept = theta if self.keep_theta or run.cfg.commit_dtype is not None else master
         self.pending[f] = FragmentState(version, kept, master, momentum, version if op.checkpoint else st.checkpoint)

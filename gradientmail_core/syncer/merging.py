@@ -23,6 +23,7 @@ import contextlib
 import math
 import threading
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -118,8 +119,9 @@ def merge_and_step(
     st: FragmentState,
     final: bool,
     out: tuple[dict[str, np.ndarray], dict[str, np.ndarray]],
-) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], float | None]:
-    """``(new master, new momentum, cosine)`` of this process's ranges, written into ``out``."""
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], Callable[[], float | None]]:
+    """``(new master, new momentum, cosine)`` of this process's ranges, written into ``out``;
+    ``cosine()`` gives the cosine (a phase: call it on every rank, after the payloads)."""
     shapes, ranges, visits, split = span.shapes, span.ranges, span.visits, span.split
     names = list(shapes)
     sizes = {n: int(np.prod(s, dtype=np.int64)) for n, s in shapes.items()}
@@ -131,19 +133,27 @@ def merge_and_step(
         got = source.chunk(i, k) if got is None else got
         return [got[pc.name][a:b] for pc, a, b in clipped]
 
-    def pooled_norms(select: set[str], count: int, values: Callable[[int, list], Iterable[list[np.ndarray]]]):
+    def pooled_norms(select: set[str], count: int, who: Sequence[int], values: Callable[..., Iterable[list[Any]]]):
         """``count`` squared norms of each tensor in ``select``, pooled over the ranks:
-        ``values(k, mine)`` gives each one's arrays of chunk ``k``'s pieces ``mine``."""
+        ``values(k, mine, fetch)`` gives each one's arrays of chunk ``k``'s pieces ``mine``, reading
+        the chunks of contributions ``who`` in order with ``fetch(i, k)`` (the next read ahead)."""
         dots = [Pooled("dot", {nm: sizes[nm] for nm in select}, ranges) for _ in range(count)]
 
         def local() -> list[dict[str, Any]]:
             for d in dots:
                 d.start()
-            for k, clipped in visits:
-                mine = [c for c in clipped if c[0].name in select]
-                for d, arrays in zip(dots, values(k, mine) if mine else (), strict=False):
-                    for (pc, _, _), x in zip(mine, arrays, strict=True):
-                        d.feed(pc.name, x)
+            ks = [k for k, clipped in visits if any(c[0].name in select for c in clipped)]
+            reads = None if source.in_memory else source.stream([(i, k) for k in ks for i in who])
+
+            def fetch(i: int, k: int) -> dict[str, np.ndarray]:
+                return source.chunk(i, k) if reads is None else next(reads)
+
+            with contextlib.closing(reads) if reads is not None else contextlib.nullcontext():
+                for k, clipped in visits:
+                    mine = [c for c in clipped if c[0].name in select]
+                    for d, arrays in zip(dots, values(k, mine, fetch) if mine else (), strict=False):
+                        for (pc, _, _), x in zip(mine, arrays, strict=True):
+                            d.feed(pc.name, x)
             return [d.wire() for d in dots]
 
         pooled = ranks.phase(local)
@@ -154,20 +164,26 @@ def merge_and_step(
     clipped_i = [i for i in range(n) if clips[i] is not None]
     if radial and clipped_i:
         got = pooled_norms(
-            radial, len(clipped_i), lambda k, m: ([x * clips[i] for x in part(i, k, m)] for i in clipped_i)
-        )
+            radial, len(clipped_i), clipped_i,
+            lambda k, m, fetch: ([x * clips[i] for x in part(i, k, m, fetch(i, k))] for i in clipped_i),
+        )  # fmt: skip
         x_sq = [dict(got[clipped_i.index(i)]) if i in clipped_i else x_sq[i] for i in range(n)]
     scales, radius = merge_scales(names, radial, p, x_sq)
     # Pass 1: the merged norm of each radial tensor that spans chunks or ranks.
     direction: dict[str, float] = {}
     if split:
         merged = pooled_norms(
-            split, 1, lambda k, m: [_merged(m, (part(i, k, m) for i in range(n)), scales, clips, None)[0]]
-        )
+            split, 1, range(n),
+            lambda k, m, fetch: [_merged(m, (part(i, k, m, fetch(i, k)) for i in range(n)), scales, clips, None)[0]],
+        )  # fmt: skip
         direction = {nm: math.sqrt(v) for nm, v in merged[0].items()}
     # Pass 2: every chunk merged (and the cosine's sums), scaled, stepped.
     new_master, new_momentum = out
     cos = Pooled("cosine", sizes, ranges) if units is not None else None
+    # Contributions held in memory stay there: a large fragment's cosine is summed after the pass,
+    # on a worker while the payloads are written (``later``), not in it (2-3x the merge's work).
+    defer = cos is not None and source.in_memory and source.threaded
+    inline = None if defer else units
     lr, beta = cfg.outer_lr, cfg.outer_momentum
 
     def step(pc: Any, v: np.ndarray, sq: float | None = None) -> None:
@@ -191,17 +207,19 @@ def merge_and_step(
             nmo = flat(new_momentum[name])[a:b]
             outer_mod.outer_step_tensor(m_old, mo, v, lr=lr, beta=beta, scale=scale, out=(nm, nmo), name=name)
 
-    def held(k: int, pc: Any, a: int) -> tuple[np.ndarray, float | None]:
+    def held(at: tuple[int, Any, int]) -> None:
         """A piece of contributions held in memory merged block by block (side by side on worker
-        threads for a large fragment), its cosine sums fed in order; its squared norm summed as
-        merged when this process takes it (RDA, a tensor held whole)."""
+        threads for a large tensor), its cosine sums fed in order, then stepped. Its squared norm
+        is summed as merged when this process takes it (RDA, a tensor held whole). Tensors run on
+        threads side by side: each feeds only its own sums."""
+        k, pc, a = at
         v = _scratch(pc.size)
         norm_here = pc.name in radial and pc.name not in direction
 
         def block(lo: int) -> tuple[list[np.ndarray] | None, Any]:
             hi = min(lo + BLOCK, pc.size)
             piece = [(pc, a + lo, a + hi)]
-            sums = _merged(piece, (part(i, k, piece) for i in range(n)), scales, clips, units, into=[v[lo:hi]])[1]
+            sums = _merged(piece, (part(i, k, piece) for i in range(n)), scales, clips, inline, into=[v[lo:hi]])[1]
             if not norm_here:
                 return sums, None
             d = dot_range(pc.size, lo, hi)  # (the tensor held whole: blocks in its own coordinates)
@@ -214,17 +232,16 @@ def merge_and_step(
             if cos is not None and sums is not None:
                 cos.feed(pc.name, sums[0])
             dots.append(dot)
-        return v, dot_total(pc.size, combine_leaves(pc.size, "dot", dots)) if norm_here else None
+        step(pc, v, dot_total(pc.size, combine_leaves(pc.size, "dot", dots)) if norm_here else None)
 
     def pass2() -> dict[str, Any]:
-        if cos is not None:
+        if cos is not None and not defer:
             cos.start()
         reads = None if source.in_memory else source.stream([(i, k) for k, _ in visits for i in range(n)])
         with contextlib.closing(reads) if reads is not None else contextlib.nullcontext():
             for k, clipped in visits:
-                if (
-                    reads is not None
-                ):  # each contribution's chunk read once, merged as it comes (the next read meanwhile)
+                if reads is not None:
+                    # each contribution's chunk read once and merged as it comes (the next read meanwhile)
                     chunks = (part(i, k, clipped, next(reads)) for i in range(n))
                     merged, sums = _merged(clipped, chunks, scales, clips, units)
                     for t, ((pc, _, _), v) in enumerate(zip(clipped, merged, strict=True)):
@@ -232,20 +249,49 @@ def merge_and_step(
                             cos.feed(pc.name, sums[t])
                         step(pc, v)
                     continue
-                for pc, a, _ in clipped:  # held in memory: one tensor's piece at a time, by blocks
-                    v, sq = held(k, pc, a)
-                    step(pc, v, sq)
-        return cos.wire() if cos is not None else {}
+                # Held in memory: a large tensor by blocks side by side, then the smaller ones side
+                # by side, each whole on one thread (the order of tensors changes no byte).
+                big = [(k, pc, a) for pc, a, _ in clipped if pc.size > BLOCK]
+                small = [(k, pc, a) for pc, a, _ in clipped if pc.size <= BLOCK]
+                threads = fused.WORKERS if source.threaded and len(small) > 1 else 0
+                for c in big:
+                    held(c)
+                for _ in ordered(held, small, threads=threads, queued=2 * threads):
+                    pass
+        return cos.wire() if cos is not None and not defer else {}
 
     pooled = ranks.phase(pass2)
-    cosine = cosine_from(units, cos.leaves(pooled) if cos is not None else {}, n)
-    return new_master, (st.momentum if final else new_momentum), cosine
+    master, momentum = new_master, (st.momentum if final else new_momentum)
+    if cos is None or not defer:
+        cosine = cosine_from(units, cos.leaves(pooled) if cos is not None else {}, n)
+        return master, momentum, lambda: cosine
+
+    def sums() -> dict[str, Any]:  # the cosine's sums of the contributions held, block by block
+        assert cos is not None
+        cos.start()
+        for k, clipped in visits:
+            for pc, a, _ in clipped:
+                for lo in range(0, pc.size, BLOCK):
+                    piece = [(pc, a + lo, a + min(lo + BLOCK, pc.size))]
+                    got = _merged(piece, (part(i, k, piece) for i in range(n)), None, clips, units)[1]
+                    if got is not None:
+                        cos.feed(pc.name, got[0])
+        return cos.wire()
+
+    with ThreadPoolExecutor(1, thread_name_prefix="gradientmail-cosine") as pool:
+        summing = pool.submit(sums)
+        pool.shutdown(wait=False)
+
+    def later() -> float | None:  # (a phase: every rank calls it after the payloads are written)
+        return cosine_from(units, cos.leaves(ranks.phase(summing.result)), n)
+
+    return master, momentum, later
 
 
 def _merged(
     pieces: Sequence[tuple[Any, int, int]],
     contributions: Iterable[Sequence[np.ndarray]],
-    scales: Mapping[str, Sequence[np.float32 | None]],
+    scales: Mapping[str, Sequence[np.float32 | None]] | None,
     clips: Sequence[np.float32 | None],
     units: Sequence[float | None] | None,
     *,
@@ -254,10 +300,13 @@ def _merged(
     """``pieces`` merged (not scaled) from each contribution's values of them (in learner order,
     each taken, used and dropped in turn), as ``fused._merge_range`` merges them: each piece's
     float32 values (in ``into``, or a buffer of this call's), and with ``units`` each piece's
-    cosine sum (float64, of the contributions as given, before clipping)."""
+    cosine sum (float64, of the contributions as given, before clipping). ``scales`` None: the
+    cosine sums only."""
     sizes = [b - a for _, a, b in pieces]
     starts = np.cumsum([0, *sizes]).tolist()
-    if into is None:
+    if scales is None:
+        into = []
+    elif into is None:
         buf = np.empty(starts[-1], np.float32)
         into = [buf[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
     acc = np.empty(starts[-1], np.float64) if units is not None else None
@@ -268,6 +317,8 @@ def _merged(
         for t, ((pc, _, _), x) in enumerate(zip(pieces, xs, strict=True)):
             if u is not None and acc is not None:
                 cosine_into(acc[starts[t] : starts[t + 1]], x, u, first=first_cos)
+            if scales is None:
+                continue
             if clips[i] is not None:
                 x = x if x.flags.writeable else x.copy()
                 x *= clips[i]  # ``merge.clip``: one float32 multiply, before the merge's
