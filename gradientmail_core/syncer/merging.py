@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -234,6 +234,16 @@ def merge_and_step(
             dots.append(dot)
         step(pc, v, dot_total(pc.size, combine_leaves(pc.size, "dot", dots)) if norm_here else None)
 
+    def merge_read(k: int, clipped: list[Any], reads: Iterator[dict[str, np.ndarray]]) -> None:
+        """Chunk ``k`` of each contribution read once and merged as it comes (the next read
+        meanwhile), then stepped; its buffers let go on return, before the next chunk's."""
+        chunks = (part(i, k, clipped, next(reads)) for i in range(n))
+        merged, sums = _merged(clipped, chunks, scales, clips, units)
+        for t, ((pc, _, _), v) in enumerate(zip(clipped, merged, strict=True)):
+            if cos is not None and sums is not None:
+                cos.feed(pc.name, sums[t])
+            step(pc, v)
+
     def pass2() -> dict[str, Any]:
         if cos is not None and not defer:
             cos.start()
@@ -241,13 +251,7 @@ def merge_and_step(
         with contextlib.closing(reads) if reads is not None else contextlib.nullcontext():
             for k, clipped in visits:
                 if reads is not None:
-                    # each contribution's chunk read once and merged as it comes (the next read meanwhile)
-                    chunks = (part(i, k, clipped, next(reads)) for i in range(n))
-                    merged, sums = _merged(clipped, chunks, scales, clips, units)
-                    for t, ((pc, _, _), v) in enumerate(zip(clipped, merged, strict=True)):
-                        if cos is not None and sums is not None:
-                            cos.feed(pc.name, sums[t])
-                        step(pc, v)
+                    merge_read(k, clipped, reads)
                     continue
                 # Held in memory: a large tensor by blocks side by side, then the smaller ones side
                 # by side, each whole on one thread (the order of tensors changes no byte).
