@@ -282,9 +282,9 @@ def merge_and_step(
                         cos.feed(pc.name, got[0])
         return cos.wire()
 
-    with ThreadPoolExecutor(1, thread_name_prefix="gradientmail-cosine") as pool:
-        summing = pool.submit(sums)
-        pool.shutdown(wait=False)
+    pool = ThreadPoolExecutor(1, thread_name_prefix="gradientmail-cosine")
+    summing = pool.submit(sums)
+    pool.shutdown(wait=False)  # (not ``with``: its exit would wait for the sums here)
 
     def later() -> float | None:  # (a phase: every rank calls it after the payloads are written)
         return cosine_from(units, cos.leaves(ranks.phase(summing.result)), n)
