@@ -37,6 +37,7 @@ from ..aggregators.leaves import Pooled, combine_leaves, dot_range, dot_total
 from ..ahead import ordered
 from ..codec.chunked import ChunkSpec
 from ..config import RDA, DiLoCo
+from ..protocol.chunks import numel
 from .fragment import Accepted, FragmentState
 from .ranks import Ranks, flat
 from .reading import Visit
@@ -124,7 +125,7 @@ def merge_and_step(
     ``cosine()`` gives the cosine (a phase: call it on every rank, after the payloads)."""
     shapes, ranges, visits, split = span.shapes, span.ranges, span.visits, span.split
     names = list(shapes)
-    sizes = {n: int(np.prod(s, dtype=np.int64)) for n, s in shapes.items()}
+    sizes = {n: numel(s) for n, s in shapes.items()}
     n = len(accepted)
     sq = [a.norms for a in accepted]
     p, clips, units, radial = merge_terms(cfg, names, [a.weight for a in accepted], sq)

@@ -91,8 +91,8 @@ def write_commit(
                 scales[nm] = max(scales.get(nm, 0), quant.e4m3_scale_byte(np.float32(float.fromhex(a))))
     keep = keep or cd is not None
     same = {n for n in ranges if cd is None and dtypes[n] == "F32"}  # the master's own arrays
-    made = alloc({n: r for n, r in ranges.items() if keep and n not in same}, shapes)
-    local = {n: master[n] if n in same else made[n] for n in ranges if n in same or n in made}
+    fresh = alloc({n: r for n, r in ranges.items() if keep and n not in same}, shapes)
+    local = {n: master[n] if n in same else fresh[n] for n in ranges if n in same or n in fresh}
     theta: Owned = {}
 
     def build() -> bool:  # (a phase: a rank failing here fails the commit on every rank)
