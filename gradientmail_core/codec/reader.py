@@ -155,6 +155,7 @@ def decode_parts(
             if all(p in held for p in parts):
                 stored = [(p, layout[p], held.pop(p)) for p in parts]
                 yield functools.partial(_whole, name, dtype, shape, stored, compression == "zstd")
+                del stored  # (its bytes not kept while the next tensor's arrive)
 
     out = dict(got for got in bounded(call, work(), budget.workers_for(size)) if got is not None)
     src.finish()
