@@ -39,8 +39,9 @@ from .reading import Visit, contribution_cap, read_chunk, tensor_of, visits
 from .spool import Spool
 from .writing import Put, write_commit
 
-# A fragment at least this large reads ahead and encodes its payloads on worker threads; a smaller
-# one (a simulation's, a test's) inline, without starting threads.
+# A process holding at least this much of a fragment (float32) reads ahead and encodes its payloads
+# on worker threads; one holding less (a simulation's, a test's, a rank's small shards) inline,
+# without starting threads (each worker's malloc arena costs a training rank a few MiB).
 THREADED_BYTES = 8 << 20
 Arrays = dict[str, np.ndarray]
 
@@ -256,7 +257,7 @@ class FragmentCloser:
                 why = f"{refs[k].key}: {e.cause}" if e.cause else f"{refs[k].key} is gone"
                 raise Lost(i, "corrupt" if e.cause else "missing", why) from e.cause
 
-        threaded = run.fragment_bytes(f) >= THREADED_BYTES
+        threaded = 4 * sum(hi - lo for lo, hi in span.ranges.values()) >= THREADED_BYTES
         source = Source(chunk, in_memory=len(span.specs) == 1, threaded=threaded)
         out = self.reserved.pop(f, None) or self._pair(span)
         try:
