@@ -1,12 +1,8 @@
-"""The ranks of a closing sharded node as the closer's ``Ranks`` (``syncer/ranks.py``). Rank 0
-announces each op to the other ranks (``begin``: the ``down`` channel; ``leading.run_op`` runs it
-there); every phase of an op ends with every rank's result pooled on every rank, so a rank that
-fails fails the op on every rank at the same point, and every rank raises what a one-process
-closer would (``Lost``, ``MailboxUnavailable``); payload pieces move between holders and chunk
-owners with ``gather_chunks``/``scatter_chunks``.
-
-Everything crosses as JSON bytes over a gloo group of the closer's own (never Python objects);
-floats as JSON writes them (the shortest repr, read back exactly)."""
+"""The ranks of a closing sharded node as the closer's ``Ranks`` (``syncer/ranks.py``): rank 0
+announces each op (``begin``, to ``leading.run_op`` on the other ranks); a phase pools every
+rank's result on every rank, so a failure fails the op everywhere at the same point, raising what
+a one-process closer would; pieces move with ``gather_chunks``/``scatter_chunks``. Everything
+crosses as JSON bytes over a gloo group of the closer's own (floats read back exactly)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,9 @@
 """A round this node closes: its view of the round (``Collector``: the snapshots judged, SPEC 3.6;
-when the round may close, quorum then the grace window; which contributions enter the merge,
-outliers), and its commit (``compute_commit``: the accepted contributions handed to the closer,
-``kernel.FragmentCloser``, then the round record built from what it made). The reading, merging
-and writing are the closer's; this is the bookkeeping.
-
-Deterministic: contributions are merged in learner-id order, so a closer that recomputes the
-round after a crash writes the same parameter bytes. A version that is no checkpoint
-(``checkpoint_every``) writes the change only; its record carries the digests of the parameters
-and outer state it did not write and the contributions' payloads, so a recovering closer replays
-it (``replay.py``, which calls ``compute_commit`` with ``outliers=False``)."""
+quorum, then the grace window; outliers) and its commit (``compute_commit``: the accepted
+contributions handed to the closer, ``kernel.FragmentCloser``, and the round record built from
+what it made). Contributions are merged in learner-id order, so a closer that recomputes a round
+after a crash writes the same bytes; a version that is no checkpoint (``checkpoint_every``) writes
+the change only, its record carrying the digests and contributions ``replay.py`` replays it from."""
 
 from __future__ import annotations
 
@@ -117,12 +112,12 @@ class Collector:
         if reason is None and not weight > 0:
             reason = "zero_steps"
         if reason is not None or not ok:
-            self._forget(snap)
+            self.forget(snap)
             return self._record(Judged(learner, reason, snap, weight))
         self.closer_for(store).reserve(self.fragment)
         return self._record(Judged(learner, reason, snap, weight, norms))
 
-    def _forget(self, snap: Snapshot) -> None:
+    def forget(self, snap: Snapshot) -> None:
         """Drop a rejected snapshot's chunks from the spool (those no accepted one shares)."""
         spool = self.closer.spool if self.closer is not None else self.spool
         if spool is None:
@@ -143,7 +138,7 @@ class Collector:
             if outlier:
                 j.reason, j.weight, j.norms = "outlier", 0.0, None
                 if j.snapshot is not None:
-                    self._forget(j.snapshot)
+                    self.forget(j.snapshot)
 
     def _record(self, j: Judged) -> Judged:
         self.judged[j.learner] = j
@@ -192,11 +187,9 @@ def compute_commit(
     write: Put | None = None,
     outliers: bool = True,
 ) -> Commit:
-    """Merge the accepted deltas, take the outer step, write the payloads (``write(key, stream)``,
-    for each in a fixed order as soon as its sha256 is known; without it ``payloads`` holds their
-    bytes), and build the record. A contribution that can no longer be read is rejected
-    (``corrupt``/``missing``) and the commit given up with ``MailboxUnavailable``: the next poll
-    decides again whether the round may close."""
+    """The closer's commit of the accepted deltas (payloads written with ``write(key, stream)``;
+    without it, kept in ``payloads``) and its record. A contribution that can no longer be read is
+    rejected and the commit given up (``MailboxUnavailable``): the next poll decides again."""
     run, cfg = c.run, c.run.cfg
     if outliers and cfg.outlier_factor is not None:
         c.reject_outliers(cfg.outlier_factor)
@@ -221,8 +214,8 @@ def compute_commit(
     except Lost as lost:
         j = accepted[lost.i]
         j.reason, j.weight, j.norms = lost.reason, 0.0, None
-        for ref in chunk_refs(j.snapshot.payload) if j.snapshot is not None else []:
-            c.closer.spool.discard(ref.sha256)
+        if j.snapshot is not None:
+            c.forget(j.snapshot)
         raise MailboxUnavailable(
             f"round {c.round}: {j.learner}'s contribution can no longer be read ({lost}); rejected as "
             f"{lost.reason}, the round closes on the next poll if it still may"

@@ -1,21 +1,14 @@
 """The closer: the one place a round's contributions are judged, merged and stepped, and the
 commit's payloads written (``docs/protocol.md`` section 10; ``docs/sharding.md`` section 5).
 
-A ``FragmentCloser`` works on the flat range of each tensor this process holds (``Layout``): one
-process holds every tensor whole (``one_process``); each rank of a sharded node runs one over the
-ranges its FSDP shards hold, the ranks meeting only in ``Ranks``' collectives (rank 0's announces
-each op to the others: ``Ranks.begin``), and the node commits what one process commits, byte for
-byte. The ops:
-
-- ``load``: a fragment's state at a checkpoint (or the initial parameters), read chunk by chunk.
-- ``judge``: a contribution read into the spool, verified, checked finite, each tensor's squared
-  norm summed (pooled over the ranks as leaves).
-- ``commit``: the merge and outer step (``merging.py``) and the payloads (``writing.py``). The new
-  state is pending until ``landed`` (its record was written): a commit whose record could not be
-  written is made again from the state before it.
-
-What it keeps between rounds is each fragment's state (``held``), let go when another node
-commits the fragment (``forget``), and the contributions of the rounds it closes (``spool``)."""
+A ``FragmentCloser`` works on the flat range of each tensor this process holds: every tensor
+whole in one process (``one_process``), or on each rank of a sharded node the ranges of its
+shards, the ranks meeting only in ``Ranks`` (``ranks.py``). Its ops: ``load`` (a fragment's
+state at a checkpoint), ``judge`` (a contribution read into the spool, checked finite, its
+squared norms summed), ``commit`` (``merging.py``, then ``writing.py``; the new state pending
+until ``landed``: a commit whose record was not written is made again from the state before it).
+It keeps each fragment's state (``states``, let go by ``forget`` when another node commits the
+fragment) and the contributions of the rounds it closes (``spool``)."""
 
 from __future__ import annotations
 
@@ -90,11 +83,8 @@ class FragmentCloser:
         self.reserved.pop(f, None)
 
     def span(self, f: int) -> Span:
-        if f not in self.spans:
-            self.spans[f] = self._span(f)
-        return self.spans[f]
-
-    def _span(self, f: int) -> Span:
+        if f in self.spans:
+            return self.spans[f]
         shapes, merge, layout = self.run.shapes[f], self.run.cfg.merge, self.layout
         ranges = {n: layout.range(n, self.ranks.rank) for n in shapes}
         specs = chunk_specs(shapes, self.run.chunk_elements)
@@ -103,7 +93,8 @@ class FragmentCloser:
         whole = {n for n, s in shapes.items() if any(layout.range(n, r) == (0, numel(s)) for r in range(layout.world))}
         radial = {n for n in shapes if isinstance(merge, RDA) and not merge.is_direct(n)}
         split = {n for n in radial if n in spans or n not in whole}
-        return Span(shapes, ranges, specs, visits(specs, ranges, self.ranks.rank), split)
+        self.spans[f] = Span(shapes, ranges, specs, visits(specs, ranges, self.ranks.rank), radial, split)
+        return self.spans[f]
 
     def _chunk(
         self, refs: Sequence[PayloadRef], specs: Sequence[ChunkSpec], k: int, dtypes: Mapping[str, str],
@@ -185,9 +176,8 @@ class FragmentCloser:
         return loaded[0]
 
     def judge(self, f: int, round: int, ref: PayloadRef) -> Verdict:
-        """A contribution to fragment ``f`` read chunk by chunk into the spool, checked finite and
-        each tensor's squared norm summed: its status and norms, pooled over the ranks. The first
-        chunk (in plan order) missing, damaged or of another layout decides the status."""
+        """A contribution to fragment ``f`` read into the spool, checked finite, its squared norms
+        summed, pooled over the ranks. The first chunk missing, damaged or of another layout decides."""
         self.ranks.begin("judge", f=f, round=round, ref=ref)
         span, refs = self.span(f), chunk_refs(ref)
         cap = contribution_cap(self.run, f, len(span.specs))
@@ -217,17 +207,13 @@ class FragmentCloser:
         return Verdict("ok", all(p["finite"] for p in pooled), dots.totals([p["dots"] for p in pooled]))
 
     def reserve(self, f: int) -> None:
-        """Allocate the arrays a commit of fragment ``f`` writes the new master and momentum into,
-        and touch every page now (with the first accepted contribution): the page faults of 8 bytes
-        per parameter of fresh memory are paid while contributions arrive, not after quorum."""
+        """The arrays a commit of ``f`` writes the new outer state into, every page touched now (with
+        the first accepted contribution): the page faults are paid while contributions arrive."""
         if f not in self.reserved:
-            self.reserved[f] = self._pair(self.span(f))
+            self.reserved[f] = _pair(self.span(f))
             for arrays in self.reserved[f]:
                 for a in arrays.values():
                     a.fill(0)
-
-    def _pair(self, span: Span) -> tuple[Arrays, Arrays]:
-        return alloc(span.ranges, span.shapes), alloc(span.ranges, span.shapes)
 
     def commit(self, op: CommitOp, put: Put | None) -> Made:
         """Merge ``op``'s contributions, take the outer step and write the payloads (``put``; None:
@@ -259,11 +245,9 @@ class FragmentCloser:
 
         threaded = 4 * sum(hi - lo for lo, hi in span.ranges.values()) >= THREADED_BYTES
         source = Source(chunk, in_memory=len(span.specs) == 1, threaded=threaded)
-        out = self.reserved.pop(f, None) or self._pair(span)
+        out = self.reserved.pop(f, None) or _pair(span)
         try:
-            master, momentum, cosine_of = merge_and_step(
-                run.cfg, self.ranks, span, source, op.accepted, st, op.final, out
-            )
+            master, momentum, cosine_of = merge_and_step(run.cfg, self.ranks, span, source, op, st, out)
         except BaseException:
             self.reserved[f] = out  # nothing was committed: the next attempt writes every element again
             raise
@@ -286,3 +270,7 @@ class FragmentCloser:
 
     def close(self) -> None:
         self.spool.close()
+
+
+def _pair(span: Span) -> tuple[Arrays, Arrays]:
+    return alloc(span.ranges, span.shapes), alloc(span.ranges, span.shapes)

@@ -1,21 +1,13 @@
-"""The merge and the outer step of a commit, over the ranges of each tensor this process holds
-(``docs/protocol.md`` section 10; ``docs/sharding.md`` section 5).
+"""The merge and the outer step of a commit over the ranges this process holds: each quantity
+``aggregators/merge.py`` defines, with ``fused.py``'s float operations in the same order, visited
+a chunk (or a block) and a range at a time, so one process and the ranks of a sharded node write
+the same bytes (``docs/protocol.md`` section 10; ``docs/sharding.md`` section 5).
 
-Every quantity is the one ``aggregators/merge.py`` defines, computed with ``fused.py``'s float
-operations in the same order, only visited a chunk (or a block) at a time and a range at a time:
-the same bytes on one process holding every tensor and on the ranks of a sharded node.
-
-- Pass 0 (RDA with clipping): the norm of each clipped contribution's radial tensors.
-- Pass 1 (RDA): the merged, not yet scaled, norm of each radial tensor that spans several chunks
-  or is split between ranks (the others' norm is taken in pass 2, from the merged tensor).
-- Pass 2: every chunk merged (with the cosine's sums), scaled, and stepped into the new master
-  and momentum (``outer.outer_step_tensor``, element-wise).
-
-Whole-tensor sums cross the ranks as leaves (``ranks.Pooled``). Contributions are read through a
-``Source``: spooled chunks on disk are read contribution by contribution, a chunk at a time (the
-next read ahead on a worker); chunks held decoded in memory are merged a block of one tensor at a
-time, all contributions together, so the merge needs no buffer larger than one tensor.
-"""
+Pass 0 (RDA with clipping): each clipped contribution's radial norms. Pass 1 (RDA): the merged
+norm of each radial tensor split over chunks or ranks. Pass 2: every chunk merged (with the
+cosine's sums), scaled and stepped. Whole-tensor sums cross the ranks as leaves (``Pooled``).
+Spooled chunks on disk are merged a chunk at a time, contribution by contribution (the next read
+ahead); chunks held in memory a block of one tensor at a time, all contributions together."""
 
 from __future__ import annotations
 
@@ -36,9 +28,9 @@ from ..aggregators.fused import cosine_from, cosine_into, cosine_units, merge_in
 from ..aggregators.leaves import Pooled, combine_leaves, dot_range, dot_total
 from ..ahead import ordered
 from ..codec.chunked import ChunkSpec
-from ..config import RDA, DiLoCo
+from ..config import DiLoCo
 from ..protocol.chunks import numel
-from .fragment import Accepted, FragmentState
+from .fragment import CommitOp, FragmentState
 from .ranks import Ranks, flat
 from .reading import Visit
 
@@ -47,13 +39,15 @@ BLOCK = 1 << 20  # elements of one tensor merged at once from contributions held
 READ_AHEAD = 1  # contribution chunks read and decoded ahead of the one merged (large fragments)
 
 
+@dataclass(frozen=True)
 class Source:
     """The accepted contributions' chunks: ``chunk(i, k)`` (decoded, ``{piece name: flat values}``;
     ``Lost`` when gone), ``in_memory`` when every one is held decoded (the spool's policy for a
     fragment of one chunk), ``threaded`` to read ahead on a worker."""
 
-    def __init__(self, chunk: Callable[[int, int], dict[str, np.ndarray]], *, in_memory: bool, threaded: bool):
-        self.chunk, self.in_memory, self.threaded = chunk, in_memory, threaded
+    chunk: Callable[[int, int], dict[str, np.ndarray]]
+    in_memory: bool
+    threaded: bool
 
     def stream(self, pairs: Sequence[tuple[int, int]]) -> Generator[dict[str, np.ndarray], None, None]:
         threads = READ_AHEAD if self.threaded and len(pairs) > 1 else 0
@@ -61,11 +55,11 @@ class Source:
 
 
 def merge_terms(
-    cfg: DiLoCo, names: Sequence[str], weights: Sequence[float], sq: Sequence[Mapping[str, float]]
-) -> tuple[list[float], list[np.float32 | None], list[float | None] | None, set[str]]:
+    cfg: DiLoCo, weights: Sequence[float], sq: Sequence[Mapping[str, float]]
+) -> tuple[list[float], list[np.float32 | None], list[float | None] | None]:
     """What the merge needs before reading any contribution: the normalized weights, each one's
     clipping factor (``float32(c / |d_i|)`` from its judged whole-fragment norm, None when not
-    clipped), the cosine's unit factors, and the tensors RDA merges radially."""
+    clipped) and the cosine's unit factors."""
     n = len(weights)
     p = merge_mod.normalized(list(weights), n)
     clips: list[np.float32 | None] = [None] * n
@@ -76,9 +70,7 @@ def merge_terms(
             norm = norm_of(sq[i])
             if not norm <= cfg.clip_norm:
                 clips[i] = np.float32(cfg.clip_norm / norm)
-    units = cosine_units([norm_of(s) for s in sq])
-    radial = {name for name in names if isinstance(cfg.merge, RDA) and not cfg.merge.is_direct(name)}
-    return p, clips, units, radial
+    return p, clips, cosine_units([norm_of(s) for s in sq])
 
 
 def merge_scales(
@@ -101,13 +93,14 @@ def merge_scales(
 @dataclass(frozen=True)
 class Span:
     """What one process holds of a fragment: each tensor's range, the chunks, the part of each chunk
-    in its ranges, and the radial tensors whose merged norm needs a pass of its own (``split``:
-    spanning chunks, or not held whole by one rank)."""
+    in its ranges, the tensors RDA merges radially, and those whose merged norm needs a pass of its
+    own (``split``: spanning chunks, or not held whole by one rank)."""
 
     shapes: Mapping[str, tuple[int, ...]]
     ranges: dict[str, tuple[int, int]]
     specs: list[ChunkSpec]
     visits: list[Visit]
+    radial: set[str]
     split: set[str]
 
 
@@ -116,19 +109,16 @@ def merge_and_step(
     ranks: Ranks,
     span: Span,
     source: Source,
-    accepted: Sequence[Accepted],
+    op: CommitOp,
     st: FragmentState,
-    final: bool,
     out: tuple[dict[str, np.ndarray], dict[str, np.ndarray]],
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], Callable[[], float | None]]:
     """``(new master, new momentum, cosine)`` of this process's ranges, written into ``out``;
     ``cosine()`` gives the cosine (a phase: call it on every rank, after the payloads)."""
-    shapes, ranges, visits, split = span.shapes, span.ranges, span.visits, span.split
-    names = list(shapes)
-    sizes = {n: numel(s) for n, s in shapes.items()}
-    n = len(accepted)
-    sq = [a.norms for a in accepted]
-    p, clips, units, radial = merge_terms(cfg, names, [a.weight for a in accepted], sq)
+    shapes, ranges, visits, radial, split = span.shapes, span.ranges, span.visits, span.radial, span.split
+    names, sizes, final = list(shapes), {n: numel(s) for n, s in shapes.items()}, op.final
+    n, sq = len(op.accepted), [a.norms for a in op.accepted]
+    p, clips, units = merge_terms(cfg, [a.weight for a in op.accepted], sq)
 
     def part(i: int, k: int, clipped: Sequence[tuple[Any, int, int]], got: Mapping[str, np.ndarray] | None = None):
         got = source.chunk(i, k) if got is None else got
@@ -209,10 +199,9 @@ def merge_and_step(
             outer_mod.outer_step_tensor(m_old, mo, v, lr=lr, beta=beta, scale=scale, out=(nm, nmo), name=name)
 
     def held(at: tuple[int, Any, int]) -> None:
-        """A piece of contributions held in memory merged block by block (side by side on worker
-        threads for a large tensor), its cosine sums fed in order, then stepped. Its squared norm
-        is summed as merged when this process takes it (RDA, a tensor held whole). Tensors run on
-        threads side by side: each feeds only its own sums."""
+        """A piece held in memory merged block by block (on worker threads for a large tensor), its
+        cosine sums fed in order (each tensor its own), then stepped; its squared norm summed as
+        merged when this process takes it (RDA, a tensor held whole)."""
         k, pc, a = at
         v = _scratch(pc.size)
         norm_here = pc.name in radial and pc.name not in direction
@@ -302,11 +291,9 @@ def _merged(
     *,
     into: Sequence[np.ndarray] | None = None,
 ) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
-    """``pieces`` merged (not scaled) from each contribution's values of them (in learner order,
-    each taken, used and dropped in turn), as ``fused._merge_range`` merges them: each piece's
-    float32 values (in ``into``, or a buffer of this call's), and with ``units`` each piece's
-    cosine sum (float64, of the contributions as given, before clipping). ``scales`` None: the
-    cosine sums only."""
+    """``pieces`` merged, not scaled, from each contribution's values (in learner order, each used
+    and dropped in turn) as ``fused._merge_range`` merges them, into ``into`` (or a new buffer);
+    with ``units``, each piece's cosine sum (float64, before clipping). ``scales`` None: sums only."""
     sizes = [b - a for _, a, b in pieces]
     starts = np.cumsum([0, *sizes]).tolist()
     if scales is None:

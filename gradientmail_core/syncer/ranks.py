@@ -1,20 +1,13 @@
-"""The ranks a closer runs on, behind the three collectives its work needs (``Ranks``).
-
-A closer holds, of each tensor, one contiguous flat range (``protocol.chunks.Layout``): one
-process holds every tensor whole (``OneProcess``, ``whole_layout``); each rank of a sharded node
-the range its FSDP shard holds (``sharded/pooling.GlooRanks``). The closer's work
-(``kernel.FragmentCloser``) is written once over ranges and talks to the other ranks only here:
+"""The ranks a closer runs on, behind the collectives its work needs (``Ranks``). A closer holds one
+contiguous flat range of each tensor (``Layout``): all of it in one process (``OneProcess``), its
+FSDP shard's on a rank of a sharded node (``sharded/pooling.GlooRanks``).
 
 - ``begin``: an op starts on every rank (the leading rank announces it);
-- ``phase(fn)``: run ``fn`` on every rank and pool the results (a rank that fails fails the phase
-  on every rank at the same point);
-- ``gather``: each chunk of a payload at the rank that owns it (``chunk_owner``), its pieces
-  sent by the ranks that hold them;
-- ``scatter``: the reverse, the pieces of the chunks a rank owns back to their holders.
-
-Whole-tensor sums (norms, the cosine) cross a phase as their leaves (``aggregators.leaves.Pooled``),
-so the totals are the one-process bits.
-"""
+- ``phase(fn)``: ``fn`` run on every rank, the results pooled (a rank that fails fails the phase on
+  every rank); whole-tensor sums cross as their leaves (``aggregators.leaves.Pooled``), so the
+  totals are the one-process bits;
+- ``gather``: each chunk of a payload at its owner (``chunk_owner``), from the ranks holding it;
+- ``scatter``: the reverse, each owner's chunks back to the holders' ranges."""
 
 from __future__ import annotations
 

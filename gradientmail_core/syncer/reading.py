@@ -1,7 +1,6 @@
-"""Reading payload chunks for a closer: which chunks, and which part of each piece, lie in the
-ranges this process holds (``visits``), and one chunk read, verified and decoded (``read_chunk``),
-a contribution's kept in the closer's ``Spool`` for the merge passes: decoded in memory for a
-fragment of one chunk, as bytes on disk otherwise."""
+"""Reading payload chunks for a closer: which chunks, and which part of each piece, lie in this
+process's ranges (``visits``), and one chunk read, verified and decoded (``read_chunk``), a
+contribution's kept in the ``Spool``: decoded in memory for a one-chunk fragment, else on disk."""
 
 from __future__ import annotations
 
@@ -28,8 +27,8 @@ def tensor_of(name: str) -> str:
 
 
 def visits(specs: Sequence[ChunkSpec], ranges: Mapping[str, tuple[int, int]], rank: int) -> list[Visit]:
-    """The chunks whose pieces overlap ``ranges``, each piece clipped to its range; a chunk of empty pieces only is read by rank 0 (so every
-    chunk is verified by some rank)."""
+    """The chunks whose pieces overlap ``ranges``, each piece clipped to its range (a chunk of empty
+    pieces only is read by rank 0, so that every chunk is verified)."""
     out: list[Visit] = []
     for s in specs:
         clipped = []
@@ -54,12 +53,10 @@ def read_chunk(
     round: int,
     decoded: bool = False,
 ) -> dict[str, np.ndarray] | None:
-    """Chunk ``s`` of a payload (``ref``: that chunk's ref), verified and decoded as ``{piece name:
-    flat float32 values}``: from the spool when it holds it (bytes on disk are verified again),
-    else downloaded and kept in the spool, tagged with ``round`` (``decoded``: in memory, else its
-    bytes on disk when there is room). None if the store has no such object;
-    ``PayloadCorrupt``/``PayloadLayoutMismatch``/``MissingExtra`` as ``RunStore.get_chunk``. A
-    spooled file that does not verify is dropped and the chunk read from the store again."""
+    """Chunk ``s`` of a payload (``ref``: that chunk's ref), verified and decoded (``{piece name:
+    flat float32 values}``): from the spool (a file there that no longer verifies is read again),
+    else downloaded into it, tagged ``round`` (``decoded``: held in memory, else bytes on disk).
+    None if the store has no such object; errors as ``RunStore.get_chunk``."""
     cap = s.cap() if max_bytes is None else min(max_bytes, s.cap())
     if ref.more:
         raise PayloadCorrupt(f"{ref.key}: a chunk's ref lists chunks of its own")

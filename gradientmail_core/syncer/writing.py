@@ -1,17 +1,11 @@
-"""The payloads of a commit: the new parameters, the quantized change (``commit_dtype``) and the
-outer state, chunk by chunk, each chunk built and written by the rank that owns it
-(``chunk_owner``; one process owns them all), from the pieces the ranks hold (``Ranks.gather``).
-
-- **The new parameters** of each chunk: ``cast(master)``, or with ``commit_dtype`` what a learner
-  rebuilds from the quantized change (``prev + dequantize(quantize(master - prev))``, then cast),
-  a piece at a time. Every piece starts on a 32-element block of its tensor, so F4/I2 quantize it
-  as they quantize the whole tensor; an F8 change is given the whole tensor's scale (the maximum
-  of the ranks' maxima: exact). Built in place where this process holds the piece; the holders
-  get the rest (``Ranks.scatter``) when they keep parameters.
-- **The change** of each chunk is computed when its stream is made: never whole.
-- **Written** in ``write_plan``'s order (a few chunks encoded ahead on worker threads for a large
-  fragment); the payloads not written are hashed for the record's digests.
-"""
+"""The payloads of a commit (new parameters, quantized change, outer state), chunk by chunk, each
+built and written by the rank that owns it (``chunk_owner``; one process owns all) from the pieces
+the ranks hold (``Ranks.gather``), in ``write_plan``'s order; those not written are hashed for the
+record's digests. A chunk's new parameters are ``cast(master)``, or with ``commit_dtype`` what a
+learner rebuilds (``prev + dequantize(quantize(master - prev))``, cast), built in place where
+this process holds the piece and sent back to the holders (``Ranks.scatter``). Pieces start on
+32-element blocks, so F4/I2 quantize as over the whole tensor; an F8 change takes the whole
+tensor's scale (the maximum of the ranks' maxima)."""
 
 from __future__ import annotations
 
@@ -40,10 +34,9 @@ Arrays = Mapping[str, np.ndarray]
 
 
 def write_plan(checkpoint: bool, change: bool, compression: str) -> list[tuple[str, bool]]:
-    """A commit's payloads in the order they are written: ``(kind, written)``. A checkpoint writes
-    the parameters and the outer state; ``change`` (``commit_dtype``) writes the quantized change;
-    the parameters and outer state not written are still hashed uncompressed, for the record's
-    ``theta_digest``/``outer_digest``."""
+    """A commit's payloads in the order they are written, ``(kind, written)``: a checkpoint's
+    parameters and outer state, the change (``commit_dtype``); the parameters and outer state not
+    written are hashed uncompressed for the record's ``theta_digest``/``outer_digest``."""
     plan = [("theta", True), ("outer", True)] if checkpoint else []
     plan += [("change", True)] if change else []
     plan += [] if checkpoint and compression == "" else [("theta", False)]
@@ -90,9 +83,8 @@ def write_commit(
             for nm, a in got.items():
                 scales[nm] = max(scales.get(nm, 0), quant.e4m3_scale_byte(np.float32(float.fromhex(a))))
     keep = keep or cd is not None
-    same = {n for n in ranges if cd is None and dtypes[n] == "F32"}  # the master's own arrays
-    fresh = alloc({n: r for n, r in ranges.items() if keep and n not in same}, shapes)
-    local = {n: master[n] if n in same else fresh[n] for n in ranges if n in same or n in fresh}
+    local = {n: master[n] for n in ranges if cd is None and dtypes[n] == "F32"}  # the master's own arrays
+    local |= alloc({n: r for n, r in ranges.items() if keep and n not in local}, shapes)
     theta: Owned = {}
 
     def build() -> bool:  # (a phase: a rank failing here fails the commit on every rank)
@@ -148,7 +140,7 @@ def write_commit(
     def write_all() -> list[list[Any]]:
         rows = []
         makes = [partial(makers[kind], k, compression if written else "") for kind, written, k in jobs]
-        made = ordered(call, makes, threads=AHEAD if threaded else 0, queued=AHEAD + 1, drop=_close)
+        made = ordered(call, makes, threads=AHEAD if threaded else 0, queued=AHEAD + 1, drop=PayloadStream.close)
         try:
             for (kind, written, k), data in zip(jobs, made, strict=True):
                 with data:
@@ -185,7 +177,3 @@ def write_commit(
 
 def _stream(pieces: list[tuple[Any, np.ndarray]], s: Any, dtypes: Any, kind: str, z: str) -> PayloadStream:
     return stream_chunk({pc.name: v for pc, v in pieces}, s, dtypes, kind=kind, compression=z)
-
-
-def _close(stream: PayloadStream) -> None:
-    stream.close()
