@@ -40,8 +40,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import gradientmail_core as gm  # noqa: E402
 from _cluster import Member, join  # noqa: E402
+
+import gradientmail_core as gm  # noqa: E402
 from gradientmail_core.mailbox.contract import Chunk, Mailbox, close_stream  # noqa: E402
 from gradientmail_core.mailbox.forwarding import ForwardingMailbox  # noqa: E402
 from gradientmail_core.protocol import keys  # noqa: E402
@@ -154,6 +155,8 @@ class Result:
     latency_max: float
     closer_cpu_per_round: float
     closer_peak_mib: float
+    follower_cpu_per_round: float
+    record_bytes: dict
     wall_seconds: float
 
 
@@ -288,8 +291,20 @@ def measure(n: int, rounds: int, *, warmup: int = 2, **kw: float) -> Result:
         float(max(lat)),
         fleet.cpu[closer] / rounds,
         fleet.peak / 2**20,
+        sum(c for i, c in enumerate(fleet.cpu) if i != closer) / max(n - 1, 1) / rounds,
+        _record_bytes(fleet.store),
         time.perf_counter() - wall,
     )
+
+
+def _record_bytes(store: gm.MemoryMailbox) -> dict:
+    """Mean stored size of each kind of record (what ``protocol/bill.py``'s constants come from)."""
+    kinds = {"round": keys.ROUNDS, "snapshot": keys.SNAPSHOTS, "claim": keys.CLAIMS, "lease": keys.LEASES}
+    out = {}
+    for name, prefix in kinds.items():
+        sizes = [len(store.get(k) or b"") for k in store.list(prefix)]
+        out[name] = float(np.mean(sizes)) if sizes else float("nan")
+    return out
 
 
 def _kb(x: float) -> str:
@@ -300,9 +315,10 @@ def table(results: list[Result]) -> str:
     head = (
         "| learners | rounds | follower LIST (pages) / GET / PUT / DEL per round | follower KB down / up | "
         "worst follower requests, KB down | closer LIST (pages) / GET / PUT / DEL | closer KB down "
-        "(contributions' worth) | closer CPU s / round | closer peak MiB | round latency s (median, max) | wall s |"
+        "(contributions' worth) | closer CPU s / round | follower CPU s / round | closer peak MiB | "
+        "round latency s (median, max) | wall s |"
     )
-    lines = [head, "| " + " | ".join(["---:"] * 11) + " |"]
+    lines = [head, "| " + " | ".join(["---:"] * 12) + " |"]
     for r in results:
         f, w, c = r.follower_mean, r.follower_max, r.closer
         freq = f"{f['LIST']:.1f} ({f['LIST pages']:.1f}) / {f['GET']:.1f} / {f['PUT']:.1f} / {f['DELETE']:.2f}"
@@ -311,7 +327,7 @@ def table(results: list[Result]) -> str:
         worth = c["contribution_down"] / r.contribution_bytes
         lines.append(
             f"| {r.learners} | {r.rounds} | {freq} | {_kb(f['down'])} / {_kb(f['up'])} | {wreq:.1f}, {_kb(w['down'])} | "
-            f"{creq} | {_kb(c['down'])} ({worth:.1f}) | {r.closer_cpu_per_round:.3f} | {r.closer_peak_mib:.2f} | "
+            f"{creq} | {_kb(c['down'])} ({worth:.1f}) | {r.closer_cpu_per_round:.3f} | {r.follower_cpu_per_round:.3f} | {r.closer_peak_mib:.2f} | "
             f"{r.latency_median:.2f}, {r.latency_max:.2f} | {r.wall_seconds:.0f} |"
         )
     return "\n".join(lines)
@@ -326,7 +342,9 @@ def plot(results: list[Result], path: str) -> None:
     n = [r.learners for r in results]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     ax = axes[0]
-    ax.plot(n, [sum(r.follower_mean[k] for k in ("LIST", "GET", "PUT", "DELETE")) for r in results], "o-", label="follower")
+    ax.plot(
+        n, [sum(r.follower_mean[k] for k in ("LIST", "GET", "PUT", "DELETE")) for r in results], "o-", label="follower"
+    )
     ax.plot(n, [sum(r.closer[k] for k in ("LIST", "GET", "PUT", "DELETE")) for r in results], "s-", label="closer")
     ax.set(xscale="log", yscale="log", xlabel="learners", ylabel="requests per round", title="requests")
     ax.legend()
