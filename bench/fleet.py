@@ -218,6 +218,8 @@ class Fleet:
             self.first_snapshot.setdefault(s[0], at)
         elif (r := keys.parse_round_key(key)) is not None:
             self.committed.setdefault(r, at)
+            if self.n >= 256:  # the large fleets take minutes a round: say how far they are
+                print(f"    round {r} committed at simulated {at:.1f} s", file=sys.stderr, flush=True)
 
     def run_until(self, rounds: int) -> None:
         """Run until ``rounds`` rounds have committed in all."""
@@ -366,7 +368,8 @@ def plot(results: list[Result], path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--learners", type=int, nargs="*", default=[4, 16, 64, 256, 1024])
-    ap.add_argument("--rounds", type=int, default=8, help="committed rounds measured, after 2 of warm-up")
+    ap.add_argument("--rounds", type=int, default=8, help="committed rounds measured, after the warm-up")
+    ap.add_argument("--warmup", type=int, default=2, help="committed rounds before measuring (default 2)")
     ap.add_argument("--quick", action="store_true", help="4 and 16 learners, 4 rounds")
     ap.add_argument("--latency", type=float, default=0.03, help="seconds per request (default 0.03)")
     ap.add_argument("--bandwidth", type=float, default=100e6, help="bytes per second per node (default 100e6)")
@@ -380,7 +383,7 @@ def main() -> None:
     )
     results = []
     for n in sizes:
-        r = measure(n, rounds, latency=args.latency, bandwidth=args.bandwidth)
+        r = measure(n, rounds, warmup=args.warmup, latency=args.latency, bandwidth=args.bandwidth)
         results.append(r)
         print(f"  {n} learners: {r.wall_seconds:.0f} s wall", flush=True)
     print(table(results))

@@ -34,20 +34,21 @@ class Prices:
 
 
 # Read 2026-12-02. AWS S3 Standard, US East (N. Virginia). The stored copy of
-# https://aws.amazon.com/s3/pricing/ shows its price cells as unrendered templates, so the figures
-# are those the repository already used (bench/requests.py) and
-# https://cloudburn.io/blog/amazon-s3-pricing (2026-03-13: $0.023 per GB-month): PUT, COPY, POST,
-# LIST $0.005 per 1,000; GET, SELECT and all other requests (HEAD) $0.0004 per 1,000; DELETE free.
-# Data transfer out to the internet: the first 100 GB a month free, then $0.09 / $0.085 / $0.07 /
-# $0.05 per GB over 10 / 40 / 100 / more TB a month (AWS's published tiers, not confirmed from a
-# stored page this time: check before relying on the egress line).
+# https://aws.amazon.com/s3/pricing/ shows its price cells as unrendered templates, so: storage
+# $0.023 per GB-month as quoted by https://cloudburn.io/blog/amazon-s3-pricing (2026-03-13); PUT,
+# COPY, POST, LIST $0.005 per 1,000 as quoted by https://www.cloudkaramchari.com/blog/understanding-
+# per-1000-put-copy-post-or-list-requests-in-amazon-s3-pricing/. Not confirmed from a page this
+# time: GET and all other requests (HEAD) $0.0004 per 1,000 (the figure bench/requests.py already
+# used), DELETE free, and data transfer out to the internet: the first 100 GB a month free, then
+# $0.09 / $0.085 / $0.07 / $0.05 per GB over 10 / 40 / 100 / more TB a month. Check them before
+# relying on the egress line.
 S3 = Prices(
     "AWS S3 Standard",
     {"PUT": 0.005, "LIST": 0.005, "GET": 0.0004, "HEAD": 0.0004, "DELETE": 0.0},
     0.023,
     ((100, 0.0), (10 * 1024, 0.09), (50 * 1024, 0.085), (150 * 1024, 0.07), (math.inf, 0.05)),
-    "aws.amazon.com/s3/pricing (cells unrendered), cloudburn.io/blog/amazon-s3-pricing; read 2026-12-02",
-    "egress tiers not confirmed from a stored page",
+    "aws.amazon.com/s3/pricing (cells unrendered), cloudburn.io, cloudkaramchari.com; read 2026-12-02",
+    "GET and egress prices not confirmed from a page",
 )
 # Read 2026-12-02 from https://developers.cloudflare.com/r2/pricing/ (cloudflare-docs
 # src/content/docs/r2/pricing.mdx): Standard storage $0.015 / GB-month; Class A (PutObject,
@@ -75,7 +76,7 @@ def hf_prices(tb_month: float) -> Prices:
     return Prices(
         "Hugging Face Buckets",
         dict.fromkeys(bill.KINDS, 0.0),
-        tb_month / 1024,
+        tb_month * GIB / 1e12,  # a TB of 10^12 bytes, priced per GB of 2^30
         ((math.inf, 0.0),),
         "huggingface.co/docs/hub/storage-limits (hf.co/storage unread); read 2026-12-02",
         "no request or egress price published; rate limits may apply",
