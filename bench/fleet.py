@@ -20,6 +20,7 @@ from its first snapshot record landing to its record landing.
     python bench/fleet.py --learners 4 16 --rounds 6
     python bench/fleet.py --quick                # 4 and 16 learners, 4 rounds
     python bench/fleet.py --plot fleet.png       # also the figures against the fleet size
+    python bench/fleet.py --load a.json b.json --plot fleet.png   # earlier --json runs together
 """
 
 from __future__ import annotations
@@ -375,7 +376,15 @@ def main() -> None:
     ap.add_argument("--bandwidth", type=float, default=100e6, help="bytes per second per node (default 100e6)")
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     ap.add_argument("--plot", metavar="FILE.png", help="also plot the results")
+    ap.add_argument("--load", nargs="+", metavar="FILE", help="table (and plot) the results of earlier --json runs")
     args = ap.parse_args()
+    if args.load:
+        loaded = [Result(**r) for f in args.load for r in json.loads(Path(f).read_text())]
+        loaded.sort(key=lambda r: r.learners)
+        print(table(loaded))
+        if args.plot:
+            plot(loaded, args.plot)
+        return
     sizes, rounds = ([4, 16], 4) if args.quick else (args.learners, args.rounds)
     print(
         f"DiLoCo(sync_every=20, fragments=4, quorum_size=N), 8 x 32x32 fp32 tensors, 1 step/s, poll 1 s, "

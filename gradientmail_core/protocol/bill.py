@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..codec import header
+from ..codec import header, safetensors_io
 from ..config import DiLoCo
 
 DAY = 86_400.0
@@ -59,8 +59,6 @@ KINDS = ("PUT", "GET", "LIST", "HEAD", "DELETE")  # HEAD: the protocol sends non
 def payload_bytes(elements: int, dtype: str) -> int:
     """Stored bytes of ``elements`` values of ``dtype`` (the codec's layout: F4/I2 with their
     scales), without the safetensors header."""
-    from ..codec import safetensors_io
-
     sizes = {"F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "U8": 1}
     return sum(safetensors_io.numel(s) * sizes[d] for _, d, s in header.storage_layout((elements,), dtype))
 
