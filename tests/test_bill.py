@@ -28,9 +28,10 @@ def _fleet():
     return fleet
 
 
-def test_the_model_matches_the_requests_a_small_fleet_makes():
+@pytest.mark.parametrize("n", [4, 16])
+def test_the_model_matches_the_requests_a_small_fleet_makes(n):
     fleet = _fleet()
-    n, rounds = 4, 6
+    rounds = 6
     # Near-zero latency: rounds take their nominal 5 s, as the model assumes.
     r = fleet.measure(n, rounds, latency=0.001, bandwidth=1e9)
     shape = bill.RunShape(
