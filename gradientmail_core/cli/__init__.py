@@ -9,6 +9,8 @@
     gradientmail syncer URL --id NAME       a node that only closes rounds (runs until interrupted)
     gradientmail members list|add|remove URL [--owner-key F] [PUBKEY...]   who may join (members-only runs)
     gradientmail members key --identity F    a node's public key
+    gradientmail cost --params N --learners N --sync-every H --fragments P --step-seconds S ...
+                                            requests, bytes and USD per day on S3, R2, HF buckets
 
 URL is ``file:///path``, ``s3://bucket/prefix`` (with ``--endpoint-url`` for R2, MinIO...) or
 ``memory://name`` (tests). In an authenticated run (``--secret-file``, or a members-only run's
@@ -84,6 +86,10 @@ def _parser() -> argparse.ArgumentParser:
     from .members import add_parser
 
     add_parser(sub)
+
+    from .cost import add_parser as add_cost
+
+    add_cost(sub)
     return p
 
 
@@ -174,6 +180,15 @@ def _guarded(mailbox: Mailbox, secret_file: str | None) -> tuple[Mailbox, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["cost"]:  # a model of a run's config: no URL, no store
+        from . import cost
+
+        args = cost.parse(argv[1:])
+        try:
+            return cost.run(args)
+        except ValueError as e:
+            print(f"gradientmail cost: error: {' '.join(str(e).split())}", file=sys.stderr)
+            return EXIT_USAGE
     if argv[:1] == ["members"]:
         from .members import parse
 

@@ -1,0 +1,253 @@
+"""What a run asks of its store: requests by kind, bytes up and down, bytes stored, per round and
+per day. A model of the protocol (``docs/protocol.md``), not a measurement; ``bench/fleet.py``
+counts the same quantities on a simulated store and ``tests/test_bill.py`` holds the two together
+at small scale.
+
+Requests are counted as a store bills them (HTTP requests), not as mailbox calls: a listing is one
+request per page of ``LIST_PAGE`` keys, an object above the multipart threshold is
+``2 + ceil(size / part)`` PUTs (create, parts, complete), a payload read is one ranged GET per part.
+
+Per round ``r`` (``round_seconds = sync_every / fragments * step_seconds``), **each learner**:
+
+- polls ``round_seconds / poll_interval`` times, plus once when its contribution is ready: one
+  LIST of everything after the head's record (step 6), whose answer holds every snapshot record
+  still stored, those of the open round and those the verify window keeps
+  (``N * (verify_window + 1)`` keys);
+- lists the leases every ``min(lease_timeout / 4, 5 * poll_interval)`` (``N`` keys) and the
+  claims of the open round once;
+- writes its contribution (one object per chunk, section 10) and its snapshot record;
+- reads the claim, the round record (which lists every participant) and the commit: the quantized
+  change (``commit_dtype``) or the full parameters;
+- renews its lease every ``lease_timeout / 4`` (a PUT and a DELETE).
+
+**The closer**, besides: reads every other contribution (record and chunks), writes the change and,
+at a checkpoint (one version in ``checkpoint_every``), the parameters and the fp32 outer state
+(momentum, and the master unless the parameters are F32 with no ``commit_dtype``), the claim of
+``r + 1`` and the record; lists ``blobs/snapshots/``, ``claims/`` and ``blobs/rounds/`` for garbage
+collection and deletes in batches of 1,000 keys.
+
+The sizes of records (``*_RECORD``) were measured on ``bench/fleet.py``'s runs; a listing's answer
+is counted at ``LIST_BYTES_PER_KEY`` (an S3 ``ListObjectsV2`` entry: key, date, ETag, size, class).
+Not modelled: takeovers, retries, joins, ``verify``, authenticated runs' tags and signatures.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..codec import header, safetensors_io
+from ..config import DiLoCo
+
+DAY = 86_400.0
+LIST_PAGE = 1000  # keys per ListObjectsV2 page (S3, R2)
+DELETE_BATCH = 1000  # keys per DeleteObjects request
+PART = 8 << 20  # multipart part and ranged-read size (mailbox.multipart.DEFAULT_PART_SIZE)
+STREAM_BYTES = 64 << 20  # payload bytes from here on are streamed (protocol.store.STREAM_BYTES)
+# Record sizes in bytes, measured on bench/fleet.py's store (engine 84e6264, an unauthenticated run,
+# 4 and 16 learners: round records of 1,467 and 3,356 bytes). Between checkpoints a round record
+# also lists every participant's payload ref (section 9): not counted here.
+SNAPSHOT_RECORD = 470
+CLAIM_RECORD = 76
+LEASE_RECORD = 94
+ROUND_RECORD = 840  # without participants
+ROUND_RECORD_PER_PARTICIPANT = 157
+LIST_BYTES_PER_KEY = 250
+KINDS = ("PUT", "GET", "LIST", "HEAD", "DELETE")  # HEAD: the protocol sends none (the mailbox has no HEAD)
+
+
+def payload_bytes(elements: int, dtype: str) -> int:
+    """Stored bytes of ``elements`` values of ``dtype`` (the codec's layout: F4/I2 with their
+    scales), without the safetensors header."""
+    sizes = {"F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "U8": 1}
+    return sum(safetensors_io.numel(s) * sizes[d] for _, d, s in header.storage_layout((elements,), dtype))
+
+
+def put_requests(size: int, threshold: int = PART) -> int:
+    """PUT-class requests to write one object: one up to the multipart threshold, else create,
+    parts and complete. (Payloads below ``STREAM_BYTES`` handed over whole are one PUT.)"""
+    return 1 if size <= threshold else 2 + math.ceil(size / PART)
+
+
+def get_requests(size: int) -> int:
+    """GETs to read one object: one ranged GET per part."""
+    return max(1, math.ceil(size / PART))
+
+
+def pages(keys: float) -> float:
+    return max(1.0, math.ceil(keys / LIST_PAGE))
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunShape:
+    """A run as far as its store sees it."""
+
+    cfg: DiLoCo
+    params: int  # parameters of the model
+    learners: int
+    step_seconds: float
+    poll_interval: float = 1.0
+    lease_timeout: float = 120.0
+    param_dtype: str = "BF16"  # the published parameters' dtype (the init payloads, theta)
+    multipart_threshold: int = PART  # S3Mailbox's (the hf profile: 2 GB)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.params, int) or self.params < self.cfg.fragments:
+            raise ValueError(f"RunShape(params={self.params!r}): expected an integer >= fragments")
+        if not isinstance(self.learners, int) or self.learners < 1:
+            raise ValueError(f"RunShape(learners={self.learners!r}): expected an integer >= 1")
+        for name in ("step_seconds", "poll_interval", "lease_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"RunShape({name}={getattr(self, name)!r}): expected a number > 0")
+        if self.param_dtype not in ("F32", "F16", "BF16"):
+            raise ValueError(f"RunShape(param_dtype={self.param_dtype!r}): expected F32, F16 or BF16")
+
+    @property
+    def round_seconds(self) -> float:
+        return self.cfg.sync_every / self.cfg.fragments * self.step_seconds
+
+    @property
+    def rounds_per_day(self) -> float:
+        return DAY / self.round_seconds
+
+    @property
+    def chunks(self) -> int:
+        """Objects per payload of one fragment (section 10)."""
+        c = self.cfg.chunk_elements
+        return 1 if c is None else math.ceil(self.fragment_elements / c)
+
+    @property
+    def fragment_elements(self) -> int:
+        return math.ceil(self.params / self.cfg.fragments)
+
+    def chunk_bytes(self, dtype: str) -> list[int]:
+        """The stored size of each chunk of one fragment's payload in ``dtype``."""
+        n, c = self.fragment_elements, self.cfg.chunk_elements or self.fragment_elements
+        return [payload_bytes(min(c, n - i), dtype) for i in range(0, n, c)]
+
+
+@dataclass
+class Traffic:
+    """Requests by kind and bytes, for one node over one round (or a whole run over a day)."""
+
+    requests: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
+    list_calls: float = 0.0  # LIST calls as the mailbox counts them (one per listing, all pages)
+    up: float = 0.0
+    down: float = 0.0
+
+    def add(self, kind: str, n: float, *, up: float = 0.0, down: float = 0.0) -> None:
+        self.requests[kind] += n
+        self.up += up
+        self.down += down
+
+    def scaled(self, k: float) -> Traffic:
+        return Traffic({kk: v * k for kk, v in self.requests.items()}, self.list_calls * k, self.up * k, self.down * k)
+
+    def plus(self, other: Traffic) -> Traffic:
+        r = {k: self.requests[k] + other.requests[k] for k in KINDS}
+        return Traffic(r, self.list_calls + other.list_calls, self.up + other.up, self.down + other.down)
+
+
+def _list(t: Traffic, calls: float, keys: float) -> None:
+    t.list_calls += calls
+    t.add("LIST", calls * pages(keys), down=calls * max(keys, 1) * LIST_BYTES_PER_KEY)
+
+
+def _objects(t: Traffic, kind: str, sizes: list[int], *, threshold: int, share: float = 1.0) -> None:
+    """Write (PUT) or read (GET) one payload of chunks ``sizes``, ``share`` of the times."""
+    for s in sizes:
+        if kind == "PUT":
+            t.add("PUT", share * put_requests(s, threshold), up=share * s)
+        else:
+            t.add("GET", share * get_requests(s), down=share * s)
+
+
+def learner_round(shape: RunShape) -> Traffic:
+    """What one learner that does not close asks per round."""
+    cfg, n, rs = shape.cfg, shape.learners, shape.round_seconds
+    t = Traffic()
+    polls = rs / shape.poll_interval + 1  # (+1: the poll woken by its ready contribution)
+    _list(t, polls, n * (cfg.verify_window + 1))
+    _list(t, rs / min(shape.lease_timeout / 4, 5 * shape.poll_interval), n)
+    _list(t, 1, 1)  # the open round's claims
+    delta = cfg.delta_dtype or shape.param_dtype
+    _objects(t, "PUT", shape.chunk_bytes(delta), threshold=shape.multipart_threshold)
+    t.add("PUT", 1, up=SNAPSHOT_RECORD)
+    t.add("GET", 1, down=CLAIM_RECORD)
+    t.add("GET", 1, down=ROUND_RECORD + ROUND_RECORD_PER_PARTICIPANT * n)
+    _objects(t, "GET", shape.chunk_bytes(cfg.commit_dtype or shape.param_dtype), threshold=0)
+    renewals = rs / (shape.lease_timeout / 4)
+    t.add("PUT", renewals, up=renewals * LEASE_RECORD)
+    t.add("DELETE", renewals)
+    return t
+
+
+def closer_round(shape: RunShape) -> Traffic:
+    """What the closer asks per round: a learner's round, less what it need not read (its own
+    commit, the claim), plus judging every other contribution, the commit and GC."""
+    cfg, n, thr = shape.cfg, shape.learners, shape.multipart_threshold
+    t = learner_round(shape)
+    t.add("GET", -1, down=-CLAIM_RECORD)
+    t.add("GET", -1, down=-(ROUND_RECORD + ROUND_RECORD_PER_PARTICIPANT * n))
+    commit = shape.chunk_bytes(cfg.commit_dtype or shape.param_dtype)
+    t.add("GET", -sum(get_requests(s) for s in commit), down=-sum(commit))
+    delta = shape.chunk_bytes(cfg.delta_dtype or shape.param_dtype)
+    t.add("GET", n - 1, down=(n - 1) * SNAPSHOT_RECORD)
+    _objects(t, "GET", delta, threshold=0, share=n - 1)
+    every = cfg.checkpoint_every
+    if cfg.commit_dtype is not None:
+        _objects(t, "PUT", commit, threshold=thr)
+    _objects(t, "PUT", shape.chunk_bytes(shape.param_dtype), threshold=thr, share=1 / every)
+    master = shape.param_dtype != "F32" or cfg.commit_dtype is not None
+    outer = [s * (2 if master else 1) for s in shape.chunk_bytes("F32")]
+    _objects(t, "PUT", outer, threshold=thr, share=1 / every)
+    t.add("PUT", 2, up=CLAIM_RECORD + ROUND_RECORD + ROUND_RECORD_PER_PARTICIPANT * n)
+    kept = _kept_contribution_rounds(cfg)
+    _list(t, 1, n * shape.chunks * kept)  # blobs/snapshots/
+    _list(t, 1, 1)  # claims/
+    _list(t, 1, 2 * cfg.fragments * shape.chunks * 3)  # blobs/rounds/ (theta, outer, change per round)
+    doomed = n * (1 + shape.chunks) + 1 + 3 * shape.chunks / every
+    t.add("DELETE", math.ceil(doomed / DELETE_BATCH))
+    return t
+
+
+def _kept_contribution_rounds(cfg: DiLoCo) -> float:
+    """Rounds of contributions the store holds on average: the open one, the verify window's, and
+    between checkpoints the chain since its fragment's newest checkpoint (section 9; on average
+    half of ``checkpoint_every - 1`` versions of each fragment, a version every ``P`` rounds)."""
+    chain = cfg.fragments * (cfg.checkpoint_every - 1) / 2
+    return 1 + max(cfg.verify_window, chain)
+
+
+@dataclass(frozen=True)
+class Day:
+    """A whole run over one day."""
+
+    traffic: Traffic
+    stored: float  # bytes held on average
+    tape_growth: float  # bytes of round records added (never deleted)
+    rounds: float
+    learner: Traffic  # one learner, per round
+    closer: Traffic  # the closer, per round
+
+
+def day(shape: RunShape) -> Day:
+    cfg, n = shape.cfg, shape.learners
+    learner, closer = learner_round(shape), closer_round(shape)
+    per_round = learner.scaled(n - 1).plus(closer)
+    rounds = shape.rounds_per_day
+    contribution = sum(shape.chunk_bytes(cfg.delta_dtype or shape.param_dtype))
+    theta = sum(shape.chunk_bytes(shape.param_dtype))
+    master = shape.param_dtype != "F32" or cfg.commit_dtype is not None
+    outer = sum(shape.chunk_bytes("F32")) * (2 if master else 1)
+    change = sum(shape.chunk_bytes(cfg.commit_dtype)) if cfg.commit_dtype else 0
+    every = cfg.checkpoint_every
+    record = ROUND_RECORD + ROUND_RECORD_PER_PARTICIPANT * n
+    stored = (
+        n * contribution * _kept_contribution_rounds(cfg)
+        + cfg.fragments * theta  # the initial parameters
+        + cfg.fragments * (theta + outer)  # every fragment's newest checkpoint
+        + 2 * cfg.fragments * (change + (theta + outer) / every)  # round payloads kept 2P rounds
+        + rounds * record / 2  # the tape, over the day
+    )
+    return Day(per_round.scaled(rounds), stored, rounds * record, rounds, learner, closer)
