@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -198,12 +197,19 @@ def merge_and_step(
             nmo = flat(new_momentum[name])[a:b]
             outer_mod.outer_step_tensor(m_old, mo, v, lr=lr, beta=beta, scale=scale, out=(nm, nmo), name=name)
 
+    def dest(pc: Any) -> np.ndarray:
+        # A piece is merged into the new master's elements and stepped there in place (the step
+        # reads each element of the merged delta before it writes the new master's): the merge
+        # needs no buffer of its own.
+        start = pc.start - ranges[pc.name][0]
+        return flat(new_master[pc.name])[start : start + pc.size]
+
     def held(at: tuple[int, Any, int]) -> None:
         """A piece held in memory merged block by block (on worker threads for a large tensor), its
         cosine sums fed in order (each tensor its own), then stepped; its squared norm summed as
         merged when this process takes it (RDA, a tensor held whole)."""
         k, pc, a = at
-        v = _scratch(pc.size)
+        v = dest(pc)
         norm_here = pc.name in radial and pc.name not in direction
 
         def block(lo: int) -> tuple[list[np.ndarray] | None, Any]:
@@ -226,9 +232,9 @@ def merge_and_step(
 
     def merge_read(k: int, clipped: list[Any], reads: Iterator[dict[str, np.ndarray]]) -> None:
         """Chunk ``k`` of each contribution read once and merged as it comes (the next read
-        meanwhile), then stepped; its buffers let go on return, before the next chunk's."""
+        meanwhile), then stepped; its cosine sums let go on return, before the next chunk's."""
         chunks = (part(i, k, clipped, next(reads)) for i in range(n))
-        merged, sums = _merged(clipped, chunks, scales, clips, units)
+        merged, sums = _merged(clipped, chunks, scales, clips, units, into=[dest(pc) for pc, _, _ in clipped])
         for t, ((pc, _, _), v) in enumerate(zip(clipped, merged, strict=True)):
             if cos is not None and sums is not None:
                 cos.feed(pc.name, sums[t])
@@ -325,14 +331,3 @@ def _merged(
             v.fill(0)  # no contribution has a direction here
     sums = None if acc is None else [acc[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
     return list(into), sums
-
-
-_local = threading.local()
-
-
-def _scratch(n: int) -> np.ndarray:
-    """A float32 buffer of ``n`` elements, reused from one tensor to the next (per thread)."""
-    buf = getattr(_local, "buffer", None)
-    if buf is None or buf.size < n:
-        buf = _local.buffer = np.empty(n, np.float32)
-    return buf[:n]
