@@ -9,6 +9,7 @@ find these bugs cannot silently decay.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -172,12 +173,12 @@ def count_twice() -> contextlib.AbstractContextManager[None]:
     """The merge weighs the first accepted contribution twice."""
     orig = kernel.merge_and_step
 
-    def merge(cfg: Any, ranks: Any, span: Any, source: Any, accepted: Any, *rest: Any) -> Any:
-        if len(accepted) > 1:
+    def merge(cfg: Any, ranks: Any, span: Any, source: Any, op: Any, *rest: Any) -> Any:
+        if len(op.accepted) > 1:
             read = source.chunk
             source = merging.Source(lambda i, k: read(max(i - 1, 0), k), in_memory=source.in_memory, threaded=False)
-            accepted = [accepted[0], *accepted]
-        return orig(cfg, ranks, span, source, accepted, *rest)
+            op = dataclasses.replace(op, accepted=(op.accepted[0], *op.accepted))
+        return orig(cfg, ranks, span, source, op, *rest)
 
     return _patched((kernel, "merge_and_step", merge))
 
@@ -257,8 +258,8 @@ def nesterov_without_momentum() -> contextlib.AbstractContextManager[None]:
     orig = outer.outer_step_tensor
 
     def step(theta: Any, momentum: Any, delta: Any, *, lr: float, beta: float, scale: Any = None, **kw: Any) -> Any:
+        d = np.array(delta, np.float32)  # (a copy: the closer steps in place, over the merged delta)
         t_new, m_new = orig(theta, momentum, delta, lr=lr, beta=beta, scale=scale, **kw)
-        d = np.asarray(delta, np.float32)
         if scale is not None:
             d = d * scale
         np.subtract(np.asarray(theta, np.float32), np.float32(lr) * d, out=t_new)
