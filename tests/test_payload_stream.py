@@ -256,7 +256,6 @@ def test_decoding_a_64mb_payload_holds_its_output_and_pieces() -> None:
     assert peak < len(data) + (8 << 20)  # the float32 output itself, plus a few pieces (one-shot: 2x)
 
 
-
 def test_decoding_tensors_whole_in_large_parts_lets_each_part_go() -> None:
     # Parts larger than a tensor (a file or S3 read of 8 MiB): tensors whose bytes are all in one
     # part are decoded in one go, and a part is let go once its tensors are decoded, not kept
@@ -274,6 +273,7 @@ def test_decoding_tensors_whole_in_large_parts_lets_each_part_go() -> None:
     sha = hashlib.sha256(data).hexdigest()
     peak = peak_while(lambda: stream.decode_stream(parts(), shapes(t), size=len(data), sha256=sha))
     assert peak < len(data) + 2 * part, (peak - len(data)) / 2**20  # the output, the part read and the next
+
 
 # ---------------------------------------------------------------------------------------------
 # Through the store, with faults in the parts
