@@ -7,6 +7,7 @@ mock. The server starts only when a test asks for it.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import logging
 import os
@@ -36,7 +37,10 @@ os.environ.update(_AWS_ENV)
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[str]:
     """Endpoint URL of a moto S3 server on 127.0.0.1 and a free port, for the whole session."""
-    server_mod = pytest.importorskip("moto.server", reason="moto[server] is not installed")
+    if importlib.util.find_spec("moto") is None:
+        pytest.skip("moto[server] is not installed")
+    import moto.server as server_mod  # (installed: an import that fails is an error, never a skip)
+
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one access-log line per request otherwise
     server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()

@@ -20,11 +20,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _fleet():
+    # bench/fleet.py puts bench/ on sys.path for its own imports: restored here, or bench/requests.py
+    # would shadow the requests library for every later import (moto's server among them).
+    saved = list(sys.path)
     sys.path.insert(0, str(ROOT / "bench"))
     try:
         import fleet
     finally:
-        sys.path.remove(str(ROOT / "bench"))
+        sys.path[:] = saved
     return fleet
 
 
