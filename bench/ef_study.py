@@ -237,9 +237,54 @@ def job(arm: str, seed: int, variant: str, args: argparse.Namespace) -> dict[str
     )
 
 
+def linear_model(lr: float = 0.7, beta: float = 0.9, rounds: int = 200_000) -> None:
+    """The outer loop on one direction of a quadratic loss, where the inner steps take the offset
+    from the optimum ``y`` to ``rho * y`` (``rho`` 0: stiff, the inner steps reach the optimum
+    from any start; 1: flat, they do not move it), and quantization takes a white residual ``r``
+    (variance 1) out of each merged delta. The steady offset variance, per unit of residual:
+    no feedback (``d - r_t``), the residual added to the next delta (``d + r_{t-1} - r_t``), and
+    given back to the parameters (the next delta holds ``rho * r_{t-1}``)."""
+    rng = np.random.default_rng(0)
+    rhos = np.array([0.0, 0.3, 0.6, 0.8, 0.9, 0.95, 0.99])
+    print("inner contraction rho         " + " ".join(f"{v:7.2f}" for v in rhos))
+    for name, gamma in (("no feedback", 0 * rhos), ("added to the next delta", 1 + 0 * rhos), ("given back", rhos)):
+        y, m, before, acc = (np.zeros_like(rhos) for _ in range(4))
+        for t in range(rounds):
+            r = rng.standard_normal(rhos.size)
+            d = (1 - rhos) * y + gamma * before - r
+            m = beta * m + d
+            y = y - lr * (d + beta * m)
+            before = r
+            if t >= 1000:
+                acc += y * y
+        print(f"{name:>29} " + " ".join(f"{v:7.2f}" for v in acc / (rounds - 1000)))
+
+
+def summarize(path: str) -> None:
+    """Each (arm, variant) of a log: its held-out loss over its set's F32 arm, seed by seed (mean
+    [min, max]), and the mean of each diagnostic over seeds."""
+    rows = [json.loads(line) for line in open(path)]
+    f32 = {(r["arm"].split("-")[0], r["seed"], r["steps"]): r["final"] for r in rows if r["arm"].endswith("-F32")}
+    groups: dict[tuple[str, str, int], list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        groups[(r["arm"], r["variant"], r["steps"])].append(r)
+    print(f"{'arm':>20} {'variant':>28} | seeds | / F32 mean [min, max] | diagnostics (mean over seeds)")
+    for (arm, variant, steps), rs in sorted(groups.items()):
+        ratios = [r["final"] / f32[k] for r in rs if (k := (arm.split("-")[0], r["seed"], steps)) in f32]
+        diag: dict[str, list[float]] = defaultdict(list)
+        for r in rs:
+            for k, (mean, _, _) in r["diag"].items():
+                diag[k].append(mean)
+        cell = "-" if not ratios else f"{statistics.fmean(ratios):.4f} [{min(ratios):.4f}, {max(ratios):.4f}]"
+        d = " ".join(f"{k}={statistics.fmean(v):.3f}" for k, v in sorted(diag.items()))
+        print(f"{arm:>20} {variant or '(engine)':>28} | {len(rs):>5} | {cell:>22} | {d}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arms", nargs="+", required=True, help="convergence.py's arm names, or 'arm@variant'")
+    ap.add_argument("--arms", nargs="*", default=[], help="convergence.py's arm names, or 'arm@variant'")
+    ap.add_argument("--linear", action="store_true", help="print the linear model's table (no training)")
+    ap.add_argument("--summarize", metavar="LOG", help="print the table of a log (no training)")
     ap.add_argument("--variant", nargs="+", default=[""], help="variants, each 'key=value,...' ('' = the engine)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=1000)
@@ -248,6 +293,12 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--eval-every", type=int, default=100, help="steps between held-out evaluations")
     args = ap.parse_args()
+    if args.linear:
+        linear_model()
+        return
+    if args.summarize:
+        summarize(args.summarize)
+        return
     args.batch, args.schedule, args.warmup, args.min_lr = 8, "cosine", max(1, args.steps // 20), 0.1
     args.heldout_batches, args.outer_lr, args.outer_momentum = 8, 0.7, 0.9
     assert FRONTIER
