@@ -29,6 +29,10 @@ stops the checks after it.
 - ``accelerate-fsdp``: Accelerate's FSDP plugin at ``fsdp_version=2`` under torchrun, with
   ``accelerator.register_gradientmail``, beside a plain CUDA node: bit-identical.
 - ``accelerate-fsdp1``: the same at ``fsdp_version=1`` with ``use_orig_params=True`` (FSDP1).
+- ``trainer-fsdp``, ``trainer-fsdp1``: ``transformers.Trainer`` with its FSDP (``fsdp_config``
+  version 2, or 1 with ``use_orig_params=True``) under torchrun and
+  ``GradientMailTrainerCallback(module="model")``, beside a plain CUDA node: bit-identical (the
+  Trainer's FSDP does not start on CPU: no dry run).
 - ``dtensor-pipeline``: a sharded ``gm.Session`` on CUDA DTensor shards (FSDP2 under torchrun,
   one bf16 layer: deltas, the chunk exchange and alignment on the GPU; the sharded runtime
   quantizes its chunks on the host in this version), beside a plain CUDA node (the device
@@ -435,6 +439,14 @@ def check_accelerate_fsdp1(args: argparse.Namespace) -> str:
     return _paired(args, "accelerate-fsdp1", lambda argv: _torchrun(_ranks(), argv))
 
 
+def check_trainer_fsdp(args: argparse.Namespace) -> str:
+    return _paired(args, "trainer-fsdp2", lambda argv: _torchrun(_ranks(), argv))
+
+
+def check_trainer_fsdp1(args: argparse.Namespace) -> str:
+    return _paired(args, "trainer-fsdp1", lambda argv: _torchrun(_ranks(), argv))
+
+
 def check_dtensor_pipeline(args: argparse.Namespace) -> str:
     return _paired(args, "sharded-session", lambda argv: _torchrun(_ranks(), argv), "--bf16-head")
 
@@ -708,6 +720,71 @@ def worker_accelerate(w: argparse.Namespace, fsdp1: bool = False) -> None:
         print(f"{RESULT}Accelerate ({how}): {accelerator.num_processes} ranks, {handle.steps} session steps")
 
 
+def worker_trainer(w: argparse.Namespace, fsdp1: bool = False) -> None:
+    """``transformers.Trainer`` under torchrun with its FSDP (``fsdp_config`` version 2, or 1 with
+    ``use_orig_params=True``) and ``GradientMailTrainerCallback(module="model")``: the Trainer trains
+    a module holding the network as ``self.model`` (its parameters: ``model.net...``), the run names
+    them as the network does. The Trainer's FSDP does not start on CPU: CUDA only."""
+    import torch
+    import torch.distributed as dist
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from gradientmail_lightning import GradientMailTrainerCallback
+
+    class Holder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = _node_net("cpu", w.bf16_head)
+
+        def forward(self, x: Any, y: Any) -> dict[str, Any]:
+            return {"loss": torch.nn.functional.mse_loss(self.model(x), y)}
+
+    rank = int(os.environ.get("RANK", "0"))
+
+    class Batches(torch.utils.data.Dataset):  # type: ignore[type-arg]
+        def __len__(self) -> int:
+            return NODE_STEPS * 16
+
+        def __getitem__(self, i: int) -> dict[str, Any]:
+            x, y = _batch(w.seed, rank, i // 16, "cpu")
+            return {"x": x[i % 16], "y": y[i % 16]}
+
+    config: dict[str, Any] = {"fsdp_version": 1, "use_orig_params": True} if fsdp1 else {"fsdp_version": 2}
+    args = TrainingArguments(
+        output_dir=os.path.join(w.out, "hf"), max_steps=NODE_STEPS, per_device_train_batch_size=16,
+        learning_rate=0.05, optim="sgd", lr_scheduler_type="constant", report_to=[], save_strategy="no",
+        disable_tqdm=True, fsdp=True, fsdp_config=config, max_grad_norm=0.0, use_cpu=w.device == "cpu",
+    )  # fmt: skip
+    callback = GradientMailTrainerCallback(
+        algorithm=_algorithm(), mailbox=w.mailbox, module="model", samples_per_step=16,
+        wait_for_learners=2, wait_timeout=120, **_options(w, "both"),
+    )  # fmt: skip
+    seen: list[bool] = []
+
+    class Sharded(TrainerCallback):  # type: ignore[misc]
+        def on_step_end(self, *a: Any, **kw: Any) -> None:
+            seen.append(callback.driver.shards is not None)
+
+    trainer = Trainer(model=Holder(), args=args, train_dataset=Batches(), callbacks=[callback, Sharded()])
+    trainer.train()
+    if not (seen and all(seen)):
+        raise SystemExit("the Trainer's FSDP did not shard the model: the callback ran a plain data-parallel node")
+    model = trainer.model
+    if fsdp1:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        with FullyShardedDataParallel.summon_full_params(model):
+            full = {
+                n.replace("_fsdp_wrapped_module.", "").removeprefix("model."): p.detach().clone()
+                for n, p in model.named_parameters()
+            }
+    else:
+        full = {n.removeprefix("model."): p for n, p in _full(model).items()}
+    if rank == 0:
+        _save(w, full, ranks=dist.get_world_size(), backend=dist.get_backend())
+        print(f"{RESULT}Trainer FSDP{1 if fsdp1 else 2}: {dist.get_world_size()} ranks, {callback.driver.steps} steps")
+
+
 WORKERS: dict[str, Callable[[argparse.Namespace], None]] = {
     "plain": worker_plain,
     "sharded-session": worker_sharded_session,
@@ -715,6 +792,8 @@ WORKERS: dict[str, Callable[[argparse.Namespace], None]] = {
     "lightning-fsdp1": lambda w: worker_lightning(w, fsdp1=True),
     "accelerate-fsdp2": worker_accelerate,
     "accelerate-fsdp1": lambda w: worker_accelerate(w, fsdp1=True),
+    "trainer-fsdp2": worker_trainer,
+    "trainer-fsdp1": lambda w: worker_trainer(w, fsdp1=True),
 }
 
 
@@ -748,6 +827,8 @@ CHECKS: dict[str, tuple[Callable[[argparse.Namespace], str], float, bool]] = {
     "lightning-mp": (check_lightning_mp, 90, True),
     "accelerate-fsdp": (check_accelerate_fsdp, 90, True),
     "accelerate-fsdp1": (check_accelerate_fsdp1, 90, True),
+    "trainer-fsdp": (check_trainer_fsdp, 90, False),
+    "trainer-fsdp1": (check_trainer_fsdp1, 90, False),
     "dtensor-pipeline": (check_dtensor_pipeline, 90, True),
     "sharded-memory": (check_sharded_memory, 120, False),
     "overhead": (check_overhead, 240, False),

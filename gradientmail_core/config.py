@@ -13,6 +13,7 @@ from .errors import RunConfigMismatch
 DELTA_DTYPES = ("F32", "F16", "BF16", "F8_E4M3", "F4", "I2")
 CHUNK_BLOCK = 32  # chunk sizes are multiples of the F4/I2 quantizer block (codec/plan.py BLOCK)
 DEFAULT_CHUNK_ELEMENTS = 1 << 24  # 16 Mi elements: 64 MiB of fp32, 8 MiB of F4 per chunk payload
+DEFAULT_VERIFY_WINDOW = 8  # rounds whose inputs GC keeps for verification (docs/security.md)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,6 +165,11 @@ class DiLoCo:
     # bytes a whole-fragment payload always had. None: one chunk per fragment, however large (what
     # every run created before the option stores: a manifest without the field reads as None).
     chunk_elements: int | None = DEFAULT_CHUNK_ELEMENTS
+    # Garbage collection keeps what verifying a round needs (its contributions, their snapshot
+    # records, the state its fragment started from) for the newest this many rounds, so any reader
+    # can recompute them (``gradientmail verify``; docs/security.md, "Verifying commits"). 0: keep
+    # only what the run itself needs. A manifest from before the option reads as the default.
+    verify_window: int = DEFAULT_VERIFY_WINDOW
 
     def __post_init__(self) -> None:
         def bad(what: str) -> ValueError:
@@ -237,6 +243,9 @@ class DiLoCo:
         c = self.chunk_elements
         if c is not None and (not isinstance(c, int) or isinstance(c, bool) or c < 1 or c % CHUNK_BLOCK):
             raise bad(f"chunk_elements={c!r}: expected None or a positive multiple of {CHUNK_BLOCK}")
+        w = self.verify_window
+        if not isinstance(w, int) or isinstance(w, bool) or w < 0:
+            raise bad(f"verify_window={w!r}: expected an integer >= 0 (rounds whose inputs the store keeps)")
         if not isinstance(self.error_feedback, bool):
             raise bad(f"error_feedback={self.error_feedback!r}: expected True or False")
         object.__setattr__(self, "mixing", float(self.mixing))
@@ -255,6 +264,8 @@ class DiLoCo:
                 continue  # the default: manifests from before the option keep their bytes and agree
             if f.name == "chunk_elements" and v is None:
                 continue  # whole fragments: what a manifest from before the option means
+            if f.name == "verify_window" and v == DEFAULT_VERIFY_WINDOW:
+                continue  # the default: manifests from before the option keep their bytes and agree
             d[f.name] = v.to_dict() if hasattr(v, "to_dict") else v
         return d
 

@@ -67,14 +67,13 @@ class RunConfigMismatch(GradientMailError):
 class SchemaMismatch(GradientMailError):
     """This node's model parameters differ from the run's schema. Use the run's model."""
 
-    def __init__(self, differences: list[str]) -> None:
+    def __init__(self, differences: list[str], fix: str | None = None) -> None:
         self.differences = differences
+        self.fix = fix  # what makes this node's names the run's, when a rule explains the difference
         shown = "; ".join(differences[:10])
         more = f" (and {len(differences) - 10} more)" if len(differences) > 10 else ""
-        super().__init__(
-            f"this node's model does not match the run's parameter schema: {shown}{more}; "
-            "build the same model architecture as the run, or use a new mailbox prefix"
-        )
+        todo = fix or "build the same model architecture as the run, or use a new mailbox prefix"
+        super().__init__(f"this node's model does not match the run's parameter schema: {shown}{more}; {todo}")
 
 
 class DuplicateLearner(GradientMailError, ValueError):

@@ -164,6 +164,52 @@ class CloserBack(Event):
 
 
 @dataclass(frozen=True)
+class RoundVerified(Event):
+    """This node recomputed ``round``'s commit from its recorded inputs and found the record's
+    parameters, outer state and change bit for bit (``Session(verify=)``)."""
+
+    round: int
+    fragment: int
+    closer: str
+
+
+@dataclass(frozen=True)
+class RoundUnverifiable(Event):
+    """This node chose ``round`` to verify but could not: an input is gone or reads back damaged
+    (``reason``). The commit is applied, as without verification."""
+
+    round: int
+    fragment: int
+    closer: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ForgedCommit(Event):
+    """``round``'s commit is not the merge of its recorded inputs (``reason``): ``closer`` committed
+    it. This node does not apply it, nor any later commit of ``closer`` (``CommitRefused``).
+    ``evidence``: in an authenticated run, the signed record that proves it. Follow the run's
+    procedure: revoke ``closer``'s key in a members-only run (``gradientmail members remove``)."""
+
+    round: int
+    fragment: int
+    closer: str
+    reason: str
+    evidence: str | None = None
+
+
+@dataclass(frozen=True)
+class CommitRefused(Event):
+    """This node did not apply ``round``'s commit (``reason``); its learner keeps the fragment's
+    parameters of the last commit it applied."""
+
+    round: int
+    fragment: int
+    closer: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class StoreFailure(Event):
     """A transient store error; the node retries on its next poll."""
 
@@ -195,7 +241,7 @@ def log_events(event: Event) -> None:
     Both names start with ``gm`` so they never collide with ``LogRecord``'s own attributes
     (``logging`` refuses ``extra`` keys such as ``message`` or ``args``).
     """
-    loud = (GaveUp, BackgroundFailed, Superseded, NoCloser)
+    loud = (GaveUp, BackgroundFailed, Superseded, NoCloser, ForgedCommit, CommitRefused, RoundUnverifiable)
     level = logging.WARNING if isinstance(event, _QUIET + loud) else logging.INFO
     if not _log.isEnabledFor(level):
         return

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from . import events as ev
 from .adapters import adapter_for
 from .adapters.base import Adapter
+from .adapters.naming import Names
 from .clock import Clock, SystemClock
 from .config import DiLoCo
 from .mailbox import Mailbox
@@ -70,6 +71,8 @@ class Session:
         identity: str | os.PathLike[str] | None = None,
         owner_key: str | os.PathLike[str] | None = None,
         anchors: str | None = None,
+        verify: float = 0.0,
+        names: Names | None = None,
     ) -> None:
         me = keys.validate_learner_id(learner_id if learner_id is not None else default_learner_id())
         if not isinstance(algorithm, DiLoCo):
@@ -85,13 +88,15 @@ class Session:
             lease_every=lease_every,
             round_timeout=round_timeout,
             compression=compression,
+            verify=verify,
         )
         # docs/security.md: shared secret, identities, or neither; validated before any I/O
         self.auth, self.identity = node_policy(secret, secret_file, identity, owner_key)
         if self.identity is not None:
             me = self.identity.learner_id(me)
         self.model = model
-        self.adapter = adapter_for(model)
+        # names=: this node's canonical parameter names -> the run's (adapters/naming.py)
+        self.adapter = adapter_for(model, names=names)
         self.algorithm = algorithm
         # role None: "both" (train and close rounds); a sharded node closes with every rank its part
         self.role = role if role is not None else "both"
@@ -207,6 +212,11 @@ def _sharded_params(adapter: Adapter) -> ShardedParams | None:
 def _host_for(setup: HostSetup, learner_id: str, anchors: str | None) -> EngineHost:
     """The engine host for this session's model: chosen once, when the session is built."""
     sharded = _sharded_params(setup.adapter)
+    if sharded is not None and setup.options.verify > 0:
+        raise ValueError(
+            f"verify={setup.options.verify!r}: a sharded node's ranks hold no whole fragment to recompute a commit "
+            "with; leave verify at 0 and check the run with `gradientmail verify URL` instead"
+        )
     if sharded is None:
         if anchors is not None:
             raise ValueError(
@@ -226,13 +236,15 @@ def align(
     mailbox: Mailbox,
     secret: bytes | str | None = None,
     secret_file: str | os.PathLike[str] | None = None,
+    names: Names | None = None,
 ) -> int:
     """Load the newest committed parameters into ``model`` without joining the run.
 
     Returns the newest committed round, or -1 if none has committed yet. An authenticated
-    run needs its ``secret`` (or ``secret_file``).
+    run needs its ``secret`` (or ``secret_file``); ``names`` maps the model's names to the run's
+    as for ``Session``.
     """
-    adapter = adapter_for(model)
+    adapter = adapter_for(model, names=names)
     auth = MemberAuth(auth_policy(secret, secret_file))  # reads open, secret and members-only runs
     _, head, thetas = load_newest(RunStore(GuardedMailbox(mailbox, auth=auth), auth=auth), adapter.schema())
     for theta in thetas.values():

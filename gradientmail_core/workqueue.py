@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import secrets
 import threading
 from collections.abc import Iterator
@@ -29,8 +30,9 @@ from .clock import Clock, SystemClock
 from .errors import GradientMailError, MailboxUnavailable, RecordInvalid
 from .mailbox import CreateOutcome, Mailbox, create_once
 from .protocol import keys
-from .protocol.records import decode, encode
+from .protocol.guard import GuardedMailbox
 from .protocol.work import QueueProgress, QueueScan, progress_of, scan_queue
+from .protocol.work_auth import QueueRecords
 from .protocol.work_records import QueueInfo, UnitClaim, UnitDone, UnitHold, UnitRelease
 
 __all__ = ["Hold", "HoldLost", "QueueMismatch", "WorkQueue"]
@@ -75,6 +77,9 @@ class WorkQueue:
     own clock, has lost its unit; the queue's creator fixes it for everyone (``queue.json``).
     ``renew_every``: seconds between heartbeats (default ``lease_timeout / 4``).
     ``poll_interval``: how long ``next_unit`` sleeps while every unit left is held by others.
+    ``secret``, ``secret_file``, ``identity``: the run's, as its ``Session`` was given them: in an
+    authenticated run the queue's records are signed and checked like the run's own
+    (``protocol/work_auth.py``), and ``holder`` carries the identity's fingerprint.
     """
 
     def __init__(
@@ -90,6 +95,9 @@ class WorkQueue:
         clock: Clock | None = None,
         nonce: str | None = None,
         max_tries: int = 8,
+        secret: bytes | str | None = None,
+        secret_file: str | os.PathLike[str] | None = None,
+        identity: str | os.PathLike[str] | None = None,
     ) -> None:
         if not isinstance(units, int) or isinstance(units, bool) or not 1 <= units <= keys.MAX_UNIT + 1:
             raise ValueError(f"units={units!r}: expected an integer in 1..{keys.MAX_UNIT + 1}")
@@ -97,7 +105,14 @@ class WorkQueue:
             raise ValueError("lease_timeout and poll_interval must be positive")
         keys.validate_learner_id(holder)
         keys.queue_prefix(name)  # validates the name
-        self.mailbox, self.units, self.holder, self.name = mailbox, units, holder, name
+        self._records = QueueRecords()
+        if secret is not None or secret_file is not None or identity is not None:
+            from .protocol.members import node_policy
+
+            auth, me = node_policy(secret, secret_file, identity)
+            holder = me.learner_id(holder) if me is not None else holder
+            mailbox, self._records = GuardedMailbox(mailbox, auth=auth), QueueRecords(auth)
+        self._mailbox, self.units, self.holder, self.name = mailbox, units, holder, name
         self.lease_timeout = float(lease_timeout)
         self._renew_every = renew_every
         self.poll_interval = poll_interval
@@ -115,6 +130,13 @@ class WorkQueue:
 
     def __repr__(self) -> str:
         return f"WorkQueue({self.name!r}, units={self.units}, holder={self.holder!r})"
+
+    @property
+    def mailbox(self) -> Mailbox:
+        """The queue's store (an authenticated run's is bound to the run on first use)."""
+        if not self._records.bound:
+            self._records.bind(self._mailbox)
+        return self._mailbox
 
     @property
     def renew_every(self) -> float:
@@ -137,8 +159,8 @@ class WorkQueue:
             mine = QueueInfo(
                 queue=self.name, units=self.units, lease_timeout=self.lease_timeout, created_by=self.holder
             )
-            outcome, existing = create_once(self.mailbox, key, encode(mine))
-            info = mine if outcome is not CreateOutcome.TAKEN else decode(existing, QueueInfo, key=key)
+            outcome, existing = create_once(self.mailbox, key, self._records.encode(mine))
+            info = mine if outcome is not CreateOutcome.TAKEN else self._records.decode(existing, QueueInfo, key)
             if info.queue != self.name or info.units != self.units:
                 raise QueueMismatch(
                     f"work queue {self.name!r} has {info.units} units, this node asked for {self.units}; "
@@ -153,7 +175,7 @@ class WorkQueue:
     def refresh(self) -> QueueScan:
         """List the queue once and update, on this node's clock, when each claimed unit last
         showed a sign of life."""
-        scan = scan_queue(self.mailbox, self.name)
+        scan = self._scan()
         now = self.clock.now()
         with self._lock:
             self._done_seen = len(scan.done)
@@ -182,11 +204,15 @@ class WorkQueue:
 
     def progress(self) -> QueueProgress:
         """Units done / in progress / left, from one listing."""
-        return progress_of(scan_queue(self.mailbox, self.name), self.units)
+        return progress_of(self._scan(), self.units)
 
     def finished(self) -> bool:
         """True once every unit is recorded done."""
-        return len(scan_queue(self.mailbox, self.name).done) >= self.units
+        return len(self._scan().done) >= self.units
+
+    def _scan(self) -> QueueScan:
+        mb = self.mailbox
+        return scan_queue(mb, self.name, keep=lambda k: self._records.trusted(mb, k))
 
     # ---- taking a unit -----------------------------------------------------------------
 
@@ -230,10 +256,11 @@ class WorkQueue:
     def _try_claim(self, unit: int, attempt: int) -> Hold | None:
         started = self.clock.now()
         rec = UnitClaim(queue=self.name, unit=unit, attempt=attempt, holder=self.holder, nonce=self.nonce)
-        outcome, _ = create_once(self.mailbox, keys.unit_claim_key(self.name, unit, attempt), encode(rec))
+        key = keys.unit_claim_key(self.name, unit, attempt)
+        outcome, _ = create_once(self.mailbox, key, self._records.encode(rec))
         if outcome is CreateOutcome.TAKEN:
             return None  # another node took this attempt first
-        if self.mailbox.get(keys.unit_done_key(self.name, unit)) is not None:
+        if self._records.exists(self.mailbox, keys.unit_done_key(self.name, unit), UnitDone):
             return None  # finished after our listing: our claim is moot, nothing to undo
         hold = Hold(unit=unit, attempt=attempt, renewed_at=started)
         self._held[unit] = hold
@@ -291,7 +318,7 @@ class WorkQueue:
             (
                 p[2]
                 for k in self.mailbox.list(keys.unit_claims_prefix(self.name, u))
-                if (p := keys.parse_unit_claim_key(k))
+                if (p := keys.parse_unit_claim_key(k)) and self._records.trusted(self.mailbox, k)
             ),
             default=n,
         )
@@ -299,7 +326,7 @@ class WorkQueue:
             self._forget(hold)
             self._delete_beats(hold)
             raise HoldLost(f"work queue {self.name!r}: unit {u} was handed out again (attempt {newest} > ours, {n})")
-        if self.mailbox.get(keys.unit_done_key(self.name, u)) is not None:
+        if self._records.exists(self.mailbox, keys.unit_done_key(self.name, u), UnitDone):
             self._forget(hold)
             self._delete_beats(hold)
             raise HoldLost(f"work queue {self.name!r}: unit {u} was recorded done by another holder")
@@ -308,7 +335,7 @@ class WorkQueue:
         rec = UnitHold(
             queue=self.name, unit=u, attempt=n, holder=self.holder, nonce=self.nonce, seq=seq, consumed=hold.consumed
         )
-        outcome, existing = create_once(self.mailbox, key, encode(rec))
+        outcome, existing = create_once(self.mailbox, key, self._records.encode(rec))
         if outcome is CreateOutcome.TAKEN and not self._ours(existing, key):
             self._forget(hold)
             raise HoldLost(f"work queue {self.name!r}: another process wrote our heartbeat {key}")
@@ -322,7 +349,7 @@ class WorkQueue:
 
     def _ours(self, existing: bytes | None, key: str) -> bool:
         try:
-            return decode(existing, UnitHold, key=key).nonce == self.nonce
+            return self._records.decode(existing, UnitHold, key).nonce == self.nonce
         except RecordInvalid:
             return False
 
@@ -364,7 +391,7 @@ class WorkQueue:
 
     def _record_done(self, hold: Hold) -> bool:
         rec = UnitDone(queue=self.name, unit=hold.unit, attempt=hold.attempt, holder=self.holder, nonce=self.nonce)
-        outcome, _ = create_once(self.mailbox, keys.unit_done_key(self.name, hold.unit), encode(rec))
+        outcome, _ = create_once(self.mailbox, keys.unit_done_key(self.name, hold.unit), self._records.encode(rec))
         self._forget(hold)
         self._delete_beats(hold)
         return outcome is not CreateOutcome.TAKEN
@@ -395,7 +422,9 @@ class WorkQueue:
             consumed=hold.consumed,
         )
         try:
-            create_once(self.mailbox, keys.unit_release_key(self.name, hold.unit, hold.attempt), encode(rec))
+            create_once(
+                self.mailbox, keys.unit_release_key(self.name, hold.unit, hold.attempt), self._records.encode(rec)
+            )
         except MailboxUnavailable:
             pass  # the unit comes back once its heartbeat lapses instead
         self._delete_beats(hold)

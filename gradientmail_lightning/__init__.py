@@ -1,4 +1,5 @@
-"""Trainer integrations for gradientmail: PyTorch Lightning and Hugging Face Accelerate.
+"""Trainer integrations for gradientmail: PyTorch Lightning, Hugging Face Accelerate and the
+Hugging Face ``transformers.Trainer`` (TRL's trainers too).
 
     from gradientmail_lightning import MailboxDiLoCoStrategy
     trainer = Trainer(strategy=MailboxDiLoCoStrategy(algorithm=gm.DiLoCo(sync_every=100, fragments=4),
@@ -6,6 +7,9 @@
 
     import gradientmail_lightning  # adds Accelerator.register_gradientmail
     handle = accelerator.register_gradientmail(model, optimizer, algorithm=..., mailbox=...)
+
+    from gradientmail_lightning import GradientMailTrainerCallback
+    trainer = transformers.Trainer(..., callbacks=[GradientMailTrainerCallback(algorithm=..., mailbox=...)])
 
 Lightning loads when one of its classes is first used; a missing framework raises
 ``gm.MissingExtra`` naming the extra to install. Importing this package imports Accelerate
@@ -22,11 +26,13 @@ from gradientmail_core.errors import MissingExtra
 if TYPE_CHECKING:
     from .accelerate import GradientMailHandle, register_gradientmail
     from .callback import GradientMailCallback
+    from .hf_trainer import GradientMailTrainerCallback
     from .strategy import MailboxDiLoCoStrategy
 
 _LAZY = {
     "GradientMailCallback": ("callback", "lightning"),
     "MailboxDiLoCoStrategy": ("strategy", "lightning"),
+    "GradientMailTrainerCallback": ("hf_trainer", "transformers"),
     "GradientMailHandle": ("accelerate", "accelerate"),
     "register_gradientmail": ("accelerate", "accelerate"),
 }
@@ -50,4 +56,10 @@ try:  # Accelerator.register_gradientmail exists as soon as this package is impo
 except ImportError:  # MissingExtra included: without Accelerate there is nothing to add
     pass
 
-__all__ = ["GradientMailCallback", "GradientMailHandle", "MailboxDiLoCoStrategy", "register_gradientmail"]
+__all__ = [
+    "GradientMailCallback",
+    "GradientMailHandle",
+    "GradientMailTrainerCallback",
+    "MailboxDiLoCoStrategy",
+    "register_gradientmail",
+]

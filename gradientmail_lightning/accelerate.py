@@ -38,7 +38,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without accelerate
     raise MissingExtra("accelerate") from e
 
-from .driver import SessionDriver
+from .driver import SessionDriver, overflowed
 from .options import SessionOptions
 
 _UNSUPPORTED = {
@@ -150,7 +150,7 @@ class GradientMailHandle:
             self.start()  # nobody called start(): join before the first real step lands
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._closed:
+        if self._closed or overflowed(optimizer):  # (a fused optimizer's step the scaler told to skip)
             return
         if self._pending_samples:
             samples, self._pending_samples = self._pending_samples, 0
@@ -205,7 +205,8 @@ def register_gradientmail(
             (its batch times the accumulation steps); the session is told the sum over the
             node's processes. Default 1 per step, unless ``handle.add_samples`` reports them.
         **options: the other options of :class:`~gradientmail_lightning.options.SessionOptions`
-            (``wait_for_learners``, ``wait_timeout``, ``learner_id``, ``poll_interval``, ...).
+            (``module``: the submodule whose parameters form the run, an attribute path of the
+            unwrapped model or a callable; ``names``, ``wait_for_learners``, ``learner_id``, ...).
 
     Call it on every process; only the main process talks to the mailbox (under FSDP2, every
     process moves its part of the payloads).

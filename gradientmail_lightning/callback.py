@@ -25,6 +25,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without lightning
     raise MissingExtra("lightning") from e
 
+from gradientmail_core.adapters.naming import Select, select
 from gradientmail_core.adapters.torch_sharded import find_sharded
 
 from .driver import SamplesFn, SessionDriver, first_batch_len
@@ -73,13 +74,14 @@ def session_module(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
     return pl_module
 
 
-def check_sharded_module(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+def check_sharded_module(trainer: pl.Trainer, pl_module: pl.LightningModule, module: Select | None = None) -> None:
     """Under ``ModelParallelStrategy`` or ``FSDPStrategy`` with several processes, the module's
-    trainable parameters must be sharded (FSDP2 on one 1-D mesh, ``Shard(0)``, or FSDP1
-    ``FULL_SHARD``: ``find_sharded`` says why not)."""
+    trainable parameters (those of ``module=``, when given) must be sharded (FSDP2 on one 1-D mesh,
+    ``Shard(0)``, or FSDP1 ``FULL_SHARD``: ``find_sharded`` says why not)."""
     if not isinstance(trainer.strategy, (ModelParallelStrategy, FSDPStrategy)) or trainer.world_size == 1:
         return
-    if find_sharded(session_module(trainer, pl_module)) is None:
+    root = session_module(trainer, pl_module)
+    if find_sharded(select(root, module), root=root) is None:
         raise ValueError(
             f"Trainer(strategy=ModelParallelStrategy(...)) with {trainer.world_size} processes, but the "
             "LightningModule's parameters are plain tensors: each process would train its own copy. Call "
@@ -94,6 +96,11 @@ class GradientMailCallback(Callback):
     Args:
         algorithm: the run's ``gm.DiLoCo(...)`` config.
         mailbox: a ``gm.Mailbox`` or a mailbox URL (``file:///...``, ``s3://bucket/prefix``).
+        module: the submodule whose parameters form the run, when the LightningModule holds the
+            network (``self.net``: ``module="net"``; ``"model.backbone"``; or a callable given the
+            LightningModule); its parameter names then start below it, as a plain node's do.
+        names: this node's parameter names -> the run's (a dict or a callable), for a model named
+            by another convention.
         samples_fn: ``batch -> int``, the samples (or tokens) a batch holds on this rank;
             default: the length of the batch's first tensor. The session is told the sum
             over the node's ranks and over the batches of one optimizer step.
@@ -136,7 +143,7 @@ class GradientMailCallback(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        check_sharded_module(trainer, pl_module)
+        check_sharded_module(trainer, pl_module, self.driver.options.module)
         self.driver.start(session_module(trainer, pl_module))
         self._last_global_step = trainer.global_step
         self._pending_samples = 0

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -22,7 +21,9 @@ import torch
 
 import gradientmail_core as gm
 from gradientmail_core import events as ev
-from gradientmail_core.adapters.torch_sharded import find_sharded
+from gradientmail_core.adapters import adapter_for
+from gradientmail_core.adapters.torch import TorchAdapter
+from gradientmail_core.adapters.torch_sharded import ShardedTorchAdapter
 from gradientmail_core.session import default_learner_id
 
 from .options import SessionOptions
@@ -108,21 +109,22 @@ class SessionDriver:
 
     def start(self, module: torch.nn.Module) -> None:
         """Join the run and give every rank the newest committed parameters (a data-parallel
-        node joins on rank 0 and mirrors; a sharded node joins on every rank)."""
+        node joins on rank 0 and mirrors; a sharded node joins on every rank). ``module``: what
+        the trainer trains; the options' ``module`` and ``names`` pick and name its parameters."""
         if self.started:
             raise RuntimeError(f"{self.owner}: the session was already started; close it before starting again")
-        # FSDP2 parameters are DTensors, FSDP1's views of flat parameters; a node that never loaded
-        # torch.distributed.tensor or torch.distributed.fsdp has neither.
-        loaded = any(m in sys.modules for m in ("torch.distributed.tensor", "torch.distributed.fsdp"))
-        sharded = find_sharded(module) if loaded else None
-        if sharded is not None:  # (find_sharded: ShardingUnsupported for a layout it cannot cut)
-            self._start_sharded(module, Shards(sharded))
+        # Every rank builds the same adapter: the parameters by their names in the run, found in the
+        # module without its wrappers (ShardingUnsupported for a sharded layout it cannot cut).
+        adapter = adapter_for(module, module=self.options.module, names=self.options.names)
+        if isinstance(adapter, ShardedTorchAdapter):
+            self._start_sharded(adapter, Shards(adapter.sharded))
             return
-        replicas = Replicas([(n, p) for n, p in module.named_parameters() if p.requires_grad])
+        assert isinstance(adapter, TorchAdapter), type(adapter)
+        replicas = Replicas(list(adapter.params.items()))
         self.replicas = replicas
         if replicas.leader:
             try:
-                self._open(module)
+                self._open(adapter)
             except BaseException:
                 replicas.mirror(None, failed=True)
                 self.replicas = None
@@ -133,7 +135,7 @@ class SessionDriver:
             self.abort(e)
             raise
 
-    def _start_sharded(self, module: torch.nn.Module, shards: Shards) -> None:
+    def _start_sharded(self, adapter: Any, shards: Shards) -> None:
         """Every rank opens a session under rank 0's learner id (opening is collective inside
         the session); rank 0 alone waits for the other learners, and every rank then agrees on
         whether that worked."""
@@ -141,7 +143,7 @@ class SessionDriver:
         self.learner_id = shards.same_id(leader_id)
         self.shards = shards
         try:
-            self._open(module, wait=False, callbacks=shards.leader)
+            self._open(adapter, wait=False, callbacks=shards.leader)
         except BaseException:
             self.shards = None
             raise
@@ -158,7 +160,7 @@ class SessionDriver:
             self.abort(failure)
             raise failure
 
-    def _open(self, module: torch.nn.Module, *, wait: bool = True, callbacks: bool = True) -> None:
+    def _open(self, adapter: Any, *, wait: bool = True, callbacks: bool = True) -> None:
         if self.learner_id is None:
             self.learner_id = default_learner_id()
         opts = self.options
@@ -171,7 +173,7 @@ class SessionDriver:
             # the event log) hear each event once, from rank 0.
             "callbacks": (*opts.callbacks, self.metrics) if callbacks else (self.metrics,),
         }
-        session = self.session_factory(module, algorithm=opts.algorithm, mailbox=mailbox, **session_kwargs)
+        session = self.session_factory(adapter, algorithm=opts.algorithm, mailbox=mailbox, **session_kwargs)
         session.open()
         self.session = session
         if not wait:
@@ -203,8 +205,8 @@ class SessionDriver:
         if replicas.leader:
             session = self._session()
             try:
-                for i in range(steps):
-                    session.step(samples=total if i == 0 else 0)
+                for share in spread(total, steps):
+                    session.step(samples=share)
             except BaseException:
                 replicas.mirror(None, failed=True)
                 raise
@@ -218,8 +220,8 @@ class SessionDriver:
         # Every rank makes the same calls: session.step is a collective of the node's ranks.
         total = shards.total(int(samples))
         session = self._session()
-        for i in range(steps):
-            session.step(samples=total if i == 0 else 0)
+        for share in spread(total, steps):
+            session.step(samples=share)
         if shards.leader:
             self.round = session.progress.round
         self.steps += steps
@@ -345,6 +347,16 @@ class SessionDriver:
         return out
 
 
+def overflowed(optimizer: Any) -> bool:
+    """From a post-step hook of ``optimizer``: whether the GradScaler found inf/NaN gradients in this
+    step. A scaler skips a plain optimizer's ``step`` then (its hooks never run), but calls the
+    step of an optimizer that scales itself (fused AdamW, the Trainer's default) with ``found_inf``
+    set for the step to skip its own update: the hook runs while ``found_inf`` is set. Reading the
+    flag waits for the device (once per optimizer step, only under a scaler)."""
+    found = getattr(optimizer, "found_inf", None)
+    return found is not None and bool(found.item() if isinstance(found, torch.Tensor) else found)
+
+
 def first_batch_len(batch: Any) -> int:
     """Samples in a batch: the length of its first tensor (searching tuples, lists and dicts),
     else ``len(batch)``, else 1."""
@@ -371,3 +383,13 @@ def _first_tensor(x: Any) -> torch.Tensor | None:
 
 
 SamplesFn = Callable[[Any], int]
+
+
+def spread(samples: int, steps: int) -> list[int]:
+    """``samples`` shared over ``steps`` optimizer steps taken on them (manual optimization that
+    steps several times on one batch): as evenly as integers allow, the first steps taking the
+    remainder. Each step reports its share, so a round that holds only some of those steps still
+    weighs what it trained on (a contribution reporting no samples weighs nothing; a round of
+    such contributions only could never close)."""
+    share, extra = divmod(max(int(samples), 0), steps)
+    return [share + (1 if i < extra else 0) for i in range(steps)]

@@ -22,14 +22,20 @@ from gradientmail_core.protocol import keys
 
 @dataclass(frozen=True, kw_only=True)
 class SessionOptions:
-    """One node's options. All but the first four go to ``gm.Session`` on rank 0 only, under
-    the same names and with the same defaults (see there); an option ``gm.Session`` gains is
-    added here, once, for every integration."""
+    """One node's options. All but the first six go to ``gm.Session`` on rank 0 only (on every
+    rank of a sharded node), under the same names and with the same defaults (see there); an
+    option ``gm.Session`` gains is added here, once, for every integration. ``module`` and
+    ``names`` pick and name the parameters on every rank (``SessionDriver``)."""
 
     #: the run's ``gm.DiLoCo(...)`` config (required).
     algorithm: gm.DiLoCo
     #: a ``gm.Mailbox``, or a URL for ``gm.open_mailbox`` (opened on rank 0 only) (required).
     mailbox: gm.Mailbox | str
+    #: the submodule whose parameters form the run: an attribute path (``"net"``, ``"model.backbone"``)
+    #: or a callable given the trained module (None: all of it); see ``gradientmail_core.adapters.naming``.
+    module: str | Callable[[Any], Any] | None = None
+    #: this node's canonical parameter names -> the run's: a dict or a callable (None: the same).
+    names: Mapping[str, str] | Callable[[str], str] | None = None
     #: block at the start of training until this many learners are live (None: do not wait).
     wait_for_learners: int | None = None
     #: seconds to wait for them (None: forever).
@@ -68,12 +74,14 @@ class SessionOptions:
     identity: str | os.PathLike[str] | None = None
     #: the owner key file of a run this node creates, if not its identity (signs the membership log).
     owner_key: str | os.PathLike[str] | None = None
+    #: the share of the commits it follows that this node recomputes before applying them (see docs/security.md).
+    verify: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "callbacks", tuple(self.callbacks))  # frozen: a list passed in is copied
 
     @classmethod
-    def names(cls) -> tuple[str, ...]:
+    def option_names(cls) -> tuple[str, ...]:
         """Every option's name, in definition order."""
         return tuple(f.name for f in fields(cls))
 
@@ -83,7 +91,7 @@ class SessionOptions:
 
         ``also``: the owner's own keyword parameters, named with the valid options when a
         name is unknown."""
-        names = cls.names()
+        names = cls.option_names()
         unknown = sorted(set(kwargs) - set(names))
         if unknown:
             raise TypeError(
@@ -101,15 +109,22 @@ class SessionOptions:
             raise ValueError(f"{owner}(wait_for_learners={wait!r}): expected a positive int or None")
         if self.learner_id is not None:
             keys.validate_learner_id(self.learner_id)
+        m = self.module
+        if m is not None and not callable(m) and (not isinstance(m, str) or not all(m.split("."))):
+            raise TypeError(
+                f"{owner}(module={m!r}): expected an attribute path such as 'net' or 'model.backbone', or a callable"
+            )
+        if self.names is not None and not (isinstance(self.names, Mapping) or callable(self.names)):
+            raise TypeError(f"{owner}(names=...) must be a dict or a callable, found {type(self.names).__name__}")
 
     def session_kwargs(self) -> dict[str, Any]:
         """The keyword arguments for ``gm.Session`` besides ``algorithm`` and ``mailbox`` (an
         option left at None where the session's own default depends on the model is left out)."""
-        out = {name: getattr(self, name) for name in self.names() if name not in _NOT_FOR_SESSION}
+        out = {name: getattr(self, name) for name in self.option_names() if name not in _NOT_FOR_SESSION}
         for name in ("role", "anchors"):
             if out[name] is None:
                 del out[name]
         return out
 
 
-_NOT_FOR_SESSION = frozenset({"algorithm", "mailbox", "wait_for_learners", "wait_timeout"})
+_NOT_FOR_SESSION = frozenset({"algorithm", "mailbox", "module", "names", "wait_for_learners", "wait_timeout"})

@@ -31,7 +31,7 @@ class MailboxDiLoCoStrategy(DDPStrategy):
     """Decoupled DiLoCo across nodes that share only a mailbox; DDP within a node.
 
     Args:
-        algorithm, mailbox, **options: as for :class:`GradientMailCallback` (``samples_fn``,
+        algorithm, mailbox, **options: as for :class:`GradientMailCallback` (``module``, ``names``, ``samples_fn``,
             ``log_metrics``, ``wait_for_learners``, ``learner_id``, ``poll_interval``, ...: the
             callback's own options and those of
             :class:`~gradientmail_lightning.options.SessionOptions`).

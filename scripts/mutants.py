@@ -66,6 +66,7 @@ T_CLOSER = "tests/test_sharded_closer.py"
 T_CARRY_RUN = (
     "tests/test_alignment.py::test_learners_with_carry_keep_the_steps_since_their_contribution_at_every_commit_of_a_run"
 )
+T_VERIFY = "tests/test_verify.py::"
 T_MEMORY = (
     "tests/test_sharded_memory.py::test_no_rank_allocates_a_fragment_in_a_publish_or_a_commit_as_the_os_measures_it"
 )
@@ -250,6 +251,60 @@ MUTATIONS: list[Mutation] = [
       "        if owed is not None:\n            return\n",
       ("tests/test_error_feedback.py::test_a_merged_delta_gives_its_residual_back_to_the_parameters",),
       "issue 29: error feedback that never gives the residual back: the quantization error is dropped", quick=True),
+    # Verifying commits (issue 28): a verifier that compares nothing, trusts the weights it is
+    # given, a follower that keeps applying a forger's commits, GC that keeps no window.
+    M("verify-compares-nothing", "gradientmail_core/syncer/verify.py",
+      "        if a != b:\n            out.append(name)",
+      "        pass",
+      (f"{T_VERIFY}test_verify_names_the_first_forged_round_and_its_closer_and_fails",
+       f"{T_VERIFY}test_a_follower_with_verify_never_applies_a_forged_commit_and_reports_it_in_its_round"),
+      "a recomputed commit is never compared with the record: every forgery verifies", quick=True),
+    M("verify-trusts-recorded-weights", "gradientmail_core/syncer/verify.py",
+      "if p.steps <= 0 or contribution_weight(p.tokens, p.steps) != p.weight:",
+      "if p.steps <= 0:",
+      (f"{T_VERIFY}test_inputs_that_contradict_their_record_are_a_mismatch",),
+      "a closer may weigh a participant as it likes: the recomputation uses the recorded weights", quick=True),
+    M("follower-keeps-following-a-forger", "gradientmail_core/syncer/verifying.py",
+      "        self.distrusted[rec.closer] = rec.round\n",
+      "",
+      (f"{T_VERIFY}test_a_follower_with_verify_never_applies_a_forged_commit_and_reports_it_in_its_round",),
+      "a follower refuses the forged round but applies the forger's later commits unchecked", quick=True),
+    M("gc-keeps-no-window", "gradientmail_core/syncer/gc.py",
+      "        if w == 0:\n            return r + 1, r + 1, r + 1",
+      "        if True:\n            return r + 1, r + 1, r + 1",
+      (f"{T_VERIFY}test_an_honest_finished_run_verifies_every_round_of_its_window",),
+      "garbage collection deletes what verifying the newest rounds needs: nothing is verifiable", quick=True),
+    M("cli-checks-no-mac", "gradientmail_core/cli/overview.py",
+      "            if auth is not None:\n                auth.verify(rec, key)",
+      "            pass",
+      (f"{T_VERIFY}test_read_only_commands_name_a_record_that_fails_its_mac_and_skip_it",),
+      "gradientmail rounds/status show a record whose MAC fails as a commit", quick=True),
+    M("canonical-names-keep-the-wrappers", "gradientmail_core/adapters/naming.py",
+      "    inner = wrapped(module)\n    while inner is not None:",
+      "    inner = None\n    while inner is not None:",
+      ("tests/test_names.py::test_wrappers_are_removed_at_any_depth_and_a_tied_parameter_is_named_once",),
+      "a compiled or DDP-wrapped model names its parameters _orig_mod./module.: its own schema, no run with others",
+      quick=True),
+    M("tied-parameter-travels-twice", "gradientmail_core/adapters/naming.py",
+      "if p.requires_grad and id(p) not in seen:",
+      "if p.requires_grad:",
+      ("tests/test_names.py::test_a_tied_weight_travels_once_and_stays_one_tensor_after_every_commit",),
+      "a tied weight in the schema under both names: sent twice, merged twice", quick=True),
+    M("schema-mismatch-without-the-fix", "gradientmail_core/protocol/schema.py",
+      "raise SchemaMismatch(diffs, fix=suggest_fix(run, mine))",
+      "raise SchemaMismatch(diffs)",
+      ("tests/test_names.py::test_a_plain_node_whose_names_are_one_level_deeper_is_told_to_pass_module",),
+      "issue 26: a mismatch that only lists names, not the module= that fixes it", quick=True),
+    M("sharded-node-skips-the-schema-check", "gradientmail_core/sharded/lead_rank.py",
+      "        check_schema(manifest.schema, s.adapter.schema())",
+      "        pass",
+      ("tests/test_names.py::test_sharded_fsdp2_and_fsdp1_nodes_whose_names_differ_raise_schema_mismatch_with_the_fix_on_every_rank",),
+      "issue 26: a sharded node of other names joins and fails later with a bare KeyError"),
+    M("trainer-counts-an-overflow-step", "gradientmail_lightning/hf_trainer.py",
+      "        if not overflowed(optimizer):",
+      "        if True:",
+      ("tests/test_hf_trainer.py::test_an_fp16_step_the_grad_scaler_skips_is_not_a_session_step",),
+      "a fused optimizer's step the GradScaler skipped counts as a session step (its delta is of no step)"),
 ]
 # fmt: on
 
@@ -265,6 +320,7 @@ SIM_MUTANTS: list[tuple[str, bool]] = [
     ("count_twice", True),
     ("stale_view_is_fatal", False),
     ("gc_forgets_checkpoints", False),
+    ("gc_ignores_window", False),
     ("replay_skips_contribution", False),
     ("weights_not_normalised", False),
     ("rda_length_unweighted", False),

@@ -124,7 +124,12 @@ class Cluster:
         return self.mailbox if self.auditor is None else AuditMailbox(self.mailbox, self.auditor, name)
 
     def join(
-        self, name: str, seed: int | None = None, compression: str | None = None, mailbox: Mailbox | None = None
+        self,
+        name: str,
+        seed: int | None = None,
+        compression: str | None = None,
+        mailbox: Mailbox | None = None,
+        verify: float = 0.0,
     ) -> Member:
         seed = len(self.members) if seed is None else seed
         params = make_params(100 + seed, self.shapes)
@@ -135,7 +140,9 @@ class Cluster:
         run, created = open_run(
             store, adapter.schema(), adapter.read, self.cfg, learner=name, compression=comp, rng=random.Random(seed)
         )
-        opts = NodeOptions(self.options.poll_interval, self.options.lease_timeout, self.options.round_timeout, comp)
+        opts = NodeOptions(
+            self.options.poll_interval, self.options.lease_timeout, self.options.round_timeout, comp, verify=verify
+        )
         bridge = Bridge()
         node = Node(
             store,
@@ -146,6 +153,7 @@ class Cluster:
             emit=events.append,
             options=opts,
             bridge=bridge,
+            rng=random.Random(seed),
         )
         # As join_run: the learner first (it tells the node whether to lend what it reads).
         learner = Learner(adapter, run, bridge, self.clock, learner=name, emit=events.append)

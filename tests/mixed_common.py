@@ -39,6 +39,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--chunk-elements", type=int, default=None, help="store fragments in chunks of this many elements")
     ap.add_argument("--delta-dtype", default=None)
     ap.add_argument("--quorum", type=int, default=None, help="the run's quorum (default: ALGORITHM's)")
+    ap.add_argument("--verify", type=float, default=0.0, help="Session(verify=): share of commits to recompute")
+    ap.add_argument("--forge", default="", help="rounds this node's closer forges (tests/forgery.py), e.g. 3,7")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     return args
@@ -52,6 +54,33 @@ def algorithm(args: argparse.Namespace) -> gm.DiLoCo:
     if args.chunk_elements is not None:
         extra["chunk_elements"] = args.chunk_elements
     return dataclasses.replace(ALGORITHM, **extra)
+
+
+# What the verification tests (tests/test_verify_processes.py) read back: every commit this node
+# aligned with, verified, refused or found forged, in order.
+SEEN: list[dict] = []
+_KINDS = (gm.events.Aligned, gm.events.RoundVerified, gm.events.RoundUnverifiable, gm.events.ForgedCommit,
+          gm.events.CommitRefused)  # fmt: skip
+
+
+def session_options(args: argparse.Namespace) -> dict:
+    """The Session keywords of the verification flags: ``verify=``, and the events kept in SEEN."""
+
+    def keep(e: gm.events.Event) -> None:
+        if isinstance(e, _KINDS):
+            SEEN.append({"event": type(e).__name__, "round": e.round, "closer": getattr(e, "closer", None)})
+
+    return {"verify": args.verify, "callbacks": (gm.log_events, keep)}
+
+
+def opened(args: argparse.Namespace, session: gm.Session) -> None:
+    """With ``--forge``: this node's closer forges those rounds from now on."""
+    if args.forge:
+        from forgery import forge
+
+        rounds = {int(r) for r in args.forge.split(",")}
+        assert session.node is not None
+        forge(session.node.closer, lambda r: r in rounds)
 
 
 def dataset(seed: int, n: int = 512) -> tuple[np.ndarray, np.ndarray]:
@@ -72,4 +101,4 @@ def batches(x: np.ndarray, y: np.ndarray, learner: str) -> Iterator[tuple[np.nda
 
 def finish(args: argparse.Namespace, params: dict[str, np.ndarray], session: gm.Session, losses: list[float]) -> None:
     np.savez(args.out + ".npz", **params)
-    print(json.dumps({"learner": args.learner_id, "losses": losses, "rounds_seen": session.rounds_seen}))
+    print(json.dumps({"learner": args.learner_id, "losses": losses, "rounds_seen": session.rounds_seen, "seen": SEEN}))

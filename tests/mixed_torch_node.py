@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 import torch
-from mixed_common import DIMS, LR, algorithm, batches, dataset, finish, parse_args
+from mixed_common import DIMS, LR, algorithm, batches, dataset, finish, opened, parse_args, session_options
 
 import gradientmail_core as gm
 
@@ -55,7 +55,9 @@ def main() -> None:
         learner_id=args.learner_id,
         poll_interval=0.05,
         lease_timeout=3.0,
+        **session_options(args),
     ) as session:
+        opened(args, session)
         session.wait_for(learners=args.learners, timeout=60)
         with torch.no_grad():
             losses.append(torch.nn.functional.mse_loss(model(xe), ye).item())

@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mixed_common import DIMS, LR, algorithm, batches, dataset, finish, parse_args
+from mixed_common import DIMS, LR, algorithm, batches, dataset, finish, opened, parse_args, session_options
 from mlx.utils import tree_flatten
 
 import gradientmail_core as gm
@@ -47,7 +47,9 @@ def main() -> None:
         learner_id=args.learner_id,
         poll_interval=0.05,
         lease_timeout=3.0,
+        **session_options(args),
     ) as session:
+        opened(args, session)
         session.wait_for(learners=args.learners, timeout=60)
         losses.append(loss_fn(model, xe, ye).item())
         for _ in range(args.steps):

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
 import gradientmail_core as gm
-from gradientmail_core.adapters.torch_sharded import find_sharded
+from gradientmail_core.adapters.torch_sharded import ShardedTorchAdapter, find_sharded
 from gradientmail_core.session import Progress
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -54,8 +54,9 @@ class LockstepSession:
     calls: list[list[Any]] = []  # this process's calls, in order (read by main)
 
     def __init__(self, model: Any, *, algorithm: gm.DiLoCo, mailbox: Any, learner_id: str, **_: Any) -> None:
-        if find_sharded(model) is None:
-            raise AssertionError("LockstepSession was given a module without DTensor parameters")
+        # The driver hands the session the adapter it built on every rank (module= and names= applied).
+        if not isinstance(model, ShardedTorchAdapter) or find_sharded(model.model) is None:
+            raise AssertionError("LockstepSession was given no sharded adapter of a module with DTensor parameters")
         self.learner_id = learner_id
         self.steps = 0
 

@@ -292,7 +292,7 @@ def test_a_learner_joining_between_checkpoints_rebuilds_the_parameters_from_the_
 
 
 def test_gc_keeps_the_newest_checkpoint_and_what_follows_it_and_deletes_the_rest():
-    c = Cluster(cfg())
+    c = Cluster(cfg(verify_window=0))  # (only what a recovery needs; the verify window: tests/test_verify.py)
     c.join_all("abc")
     for steps in (26, 6, 6):
         c.run(steps)

@@ -257,8 +257,20 @@ def test_a_tensor_over_a_reduction_chunk_commits_the_references_bytes() -> None:
 def test_threaded_reads_and_payload_encoding_commit_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = cfg_of(C, commit_dtype="I2", delta_dtype="F4")
     inline = close_rounds(cfg)
+    # a fragment of one chunk whose tensor spans the in-memory merge's blocks: merged on threads
+    shapes = {"big": (1024 + 4, 1024), "b": (100,)}
+    whole = cfg_of(WHOLE, clip_norm=2.0, delta_dtype="F4")
+    inline_whole = close_rounds(whole, shapes=shapes, special="large", rounds=1)
+    # several small tensors held in memory: merged side by side on threads, the cosine summed on a
+    # worker while the payloads are written
+    several = {"a": (300, 200), "b": (5000,), "c": (64, 64), "d": (7,), "e": (1000, 3)}
+    rda = cfg_of(WHOLE, clip_norm=2.0)
+    inline_several = close_rounds(rda, shapes=several, n=4)
+    assert all(c.record.cosine is not None for c in inline_several.commits)
     monkeypatch.setattr(kernel, "THREADED_BYTES", 0)
     assert_same(inline, close_rounds(cfg))
+    assert_same(inline_whole, close_rounds(whole, shapes=shapes, special="large", rounds=1))
+    assert_same(inline_several, close_rounds(rda, shapes=several, n=4))
 
 
 # ---- the streamed norm ---------------------------------------------------------------------------

@@ -385,12 +385,14 @@ def test_a_chunked_run_ends_bit_identical_to_the_same_run_with_whole_payloads(co
     (whole, a), (split, b) = run(None), run(32)
     _same_params(a, b)
     assert _chunk_counts(whole.mailbox) == {1} and max(_chunk_counts(split.mailbox)) >= 3
-    # GC collects chunks as any payload: none of a snapshot, none of a round older than 2P
-    head, P = split.head(), cfg.fragments
+    # GC collects chunks as any payload: none of a snapshot older than the verify window (W), none
+    # of a round older than 2P or than the state the window's oldest round starts from
+    head, P, W = split.head(), cfg.fragments, cfg.verify_window
     blobs = [keys.parse_blob_key(k) for k in split.mailbox.list(keys.BLOBS)]
-    assert not [b for b in blobs if b is not None and b.kind == "snapshot" and b.round <= head - 1]
+    assert head - W > 4
+    assert not [b for b in blobs if b is not None and b.kind == "snapshot" and b.round <= head - W]
     assert not [b for b in blobs if b is not None and b.kind != "snapshot" and b.round is not None
-                and b.round <= head - 2 * P]  # fmt: skip
+                and b.round <= head - max(2 * P, W + P)]  # fmt: skip
     newest = {
         r.fragment: r for r in (decode(split.mailbox.get(k), RoundRecord) for k in split.mailbox.list(keys.ROUNDS))
     }

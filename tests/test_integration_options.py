@@ -10,7 +10,7 @@ import pytest
 import gradientmail_core as gm
 from gradientmail_lightning.options import SessionOptions
 
-_OWN = {"wait_for_learners", "wait_timeout"}  # the integrations' own, not the session's
+_OWN = {"wait_for_learners", "wait_timeout", "module"}  # the integrations' own, not the session's
 
 
 def test_every_session_option_is_an_integration_option_with_the_same_default():

@@ -137,7 +137,9 @@ def test_work_keys_round_trip_and_are_valid_keys(q, u, n, seq):
         keys.unit_release_key(q, u, n),
     ):
         assert keys.check_object_key(k) == k and keys.is_known_key(k)
-        assert k.startswith(keys.queue_prefix(q)) and not keys.is_record_key(k)
+        # tagged in an authenticated run, like the run's own record keys (protocol/work_auth.py)
+        assert k.startswith(keys.queue_prefix(q)) and keys.is_record_key(k)
+        assert keys.untag_key(keys.tag_key(k, "0" * keys.TAG_HEX)) == (k, "0" * keys.TAG_HEX)
     assert keys.unit_claim_key(q, u, n).startswith(keys.unit_claims_prefix(q, u))
     assert keys.unit_done_key(q, u).startswith(keys.unit_done_prefix(q))
     assert keys.unit_hold_key(q, u, n, seq).startswith(keys.unit_holds_prefix(q, u, n))

@@ -20,6 +20,7 @@ from lightning_node import TinyRegressor, make_loader  # noqa: E402
 import gradientmail_core as gm  # noqa: E402
 from gradientmail_lightning import GradientMailCallback, MailboxDiLoCoStrategy  # noqa: E402
 from gradientmail_lightning.callback import check_strategy  # noqa: E402
+from gradientmail_lightning.driver import spread  # noqa: E402
 
 ALGO = gm.DiLoCo(sync_every=4, fragments=2)
 FAST = {"poll_interval": 0.05, "lease_timeout": 3.0, "callbacks": ()}
@@ -78,6 +79,27 @@ def test_manual_optimization_counts_its_own_optimizer_steps(
     assert seen.seen[-1] == expected
     assert cb.driver.steps == expected
     assert len(model.losses) == expected
+
+
+def test_several_optimizer_steps_on_one_batch_share_its_samples_so_no_round_weighs_nothing() -> None:
+    # Three optimizer steps per batch, a round every two steps: the third round holds the last two
+    # steps of the second batch. Each step reports its share of the batch (6, 5, 5), so that round
+    # weighs what it trained on; reporting the batch on its first step only left it 0 tokens,
+    # rejected, and a lone node waited for a commit that could not come.
+    events: list[Any] = []
+    cb = GradientMailCallback(
+        algorithm=ALGO, mailbox=gm.MemoryMailbox(), learner_id="three", **{**FAST, "callbacks": (events.append,)}
+    )
+    model = TinyRegressor(manual=True, steps_per_batch=3)
+    fit(model, cb, batches=4)
+    published = [e for e in events if isinstance(e, gm.events.Published)]
+    assert published and all(e.tokens > 0 for e in published), [(e.round, e.steps, e.tokens) for e in published]
+    assert not [e for e in events if isinstance(e, gm.events.ContributionRejected)]
+    assert cb.driver.steps == 12 and cb.driver.samples == 4 * 16
+
+
+def test_a_batchs_samples_are_spread_over_its_steps_every_sample_counted_once() -> None:
+    assert spread(16, 3) == [6, 5, 5] and spread(16, 1) == [16] and spread(2, 3) == [1, 1, 0] and spread(0, 2) == [0, 0]
 
 
 def test_samples_fn_overrides_what_a_batch_reports() -> None:

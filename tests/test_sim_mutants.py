@@ -31,6 +31,7 @@ CAUGHT_BY = {
     "stale_view_is_fatal": ("raised ProtocolError",),
     # Checkpoints: what GC deletes and what a new closer rebuilds between them.
     "gc_forgets_checkpoints": ("a recovery of fragment",),
+    "gc_ignores_window": ("inside the verify window",),
     "replay_skips_contribution": (
         "differs from the recomputed",
         "theta_digest",
@@ -65,12 +66,12 @@ def _patch_points() -> tuple:
     from gradientmail_core.aggregators import fused, merge, outer
     from gradientmail_core.protocol import store
     from gradientmail_core.protocol.lease import LeaseWriter
-    from gradientmail_core.syncer import collector, kernel, node, replay
+    from gradientmail_core.syncer import closer, kernel, node, replay
 
     return (
         mailbox.create_once,
         store.create_once,
-        collector.version_before,
+        closer.version_before,
         kernel.merge_and_step,
         fused.rda_radius,
         node.Node._collect_garbage,
@@ -78,6 +79,7 @@ def _patch_points() -> tuple:
         node.Node._list_leases,
         node.Node._fragment_state,
         node.Node._checkpoint_rounds,
+        node.Node._window,
         replay._contributions,
         replay._same,
         LeaseWriter.renew,

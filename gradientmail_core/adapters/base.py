@@ -111,3 +111,32 @@ class NumpyAdapter:
                 p[...] = np.float32(mixing) * p + np.float32(1.0 - mixing) * v
             else:
                 p[...] = v
+
+
+class Renamed:
+    """Another adapter under other names: ``names`` maps each of its names to the run's
+    (``naming.renaming``). For adapters that hold no names of their own (a dict of arrays, one
+    written by the user); the torch and MLX adapters rename as they are built. Offers no device
+    pipeline (the host path)."""
+
+    def __init__(self, inner: Adapter, names: Any) -> None:
+        from .naming import renaming
+
+        self.inner = inner
+        self.to_run = renaming(names, [s.name for s in inner.schema()])
+        self.to_inner = {m: n for n, m in self.to_run.items()}
+        inner_subtract = getattr(inner, "subtract_from", None)
+        self.subtract_from = None if inner_subtract is None else self._subtract_from
+
+    def schema(self) -> list[TensorSpec]:
+        return [TensorSpec(name=self.to_run[s.name], dtype=s.dtype, shape=list(s.shape)) for s in self.inner.schema()]
+
+    def read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
+        got = self.inner.read([self.to_inner[n] for n in names])
+        return {n: got[self.to_inner[n]] for n in names}
+
+    def _subtract_from(self, out: Mapping[str, np.ndarray]) -> None:
+        self.inner.subtract_from({self.to_inner[n]: o for n, o in out.items()})  # type: ignore[attr-defined]
+
+    def write(self, values: Mapping[str, np.ndarray], mixing: float = 0.0) -> None:
+        self.inner.write({self.to_inner[n]: v for n, v in values.items()}, mixing)

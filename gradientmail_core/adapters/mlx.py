@@ -22,6 +22,7 @@ import numpy as np
 from ..codec import quant
 from ..errors import MissingExtra
 from ..protocol.records import TensorSpec
+from .naming import Names, renaming
 
 try:
     import mlx.core as mx
@@ -36,7 +37,9 @@ Path = tuple[str | int, ...]
 
 
 class MLXAdapter:
-    def __init__(self, model: Any) -> None:
+    """``model``'s trainable parameters by dotted path, renamed by ``names`` (``naming.renaming``)."""
+
+    def __init__(self, model: Any, *, names: Names | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"MLXAdapter needs an mlx.nn.Module, found {type(model).__module__}.{type(model).__name__}")
         self.model = model
@@ -63,6 +66,8 @@ class MLXAdapter:
             self.paths[name] = path
         if not self.paths:
             raise ValueError(f"{type(model).__name__} has no trainable parameters (all frozen, or none defined)")
+        to_run = renaming(names, list(self.paths))
+        self.paths = {to_run[n]: path for n, path in self.paths.items()}
 
     def _get(self, name: str) -> Any:
         node: Any = self.model

@@ -31,16 +31,21 @@ except ImportError as e:  # pragma: no cover - exercised only without torch
     raise MissingExtra("torch") from e
 
 from . import torch_quant as tq  # noqa: E402 (needs torch, checked above)
+from .naming import Names, canonical_parameters, renaming  # noqa: E402
 from .torch_dequant import dequantize  # noqa: E402
 
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
 class TorchAdapter:
-    def __init__(self, model: Any, *, device_pipeline: bool | None = None) -> None:
+    """``model``'s trainable parameters under their canonical names (``naming.py``: wrappers
+    removed, a tied parameter once), renamed by ``names`` (``naming.renaming``)."""
+
+    def __init__(self, model: Any, *, names: Names | None = None, device_pipeline: bool | None = None) -> None:
         self.model = model
-        # named_parameters() already yields a tied parameter once, under its first name.
-        self.params: dict[str, torch.nn.Parameter] = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        found = canonical_parameters(model)
+        to_run = renaming(names, list(found))
+        self.params: dict[str, torch.nn.Parameter] = {to_run[n]: p for n, p in found.items()}
         if not self.params:
             raise ValueError(f"{type(model).__name__} has no trainable parameters")
         for name, p in self.params.items():

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import GradientMailError, MissingExtra
+from .naming import Names, canonical_parameters, renaming
 
 try:
     import torch
@@ -138,15 +139,19 @@ class ShardedParams:
         return self.layout.range(name, self.coord)
 
 
-def find_sharded(model: Any) -> ShardedParams | None:
-    """The model's FSDP2 sharding, or None when no trainable parameter is a DTensor (a plain model).
-    ``ShardingUnsupported`` for any other layout, saying which parameter and why."""
+def find_sharded(model: Any, *, root: Any = None, names: Names | None = None) -> ShardedParams | None:
+    """The model's FSDP2 or FSDP1 sharding, or None when its trainable parameters are plain tensors.
+    ``ShardingUnsupported`` for any other layout, saying which parameter and why. Parameters go by
+    their canonical names (``naming.py``) renamed by ``names``; ``root``: the whole model when
+    ``model`` is a submodule of it (FSDP1's units may wrap the submodule from above)."""
     from torch.distributed.tensor import DTensor, Shard
 
-    fsdp1 = _find_fsdp1(model)
+    found = canonical_parameters(model)
+    to_run = renaming(names, list(found))
+    params = {to_run[n]: p for n, p in found.items()}
+    fsdp1 = _find_fsdp1(params, model if root is None else root)
     if fsdp1 is not None:
         return fsdp1
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     dtensors = {n for n, p in params.items() if isinstance(p, DTensor)}
     if not dtensors:
         return None
@@ -187,26 +192,16 @@ def find_sharded(model: Any) -> ShardedParams | None:
     return out
 
 
-_WRAPPERS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def _clean(name: str) -> str:
-    """A parameter's name as the unwrapped model has it (FSDP1 and activation checkpointing insert
-    wrapper modules into the path)."""
-    for w in _WRAPPERS:
-        name = name.replace(w, "")
-    return name
-
-
-def _find_fsdp1(model: Any) -> ShardedParams | None:
-    """An FSDP1 model's sharding (``FullyShardedDataParallel``, ``use_orig_params=True``,
-    ``FULL_SHARD``), or None when no FSDP1 unit holds a parameter. Each unit's flat parameter is
-    the concatenation of its original parameters (and alignment padding), cut into ``world``
-    equal shards in rank order: every rank computes every rank's range of every tensor."""
+def _find_fsdp1(trainable: dict[str, Any], root: Any) -> ShardedParams | None:
+    """The sharding of ``trainable`` (run name -> parameter) by the FSDP1 units of ``root``
+    (``FullyShardedDataParallel``, ``use_orig_params=True``, ``FULL_SHARD``), or None when no FSDP1
+    unit holds a parameter. Each unit's flat parameter is the concatenation of its original
+    parameters (and alignment padding), cut into ``world`` equal shards in rank order: every rank
+    computes every rank's range of every tensor."""
     fsdp = sys.modules.get("torch.distributed.fsdp")
     if fsdp is None:
         return None
-    units = [m for m in model.modules() if isinstance(m, fsdp.FullyShardedDataParallel)]
+    units = [m for m in root.modules() if isinstance(m, fsdp.FullyShardedDataParallel)]
     if not units:
         return None
     info: dict[int, tuple[tuple[int, ...], list[int]]] = {}  # id(param) -> (full shape, bounds)
@@ -249,17 +244,14 @@ def _find_fsdp1(model: Any) -> ShardedParams | None:
     params: dict[str, Any] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     bounds: dict[str, tuple[int, ...]] = {}
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
+    for name, p in trainable.items():
         got = info.get(id(p))
         if got is None:
             raise ShardingUnsupported(
                 f"parameter {name!r} is in no FSDP1 unit of this module: open the session on the FSDP-wrapped root "
                 "module (every trainable parameter must be sharded)"
             )
-        clean = _clean(name)
-        params[clean], shapes[clean], bounds[clean] = p, got[0], tuple(got[1])
+        params[name], shapes[name], bounds[name] = p, got[0], tuple(got[1])
     assert coord is not None
     out = ShardedParams(params, shapes, world, coord, group, Layout(world, bounds), kind="fsdp1")
     for n in params:

@@ -5,12 +5,15 @@
     gradientmail rounds URL [--from N]      the tape, as a table or JSON lines
     gradientmail plot URL -o run.png        participants, cosine, timings, throughput per round
     gradientmail export URL -o model.safetensors
+    gradientmail verify URL [--rounds A:B] [--sample F] [--json]   recompute commits from their inputs
     gradientmail syncer URL --id NAME       a node that only closes rounds (runs until interrupted)
     gradientmail members list|add|remove URL [--owner-key F] [PUBKEY...]   who may join (members-only runs)
     gradientmail members key --identity F    a node's public key
 
 URL is ``file:///path``, ``s3://bucket/prefix`` (with ``--endpoint-url`` for R2, MinIO...) or
-``memory://name`` (tests). Every command only reads, but ``members add|remove`` (one entry of a
+``memory://name`` (tests). In an authenticated run (``--secret-file``, or a members-only run's
+signatures) every record read is checked as the nodes check it, and one that fails is reported,
+never shown as a commit. Every command only reads, but ``members add|remove`` (one entry of a
 members-only run's membership log, ``gradientmail members --help``) and ``syncer`` (a node of the
 run: its lease and the commits of the rounds it closes). ``rich`` and ``matplotlib`` (the ``cli``
 extra) are imported by the commands that use them, so ``--help`` and ``rounds --json`` need
@@ -69,6 +72,10 @@ def _parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("export", parents=[common], help="the newest committed parameters as safetensors")
     e.add_argument("-o", "--output", required=True, metavar="FILE.safetensors")
+
+    from .verify import add_parser as add_verify
+
+    add_verify(sub, common)
 
     from .syncer import add_parser as add_syncer
 
@@ -147,6 +154,24 @@ def _is_authenticated(mailbox: Mailbox) -> bool:
         return False
 
 
+def _guarded(mailbox: Mailbox, secret_file: str | None) -> tuple[Mailbox, Any]:
+    """The run as its nodes read it: tagged keys translated and unauthenticated objects hidden (a
+    run secret), every record checked against the secret's MACs and a members-only run's
+    signatures (``MemberAuth``, which reads open runs as they are). Returns the guarded mailbox and
+    the policy the commands check records with; the manifest, if any, is verified here."""
+    from ..protocol.auth import policy
+    from ..protocol.guard import GuardedMailbox
+    from ..protocol.members import MemberAuth
+    from ..protocol.records import Manifest
+    from ..protocol.store import RunStore
+
+    auth = MemberAuth(policy(None, secret_file))
+    guarded = GuardedMailbox(mailbox, auth=auth)
+    if guarded.get(MANIFEST) is not None:  # (none: the command says there is no run)
+        RunStore(guarded, auth=auth).read_record(MANIFEST, Manifest)  # verifies it, binds the run key
+    return guarded, auth
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["members"]:
@@ -179,18 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(
                 "this run is authenticated (its manifest is signed): pass --secret-file with the run secret"
             )
-        if args.secret_file:
-            # Read an authenticated run through the same guarded view its nodes use: tagged
-            # keys translated, unauthenticated objects hidden.
-            from ..protocol.auth import policy
-            from ..protocol.guard import GuardedMailbox
-            from ..protocol.records import Manifest
-            from ..protocol.store import RunStore
-
-            auth = policy(None, args.secret_file)
-            guarded = GuardedMailbox(mailbox, auth=auth)
-            RunStore(guarded, auth=auth).read_record(MANIFEST, Manifest)  # verifies it, binds the run key
-            mailbox = guarded
+        mailbox, args.auth = _guarded(mailbox, args.secret_file)
         return int(getattr(commands, args.command)(mailbox, args) or 0)
     except (GradientMailError, ValueError, OSError) as e:
         print(f"gradientmail {args.command}: error: {_explain(args.url, e)}", file=sys.stderr)

@@ -13,7 +13,7 @@ from ..clock import SystemClock
 from ..errors import MailboxUnavailable, MissingExtra
 from ..mailbox import Mailbox
 from ..protocol.records import to_dict
-from .overview import Overview, export_safetensors, iter_records, read_manifest, read_overview
+from .overview import Failed, Overview, export_safetensors, iter_records, read_manifest, read_overview
 
 
 def _console() -> Any:
@@ -31,9 +31,20 @@ def _console() -> Any:
 def status(mailbox: Mailbox, args: argparse.Namespace) -> int:
     from . import views
 
-    ov = read_overview(mailbox, last=args.last)
+    ov = read_overview(mailbox, last=args.last, auth=_auth(args))
     _console().print(views.status(ov, args.url))
     return 0
+
+
+def _auth(args: argparse.Namespace) -> Any:
+    """The run's policy ``main`` checks records with (None: records are only validated)."""
+    return getattr(args, "auth", None)
+
+
+def _report(failed: list[Failed]) -> None:
+    """Each record that failed its check, one line on stderr."""
+    for f in failed:
+        print(f"gradientmail: {f.key} fails its check, ignored: {' '.join(f.reason.split())}", file=sys.stderr)
 
 
 class _LeaseWatcher:
@@ -84,7 +95,7 @@ def watch(mailbox: Mailbox, args: argparse.Namespace) -> int:
 
     def frame(warning: str | None = None) -> Any:
         nonlocal first
-        ov = read_overview(mailbox, last=args.last)
+        ov = read_overview(mailbox, last=args.last, auth=_auth(args))
         now = clock.now()
         if first is None:
             first = (now, ov.rounds_committed)
@@ -127,31 +138,38 @@ def watch(mailbox: Mailbox, args: argparse.Namespace) -> int:
 def rounds(mailbox: Mailbox, args: argparse.Namespace) -> int:
     # The manifest first, so a mailbox without a run is an error rather than empty output.
     run = read_manifest(mailbox)
-    records = iter_records(mailbox, args.start)
+    failed: list[Failed] = []
+    records = iter_records(mailbox, args.start, auth=_auth(args), failed=failed)
     if args.json:
         for rec in records:
             sys.stdout.write(json.dumps(to_dict(rec), sort_keys=True) + "\n")
-        return 0
+        _report(failed)
+        return 1 if failed else 0
     from . import views
 
     recs = list(records)
     title = f"{len(recs)} rounds of run {run.manifest.run_id}" + (f" from round {args.start}" if args.start else "")
     _console().print(views.rounds(recs, title=title))
-    return 0
+    _report(failed)
+    return 1 if failed else 0
 
 
 def plot(mailbox: Mailbox, args: argparse.Namespace) -> int:
     from .plot import plot_rounds
 
     run = read_manifest(mailbox)
-    recs = list(iter_records(mailbox, args.start))
+    failed: list[Failed] = []
+    recs = list(iter_records(mailbox, args.start, auth=_auth(args), failed=failed))
     plot_rounds(recs, args.output, title=f"gradientmail run {run.manifest.run_id} ({args.url})")
+    _report(failed)
     print(f"wrote {args.output}: {len(recs)} rounds")
     return 0
 
 
 def export(mailbox: Mailbox, args: argparse.Namespace) -> int:
-    head, data = export_safetensors(mailbox)
+    failed: list[Failed] = []
+    head, data = export_safetensors(mailbox, auth=_auth(args), failed=failed)
+    _report(failed)
     tmp = f"{args.output}.tmp-{os.getpid()}"
     with open(tmp, "wb") as f:
         f.write(data)
@@ -159,3 +177,9 @@ def export(mailbox: Mailbox, args: argparse.Namespace) -> int:
     where = f"round {head}" if head >= 0 else "the initial parameters (no round committed yet)"
     print(f"wrote {args.output}: parameters after {where}, {len(data)} bytes")
     return 0
+
+
+def verify(mailbox: Mailbox, args: argparse.Namespace) -> int:
+    from .verify import run
+
+    return run(mailbox, args, _auth(args))

@@ -3,7 +3,9 @@
 Pure reads: nothing here writes, deletes or joins the run, so it is safe to point at a live
 run from any machine. Every record goes through the codec's validation; a store that cannot be
 reached raises ``MailboxUnavailable``, a run written by another format version ``RecordInvalid``,
-and a mailbox without a run ``NoRun``.
+and a mailbox without a run ``NoRun``. Given the run's ``auth`` (its secret's MACs, a members-only
+run's signatures: ``protocol.members.MemberAuth``), every record read is checked as the nodes check
+it; one that fails is no commit (no lease, no claim) and is reported in ``failed`` instead.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -60,6 +63,14 @@ class LeaseInfo:
 
 
 @dataclass(frozen=True)
+class Failed:
+    """A record that fails its check (its MAC or signature, in an authenticated run): ignored."""
+
+    key: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class Overview:
     manifest: Manifest
     run: RunInfo
@@ -73,6 +84,7 @@ class Overview:
     open_contributors: list[str]
     open_claim: Claim | None  # the node closing the open round, if it has claimed it
     work: list[QueueProgress] = field(default_factory=list)  # the run's work queues (gm.WorkQueue)
+    failed: list[Failed] = field(default_factory=list)  # records read that fail their check: ignored
 
     @property
     def open_fragment(self) -> int:
@@ -106,28 +118,53 @@ def round_numbers(mailbox: Mailbox, start: int = 0) -> list[int]:
     return [r for k in listed if (r := keys.parse_round_key(k)) is not None]
 
 
-def read_records(mailbox: Mailbox, rounds: list[int]) -> list[RoundRecord]:
-    """The records of ``rounds``, in that order (fetched concurrently)."""
+def read_records(
+    mailbox: Mailbox, rounds: list[int], *, auth: Any = None, failed: list[Failed] | None = None
+) -> list[RoundRecord]:
+    """The records of ``rounds``, in that order (fetched concurrently). With ``auth`` each is
+    checked in round order (a members-only run's membership rules depend on it); one that fails is
+    left out and added to ``failed`` (without ``failed``: raised). A record that is malformed or of
+    another format raises ``RecordInvalid``."""
 
-    def one(r: int) -> RoundRecord:
-        key = keys.round_key(r)
-        return decode(mailbox.get(key), RoundRecord, key=key)
+    def fetch(r: int) -> bytes | None:
+        return mailbox.get(keys.round_key(r))
 
     if len(rounds) <= 2:
-        return [one(r) for r in rounds]
-    with ThreadPoolExecutor(_FETCH_THREADS) as pool:
-        return list(pool.map(one, rounds))
+        blobs = [fetch(r) for r in rounds]
+    else:
+        with ThreadPoolExecutor(_FETCH_THREADS) as pool:
+            blobs = list(pool.map(fetch, rounds))
+    out = []
+    for r, data in zip(rounds, blobs, strict=True):
+        key = keys.round_key(r)
+        rec = decode(data, RoundRecord, key=key)  # (malformed, or another format: an error, as ever)
+        try:
+            if auth is not None:
+                auth.verify(rec, key)
+        except RecordInvalid as e:
+            if failed is None:
+                raise
+            failed.append(Failed(key, str(e)))
+            continue
+        out.append(rec)
+    return out
 
 
-def iter_records(mailbox: Mailbox, start: int = 0, *, batch: int = 256) -> Iterator[RoundRecord]:
-    """Every committed record from round ``start`` on, oldest first."""
+def iter_records(
+    mailbox: Mailbox, start: int = 0, *, batch: int = 256, auth: Any = None, failed: list[Failed] | None = None
+) -> Iterator[RoundRecord]:
+    """Every committed record from round ``start`` on, oldest first (``auth``, ``failed``: as
+    ``read_records``)."""
     rounds = round_numbers(mailbox, start)
     for i in range(0, len(rounds), batch):
-        yield from read_records(mailbox, rounds[i : i + batch])
+        yield from read_records(mailbox, rounds[i : i + batch], auth=auth, failed=failed)
 
 
-def read_leases(mailbox: Mailbox) -> dict[str, tuple[str, Lease | None]]:
-    """``{learner: (newest lease key, its record or None if unreadable)}``."""
+def read_leases(
+    mailbox: Mailbox, *, auth: Any = None, failed: list[Failed] | None = None
+) -> dict[str, tuple[str, Lease | None]]:
+    """``{learner: (newest lease key, its record or None if unreadable)}``; a lease that fails
+    ``auth``'s check is unreadable, and added to ``failed``."""
     newest: dict[str, str] = {}
     for k in mailbox.list(keys.LEASES):
         parsed = keys.parse_lease_key(k)
@@ -139,18 +176,30 @@ def read_leases(mailbox: Mailbox) -> dict[str, tuple[str, Lease | None]]:
         if data is None:
             continue  # renewed (or released) between the listing and the read
         try:
-            out[learner] = (k, decode(data, Lease, key=k))
+            lease = decode(data, Lease, key=k)
         except RecordInvalid:
             out[learner] = (k, None)
+            continue
+        try:
+            if auth is not None:
+                auth.verify(lease, k)
+        except RecordInvalid as e:
+            out[learner] = (k, None)
+            if failed is not None:
+                failed.append(Failed(k, str(e)))
+            continue
+        out[learner] = (k, lease)
     return out
 
 
-def read_overview(mailbox: Mailbox, *, last: int = 8) -> Overview:
-    """Everything ``gradientmail status`` shows, from one pass over the mailbox."""
+def read_overview(mailbox: Mailbox, *, last: int = 8, auth: Any = None) -> Overview:
+    """Everything ``gradientmail status`` shows, from one pass over the mailbox (``auth``: the
+    run's, to check every record read; those that fail are in ``failed``)."""
     run = read_manifest(mailbox)
     rounds = round_numbers(mailbox)
     head = rounds[-1] if rounds else -1
-    recent = read_records(mailbox, rounds[-max(last, run.P) :])
+    failed: list[Failed] = []
+    recent = read_records(mailbox, rounds[-max(last, run.P) :], auth=auth, failed=failed)
     versions = [0] * run.P
     for rec in recent:
         versions[rec.fragment] = max(versions[rec.fragment], rec.version)
@@ -176,7 +225,7 @@ def read_overview(mailbox: Mailbox, *, last: int = 8) -> Overview:
             role=keys.lease_role(k) or "both",
             waiting_for_closer=bool(lease and lease.waiting_for_closer),
         )
-        for learner, (k, lease) in read_leases(mailbox).items()
+        for learner, (k, lease) in read_leases(mailbox, auth=auth, failed=failed).items()
     ]
     return Overview(
         manifest=run.manifest,
@@ -189,30 +238,41 @@ def read_overview(mailbox: Mailbox, *, last: int = 8) -> Overview:
         leases=leases,
         open_round=open_round,
         open_contributors=contributors,
-        open_claim=newest_claim(RunStore(mailbox), open_round),
+        open_claim=newest_claim(
+            RunStore(mailbox, auth=auth, on_ignored=lambda k, why: failed.append(Failed(k, why))), open_round
+        ),
         work=read_queues(mailbox),
+        failed=failed,
     )
 
 
-def newest_parameters(mailbox: Mailbox, *, attempts: int = 3) -> tuple[RunInfo, int, dict[str, np.ndarray]]:
+def newest_parameters(
+    mailbox: Mailbox, *, attempts: int = 3, auth: Any = None, failed: list[Failed] | None = None
+) -> tuple[RunInfo, int, dict[str, np.ndarray]]:
     """The newest committed parameters of every fragment (float32), as ``gm.align`` loads them.
 
     Returns ``(run, head, {name: array})``. A commit landing between the listing and the reads
-    can prune the payload just listed; the listing is then simply taken again.
+    can prune the payload just listed; the listing is then simply taken again. With ``auth``, a
+    record that fails its check is no commit: skipped, and added to ``failed``.
     """
     run = read_manifest(mailbox)
-    recs, thetas = read_newest(RunStore(mailbox), run, attempts=attempts)
+
+    def ignored(key: str, why: str) -> None:
+        if failed is not None and keys.parse_round_key(key) is not None:
+            failed.append(Failed(key, why))
+
+    recs, thetas = read_newest(RunStore(mailbox, auth=auth, on_ignored=ignored), run, attempts=attempts)
     head = max((r.round for r in recs.values()), default=-1)
     values = {n: v for theta in thetas.values() for n, v in theta.items()}
     return run, head, {s.name: values[s.name] for s in run.schema}
 
 
-def export_safetensors(mailbox: Mailbox) -> tuple[int, bytes]:
+def export_safetensors(mailbox: Mailbox, *, auth: Any = None, failed: list[Failed] | None = None) -> tuple[int, bytes]:
     """The newest committed parameters as one safetensors file, each tensor in its own dtype.
 
     Returns ``(head round, file bytes)``; ``safetensors.torch.load_file`` loads the file.
     """
-    run, head, values = newest_parameters(mailbox)
+    run, head, values = newest_parameters(mailbox, auth=auth, failed=failed)
     tensors = {}
     for s in run.schema:
         q = quant.quantize(values[s.name], s.dtype)

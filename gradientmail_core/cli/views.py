@@ -165,8 +165,16 @@ def waiting_line(ov: Overview, url: str) -> str | None:
     )
 
 
+def failed(ov: Overview) -> RenderableType:
+    """Records that fail their check (a MAC or signature): no commit, lease or claim; ignored."""
+    lines = [f"{f.key} fails its check, ignored: {' '.join(f.reason.split())}" for f in ov.failed]
+    return Text("\n".join(lines), style="bold red")
+
+
 def status(ov: Overview, url: str, renewed: Mapping[str, float | None] | None = None) -> RenderableType:
     parts: list[RenderableType] = [summary(ov, url), Text(), learners(ov, renewed)]
+    if ov.failed:
+        parts[1:1] = [Text(), failed(ov)]
     waiting = waiting_line(ov, url)
     if waiting is not None:
         parts[1:1] = [Text(), Text(waiting, style="bold red")]

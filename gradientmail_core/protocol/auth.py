@@ -9,7 +9,7 @@ A run started with ``gm.Session(..., secret=...)`` (or ``secret_file=``) is auth
   logical key it lives at (so the round, the learner and the claim number), and every field,
   payload references with their sha256 included. A copied, replayed or altered record fails.
   The manifest is signed with the key of the ``run_id`` it names.
-- **Key tags.** Record keys (claims, rounds, snapshots, leases) are stored under
+- **Key tags.** Record keys (claims, rounds, snapshots, leases, the work queues') are stored under
   ``{key without .json}.{tag}.json`` with ``tag = HMAC-SHA256(K, "gradientmail/1\\0key\\0" + key)``
   truncated to 128 bits (``keys.tag_key``). Whoever lacks the secret cannot name the next commit
   point, claim or snapshot key, so it cannot take one of them first; objects without a valid tag
@@ -31,6 +31,7 @@ from typing import Any
 from ..errors import RecordInvalid
 from . import keys
 from .records import Claim, Lease, Manifest, RoundRecord, Snapshot, signing_bytes
+from .work_records import QueueInfo, UnitClaim, UnitDone, UnitHold, UnitRelease
 
 MIN_SECRET_BYTES = 16
 MAX_SECRET_BYTES = 4096
@@ -79,6 +80,16 @@ def record_key(record: Any) -> str:
             return keys.claim_key(record.round, record.n)
         if isinstance(record, Lease):
             return keys.lease_key(record.learner, record.seq, record.role)
+        if isinstance(record, QueueInfo):
+            return keys.queue_info_key(record.queue)
+        if isinstance(record, UnitClaim):
+            return keys.unit_claim_key(record.queue, record.unit, record.attempt)
+        if isinstance(record, UnitHold):
+            return keys.unit_hold_key(record.queue, record.unit, record.attempt, record.seq)
+        if isinstance(record, UnitRelease):
+            return keys.unit_release_key(record.queue, record.unit, record.attempt)
+        if isinstance(record, UnitDone):
+            return keys.unit_done_key(record.queue, record.unit)
     except ValueError as e:
         raise RecordInvalid(f"{type(record).__name__} names no valid key: {e}") from None
     raise TypeError(f"{type(record).__name__} is not a protocol record")

@@ -359,6 +359,14 @@ def parse_blob_key(key: str) -> BlobKey | None:
     return None
 
 
+def in_snapshot_folder(key: str, sha256: str, r: int, learner: str) -> bool:
+    """Is ``key`` a payload of ``learner``'s snapshot of round ``r``, named by ``sha256``? A
+    snapshot may only point into its own folder (so GC finds it, and nobody can make a closer
+    read another learner's or a round's payload)."""
+    b = parse_blob_key(key)
+    return b is not None and (b.kind, b.round, b.learner, b.sha) == ("snapshot", r, learner, sha256)
+
+
 # ---- authenticated runs: secret-tagged record keys --------------------------------------
 #
 # In a run with a secret, every protocol record key (claims, rounds, snapshots, leases) is
@@ -368,13 +376,14 @@ def parse_blob_key(key: str) -> BlobKey | None:
 # a learner's snapshot key first. The tag goes before ``.json`` and after a '.', which sorts
 # between '-' and every digit and letter, so physical byte order is logical byte order.
 
-TAGGED_PREFIXES = (CLAIMS, ROUNDS, SNAPSHOTS, LEASES)
+TAGGED_PREFIXES = (CLAIMS, ROUNDS, SNAPSHOTS, LEASES, WORK)  # (the work queues' too: docs/protocol.md section 7)
 TAG_HEX = 32
-_TAGGED_RE = re.compile(rf"((?:claims|rounds|snapshots|leases)/[A-Za-z0-9._/-]+)\.([0-9a-f]{{{TAG_HEX}}})\.json")
+_TAGGED_RE = re.compile(rf"((?:claims|rounds|snapshots|leases|work)/[A-Za-z0-9._/-]+)\.([0-9a-f]{{{TAG_HEX}}})\.json")
 
 
 def is_record_key(key: str) -> bool:
-    """True for keys of the per-round protocol records (the ones tagged in authenticated runs)."""
+    """True for keys of the protocol records tagged in authenticated runs: the per-round ones and
+    the work queues'."""
     return key.startswith(TAGGED_PREFIXES)
 
 

@@ -26,6 +26,7 @@ from .records import (
     encode,
     identity_bytes,
 )
+from .work_records import QueueInfo, UnitClaim, UnitDone, UnitHold, UnitRelease
 
 _DOMAIN = b"gradientmail/1\x00"
 NO_PREV = "0" * 64
@@ -72,6 +73,10 @@ def who(record: Any) -> str | None:
         return record.closer
     if isinstance(record, Snapshot | Lease | Claim):
         return record.learner
+    if isinstance(record, QueueInfo):
+        return record.created_by
+    if isinstance(record, UnitClaim | UnitHold | UnitRelease | UnitDone):
+        return record.holder
     return None
 
 

@@ -12,13 +12,14 @@ import numpy as np
 
 from ..codec.payload import encode_payload, schema_digest
 from ..config import DiLoCo
-from ..errors import ProtocolError, SchemaMismatch
+from ..errors import ProtocolError
 from ..mailbox import CreateOutcome
 from . import keys
 from .chunks import Piece, fragment_plan
 from .partition import plan
 from .records import MAX_RECORD_BYTES, Manifest, PayloadRef, TensorSpec, canonical_json, chunk_refs, to_dict
 from .schedule import is_checkpoint
+from .schema import check_schema, schema_differences  # noqa: F401 (schema_differences: its old home)
 from .store import RunStore
 
 # The JSON of one chunk's ref in a round record, at its longest (a compressed round payload of the
@@ -137,18 +138,6 @@ class RunInfo:
         return cls(manifest=m, cfg=cfg, schema=list(m.schema), digest=m.schema_digest, fragments=m.fragments)
 
 
-def schema_differences(run: list[TensorSpec], mine: list[TensorSpec]) -> list[str]:
-    theirs = {s.name: s for s in run}
-    ours = {s.name: s for s in mine}
-    out = [f"{n}: in the run, missing from this model" for n in theirs if n not in ours]
-    out += [f"{n}: in this model, not in the run" for n in ours if n not in theirs]
-    for n in theirs.keys() & ours.keys():
-        a, b = theirs[n], ours[n]
-        if (a.dtype, list(a.shape)) != (b.dtype, list(b.shape)):
-            out.append(f"{n}: run has {a.dtype}{list(a.shape)}, this model has {b.dtype}{list(b.shape)}")
-    return sorted(out)
-
-
 def open_run(
     store: RunStore,
     schema: list[TensorSpec],
@@ -176,9 +165,7 @@ def open_run(
             raise ProtocolError(f"no run in this mailbox ({keys.MANIFEST} is missing)")
         upload = functools.partial(upload_values, store, read, schema, cfg, compression)
         manifest, created = create_run(store, schema, cfg, upload, learner=learner, rng=rng)
-    diffs = schema_differences(manifest.schema, schema)
-    if diffs:
-        raise SchemaMismatch(diffs)
+    check_schema(manifest.schema, schema)
     cfg.check_matches(manifest.config)
     return RunInfo.from_manifest(manifest), created
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import ProtocolError, SchemaMismatch
+from ..errors import ProtocolError
 from . import keys
 from .rebuild import chain_theta
 from .records import Claim, RoundRecord, TensorSpec
-from .run import RunInfo, payload_cap, read_manifest, schema_differences
+from .run import RunInfo, payload_cap, read_manifest
 from .schedule import slot
+from .schema import check_schema
 from .store import RunStore
 
 
@@ -125,8 +126,6 @@ def load_newest(store: RunStore, schema: list[TensorSpec]) -> tuple[RunInfo, int
     if manifest is None:
         raise ProtocolError(f"no run in this mailbox ({keys.MANIFEST} is missing); start a Session first")
     run = RunInfo.from_manifest(manifest)
-    diffs = schema_differences(run.schema, schema)
-    if diffs:
-        raise SchemaMismatch(diffs)
+    check_schema(run.schema, schema)
     recs, thetas = read_newest(store, run)
     return run, max((r.round for r in recs.values()), default=-1), thetas

@@ -7,7 +7,7 @@ up every queue of a mailbox for ``gradientmail status``. Pure reads.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ..errors import RecordInvalid
@@ -61,9 +61,10 @@ def parse_listing(name: str, listed: Iterable[str]) -> QueueScan:
     return scan
 
 
-def scan_queue(mailbox: Mailbox, name: str) -> QueueScan:
-    """The queue as one listing shows it."""
-    return parse_listing(name, mailbox.list(keys.queue_prefix(name)))
+def scan_queue(mailbox: Mailbox, name: str, *, keep: Callable[[str], bool] | None = None) -> QueueScan:
+    """The queue as one listing shows it (``keep``: which listed keys count; default all)."""
+    listed = mailbox.list(keys.queue_prefix(name))
+    return parse_listing(name, listed if keep is None else [k for k in listed if keep(k)])
 
 
 @dataclass(frozen=True)

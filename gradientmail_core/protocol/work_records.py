@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .keys import MAX_ATTEMPT, MAX_SEQ, MAX_UNIT
-from .records import _LEARNER, _NONCE, FORMAT, learner_field, nonneg
+from .records import _LEARNER, _MAC, _NONCE, _PUBKEY, _SIG, FORMAT, learner_field, nonneg
 
 __all__ = ["QueueInfo", "UnitClaim", "UnitDone", "UnitHold", "UnitRelease"]
 
@@ -37,6 +37,21 @@ def _nonce() -> Any:
     return field(metadata=_meta(pattern=_NONCE))
 
 
+# In an authenticated run (``docs/security.md``) a queue's records carry the run secret's MAC and,
+# in a members-only run, the holder's signature, as the run's own records do; left out of the JSON
+# when unset, so the records of an open run keep their bytes.
+def _mac() -> Any:
+    return field(default=None, metadata={**_meta(pattern=_MAC), "omit_default": True})
+
+
+def _signer() -> Any:
+    return field(default=None, metadata=_meta(pattern=_PUBKEY))
+
+
+def _sig() -> Any:
+    return field(default=None, metadata=_meta(pattern=_SIG))
+
+
 @dataclass(frozen=True, kw_only=True)
 class QueueInfo:
     """``work/{queue}/queue.json``: written once by whoever opens the queue first."""
@@ -46,6 +61,9 @@ class QueueInfo:
     lease_timeout: float = field(metadata=_meta(min=0.001))
     created_by: str = learner_field()
     format: int = FORMAT
+    mac: str | None = _mac()
+    signer: str | None = _signer()
+    sig: str | None = _sig()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +76,9 @@ class UnitClaim:
     holder: str = learner_field()
     nonce: str = _nonce()
     format: int = FORMAT
+    mac: str | None = _mac()
+    signer: str | None = _signer()
+    sig: str | None = _sig()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +96,9 @@ class UnitHold:
     seq: int = field(metadata=_meta(min=1, max=MAX_SEQ))
     consumed: int = nonneg(default=0)
     format: int = FORMAT
+    mac: str | None = _mac()
+    signer: str | None = _signer()
+    sig: str | None = _sig()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +112,9 @@ class UnitRelease:
     nonce: str = _nonce()
     consumed: int = nonneg(default=0)
     format: int = FORMAT
+    mac: str | None = _mac()
+    signer: str | None = _signer()
+    sig: str | None = _sig()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,3 +127,6 @@ class UnitDone:
     holder: str = learner_field()
     nonce: str = _nonce()
     format: int = FORMAT
+    mac: str | None = _mac()
+    signer: str | None = _signer()
+    sig: str | None = _sig()

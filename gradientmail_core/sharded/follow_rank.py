@@ -14,7 +14,7 @@ from typing import Any
 
 from .. import events as ev
 from ..adapters.torch_sharded import ShardedParams
-from ..errors import SessionFailed
+from ..errors import SchemaMismatch, SessionFailed
 from ..protocol.run import RunInfo, initial_fragments, max_payload_bytes, read_manifest
 from ..syncer.bridge import View
 from ..syncer.host import HostSetup, Progress
@@ -112,6 +112,9 @@ class FollowRank(RankHost):
             self.exchange_seconds += time.perf_counter() - t0
             if failed:
                 why = message.get("error") if isinstance(message, dict) and 0 in failed else None
+                schema = message.get("schema") if isinstance(message, dict) and 0 in failed else None
+                if schema is not None:  # rank 0's model does not fit the run, nor does this rank's
+                    raise SchemaMismatch(list(schema["differences"]), fix=schema["fix"])
                 raise Together(why or f"rank(s) {failed} of this node failed (their logs say why)")
             if message:
                 if "create" in message:  # rank 0 creates the run: the initial chunks of this rank

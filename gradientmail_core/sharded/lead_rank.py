@@ -21,9 +21,10 @@ from typing import Any
 from .. import events as ev
 from ..adapters.handles import Incoming
 from ..adapters.torch_sharded import ShardedParams
-from ..errors import SessionFailed
+from ..errors import SchemaMismatch, SessionFailed
 from ..protocol.records import PayloadRef, RoundRecord, chunk_refs
 from ..protocol.run import RunInfo, create_run, max_payload_bytes, read_manifest
+from ..protocol.schema import check_schema
 from ..protocol.store import RunStore
 from ..syncer.host import HostSetup, Progress
 from ..syncer.learner import Learner
@@ -73,6 +74,7 @@ class LeadRank(RankHost):
         if manifest is None:  # an empty mailbox: this node creates the run, every rank its chunks
             upload = functools.partial(self._create, store)
             manifest, _ = create_run(store, s.adapter.schema(), s.algorithm, upload, learner=self.learner_id, rng=s.rng)
+        check_schema(manifest.schema, s.adapter.schema())  # before any lease, as a plain node's join does
         run = RunInfo.from_manifest(manifest)
         chunk_elements(run)  # ShardingUnsupported for a run of whole fragments, before any lease
         check_config(run.cfg)
@@ -196,8 +198,11 @@ class LeadRank(RankHost):
     def fail(self, e: BaseException) -> None:
         """Rank 0 failed (in its step, its close, its node thread): every other rank is waiting in
         an exchange; tell them, then stop here."""
+        message: dict[str, Any] = {"error": f"rank 0: {type(e).__name__}: {e}"}
+        if isinstance(e, SchemaMismatch):  # every rank raises it, as rank 0 does
+            message["schema"] = {"differences": e.differences, "fix": e.fix}
         try:
-            self._x({"error": f"rank 0: {type(e).__name__}: {e}"}, done=True, failed=True)
+            self._x(message, done=True, failed=True)
         except Exception as sent:  # pragma: no cover - the group itself is gone
             _log.warning("could not tell the other ranks that rank 0 failed: %s", sent)
         self._teardown()

@@ -14,7 +14,8 @@ from typing import Any
 from ..errors import MailboxUnavailable
 from ..syncer.fragment import Lost, discard
 from ..syncer.kernel import FragmentCloser
-from .pooling import OpFailed, unwire
+from .pooling import OpFailed
+from .wire import unwire
 
 _log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import numpy as np
@@ -23,33 +23,17 @@ from ..adapters.torch_sharded import ShardedParams
 from ..adapters.torch_transfer import gather_chunks, scatter_chunks
 from ..errors import MailboxUnavailable, SessionFailed
 from ..protocol.chunks import Layout
-from ..protocol.records import PayloadRef, chunk_refs, join_refs
-from ..syncer.fragment import Accepted, CommitOp, Lost
-from ..syncer.ranks import Owned, flat
-from .wire import pack, unpack
+from ..syncer.fragment import Lost
+from ..syncer.ranks import Local, Owned, Shapes, flat
+from .wire import pack, unpack, wire
 
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
 class OpFailed(SessionFailed):
-    """A closer op failed on some rank (every rank raises it at the same phase)."""
-
-    def __init__(self, errors: list[tuple[int, dict[str, Any]]]) -> None:
-        self.errors = errors
-        super().__init__("; ".join(f"rank {r}: {e['e']}" for r, e in errors))
-
-    @property
-    def unavailable(self) -> bool:
-        return all(e.get("t") == "unavailable" for _, e in self.errors)
-
-    @property
-    def lost(self) -> Lost | None:
-        """A contribution's chunk no rank could read."""
-        for _, e in self.errors:
-            if e.get("t") == "lost":
-                return Lost(int(e["i"]), str(e["reason"]), str(e["e"]))
-        return None
+    """A closer op failed on some rank with an error no one-process closer raises (every rank
+    raises it at the same phase)."""
 
 
 class GlooRanks:
@@ -88,7 +72,8 @@ class GlooRanks:
         return [unpack(b[: int(s.item())].numpy().tobytes()) for b, s in zip(bufs, sizes, strict=True)]
 
     def phase(self, fn: Callable[[], T]) -> list[T]:
-        """Run ``fn`` here, then pool every rank's result; ``OpFailed`` on every rank if any failed."""
+        """Run ``fn`` here, then pool every rank's result; if any failed, every rank raises what a
+        one-process closer would (``Lost``, ``MailboxUnavailable``), or ``OpFailed``."""
         try:
             mine: dict[str, Any] = {"v": fn()}
         except Lost as e:
@@ -100,55 +85,27 @@ class GlooRanks:
             mine = {"e": f"{type(e).__name__}: {e}", "t": "error"}
         got = self.all(mine)
         errors = [(r, g) for r, g in enumerate(got) if "e" in g]
+        lost = [g for _, g in errors if g["t"] == "lost"]
+        if lost:  # rejected there as any closer rejects a contribution it cannot read
+            raise Lost(int(lost[0]["i"]), str(lost[0]["reason"]), str(lost[0]["e"]))
+        why = "; ".join(f"rank {r}: {g['e']}" for r, g in errors)
+        if errors and all(g["t"] == "unavailable" for _, g in errors):
+            raise MailboxUnavailable(f"a rank of this node could not read the store: {why}")
         if errors:
-            failed = OpFailed(errors)
-            if failed.lost is not None:
-                raise failed.lost  # rejected there as any closer rejects a contribution it cannot read
-            if failed.unavailable:
-                raise MailboxUnavailable(f"a rank of this node could not read the store: {failed}")
-            raise failed
+            raise OpFailed(why)
         return [g["v"] for g in got]
 
-    def _params(self, shapes: Mapping[str, Sequence[int]], layout: Layout) -> ShardedParams:
+    def _params(self, shapes: Shapes, layout: Layout) -> ShardedParams:
         return ShardedParams({}, {n: tuple(s) for n, s in shapes.items()}, self.world, self.rank, self.group, layout)
 
-    def gather(
-        self, shapes: Mapping[str, Sequence[int]], layout: Layout, chunk: int | None, local: Mapping[str, np.ndarray]
-    ) -> Owned:
+    def gather(self, shapes: Shapes, layout: Layout, chunk: int | None, local: Local) -> Owned:
         assert chunk is not None, "a sharded node joins chunked runs only"
         tensors = {n: torch.from_numpy(np.ascontiguousarray(flat(v))) for n, v in local.items()}
         got = gather_chunks(self._params(shapes, layout), list(shapes), chunk, tensors)
         return {k: [(p, t.numpy()) for p, t in pieces] for k, pieces in got.items()}
 
-    def scatter(
-        self,
-        shapes: Mapping[str, Sequence[int]],
-        layout: Layout,
-        chunk: int | None,
-        owned: Owned,
-        local: Mapping[str, np.ndarray],
-    ) -> None:
+    def scatter(self, shapes: Shapes, layout: Layout, chunk: int | None, owned: Owned, local: Local) -> None:
         assert chunk is not None, "a sharded node joins chunked runs only"
         pieces = {k: [(p, torch.from_numpy(np.ascontiguousarray(v))) for p, v in ps] for k, ps in owned.items()}
         tensors = {n: torch.from_numpy(flat(v)) for n, v in local.items()}  # (views: written in place)
         scatter_chunks(self._params(shapes, layout), list(shapes), chunk, pieces, tensors)
-
-
-def wire(v: Any) -> Any:
-    """An op's argument as JSON."""
-    if isinstance(v, PayloadRef):
-        return {"ref": [[c.key, c.sha256, c.size] for c in chunk_refs(v)]}
-    if isinstance(v, CommitOp):
-        head = [v.f, v.round, v.version, v.final, v.checkpoint, v.compression]
-        return {"commit": [*head, [[wire(join_refs(list(a.refs))), a.weight, a.norms] for a in v.accepted]]}
-    return v
-
-
-def unwire(v: Any) -> Any:
-    if isinstance(v, dict) and "ref" in v:
-        return join_refs([PayloadRef(key=str(k), sha256=str(s), size=int(n)) for k, s, n in v["ref"]])
-    if isinstance(v, dict) and "commit" in v:
-        f, r, version, final, checkpoint, compression, accepted = v["commit"]
-        made = tuple(Accepted(tuple(chunk_refs(unwire(x))), w, n) for x, w, n in accepted)
-        return CommitOp(f, r, version, final, checkpoint, compression, made)
-    return v

@@ -23,6 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..protocol.records import PayloadRef, chunk_refs, join_refs
+from ..syncer.fragment import Accepted, CommitOp
+
 # The exchange waits as long as rank 0's learner waits (lockstep: for the other nodes' rounds, a
 # lease timeout, a slow closer): far longer than a collective of the training ever takes.
 WAIT = timedelta(hours=24)
@@ -107,3 +110,26 @@ class Channel:
         if buf.numel():
             dist.recv(buf, group_src=sender, group=self.group)
         return int(sender), unpack(buf.numpy().tobytes())
+
+
+# ---- a closer op's arguments (``pooling.GlooRanks.begin``, ``leading.run_op``) ------------------
+
+
+def wire(v: Any) -> Any:
+    """An op's argument as JSON."""
+    if isinstance(v, PayloadRef):
+        return {"ref": [[c.key, c.sha256, c.size] for c in chunk_refs(v)]}
+    if isinstance(v, CommitOp):
+        head = [v.f, v.round, v.version, v.final, v.checkpoint, v.compression]
+        return {"commit": [*head, [[wire(join_refs(list(a.refs))), a.weight, a.norms] for a in v.accepted]]}
+    return v
+
+
+def unwire(v: Any) -> Any:
+    if isinstance(v, dict) and "ref" in v:
+        return join_refs([PayloadRef(key=str(k), sha256=str(s), size=int(n)) for k, s, n in v["ref"]])
+    if isinstance(v, dict) and "commit" in v:
+        f, r, version, final, checkpoint, compression, accepted = v["commit"]
+        made = tuple(Accepted(tuple(chunk_refs(unwire(x))), w, n) for x, w, n in accepted)
+        return CommitOp(f, r, version, final, checkpoint, compression, made)
+    return v

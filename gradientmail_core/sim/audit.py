@@ -64,6 +64,7 @@ class Auditor(Captured):
         # round -> learner -> (seq of its creation, its bytes); decoded only when a round is checked
         self.snapshots: dict[int, dict[str, tuple[int, bytes]]] = {}
         self.claims: dict[int, list[tuple[str, bytes]]] = {}  # round -> (writer, bytes) of every claim
+        self._snapshot_refs: dict[tuple[int, str], tuple[str, list[str]]] = {}  # (round, learner) -> digest, keys
         self.last_listing: dict[str, int] = {}  # node -> seq of its last full listing
         self.lease_listing: dict[str, int] = {}  # node -> seq of its last listing of leases/
         self.round_blob_writes: dict[str, dict[int, int]] = {}  # node -> round -> seq of its last round payload
@@ -139,6 +140,7 @@ class Auditor(Captured):
         init = {c.key for r in self.run.manifest.init for c in chunk_refs(r)}
         head = self.head
         chains = self._chains()
+        window = self._window()
         for k in doomed:
             if k == keys.MANIFEST or keys.parse_round_key(k) is not None:
                 self.fail(node, f"deleted {k}, which is never deleted")
@@ -146,6 +148,8 @@ class Auditor(Captured):
                 self.fail(node, f"deleted {k}, a payload of round {live[k]}, the newest of its fragment")
             elif k in chains:
                 self.fail(node, f"deleted {k}, which a recovery of fragment {chains[k]} between checkpoints needs")
+            elif k in window:
+                self.fail(node, f"deleted {k}, which verifying round {window[k]}, inside the verify window, needs")
             elif k in init:
                 self.fail(node, f"deleted {k}, an initial payload named by the manifest")
             else:
@@ -154,6 +158,40 @@ class Auditor(Captured):
                 r = snap[0] if snap else (b.round if b is not None and b.kind == "snapshot" else None)
                 if r is not None and r > head:
                     self.fail(node, f"deleted {k}, a contribution to round {r}, which has not committed (head {head})")
+
+    def _window(self) -> dict[str, int]:
+        """Key -> round, for what verifying each of the newest ``verify_window`` rounds needs
+        (``syncer/gc.py``): its participants' snapshot records and payloads, and the theta and outer
+        state of the version before (when that is a checkpoint; a chain's are ``_chains``')."""
+        run = self.run
+        assert run is not None
+        out: dict[str, int] = {}
+        for q in range(max(self.head - run.cfg.verify_window + 1, 0), self.head + 1):
+            rec = self.tape.get(q)
+            if rec is None:
+                continue
+            for p in rec.participants:
+                out[keys.snapshot_key(q, p.learner)] = q
+                out.update(dict.fromkeys(self._payload_keys(q, p.learner, p.payload_sha256), q))
+            prev = self.tape.get(q - run.P) if q >= run.P else None
+            for pref in (prev.theta, prev.outer) if prev is not None else ():
+                out.update(dict.fromkeys((c.key for c in chunk_refs(pref)) if pref is not None else (), q))
+        return out
+
+    def _payload_keys(self, r: int, learner: str, digest: str) -> list[str]:
+        """The chunk keys of ``learner``'s snapshot of round ``r``, when its payload is ``digest``
+        (decoded once: a snapshot record is created once)."""
+        got = self._snapshot_refs.get((r, learner))
+        if got is None:
+            data = self.snapshots.get(r, {}).get(learner)
+            try:
+                snap = decode(data[1], Snapshot) if data is not None else None
+            except GradientMailError:
+                snap = None
+            got = ("", []) if snap is None else (ref_digest(snap.payload), [c.key for c in chunk_refs(snap.payload)])
+            if data is not None:
+                self._snapshot_refs[(r, learner)] = got
+        return got[1] if got[0] == digest else []
 
     def deleted(self, doomed: list[str]) -> None:
         """After a delete reached the store: report the leases it changed."""

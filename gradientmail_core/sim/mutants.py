@@ -21,7 +21,7 @@ from ..mailbox import CreateOutcome
 from ..protocol import keys, store
 from ..protocol.lease import LeaseWriter
 from ..protocol.records import Lease
-from ..syncer import collector, kernel, merging, node, replay  # noqa: F401
+from ..syncer import closer, kernel, merging, node, replay  # noqa: F401
 
 
 @contextlib.contextmanager
@@ -63,7 +63,7 @@ class _AnyVersion(int):
 
 def accept_stale() -> contextlib.AbstractContextManager[None]:
     """The closer accepts snapshots whose delta is relative to an older version of the fragment."""
-    return _patched((collector, "version_before", lambda r, P: _AnyVersion(r // P)))
+    return _patched((closer, "version_before", lambda r, P: _AnyVersion(r // P)))
 
 
 def sweep_newest() -> contextlib.AbstractContextManager[None]:
@@ -208,6 +208,12 @@ def gc_forgets_checkpoints() -> contextlib.AbstractContextManager[None]:
     return _patched((node.Node, "_checkpoint_rounds", checkpoint_rounds))
 
 
+def gc_ignores_window() -> contextlib.AbstractContextManager[None]:
+    """Garbage collection keeps no verify window: after each commit it deletes the contributions,
+    snapshot records and states the newest rounds' verification needs, as with ``verify_window=0``."""
+    return _patched((node.Node, "_window", lambda self, r: (r + 1, r + 1, r + 1)))
+
+
 def replay_skips_contribution() -> contextlib.AbstractContextManager[None]:
     """A node that becomes closer between checkpoints replays each round without its last
     contribution, and trusts the result (no comparison with the record's digests)."""
@@ -275,6 +281,7 @@ MUTANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "skip_readback": skip_readback,
     "accept_stale": accept_stale,
     "sweep_newest": sweep_newest,
+    "gc_ignores_window": gc_ignores_window,
     "no_claim_next": no_claim_next,
     "remote_clock_lease": remote_clock_lease,
     "skip_sha_check": skip_sha_check,

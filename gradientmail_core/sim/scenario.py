@@ -155,6 +155,9 @@ def draw_scenario(r: random.Random, nodes: int | None) -> _Draw:
         delta_dtype=commit,
         error_feedback=commit is not None and (H // P) % 2 == 0,
         chunk_elements=chunk,
+        # GC's verify window (none, a short one, the default), derived like the chunks: every other
+        # seed keeps its draws.
+        verify_window=(0, 3, 8)[(n + P + in_flight) % 3],
     )
     opts = NodeOptions(poll_interval=0.5, lease_timeout=3.0, round_timeout=2.0)
     return _Draw(

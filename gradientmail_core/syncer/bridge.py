@@ -54,6 +54,9 @@ class CommitNotice:
     # ``theta``'s arrays are the training thread's alone: the node kept no reference to them
     # (``Bridge.lend``), so the learner may turn them into its next delta in place.
     lent: bool = False
+    # The node does not apply this commit (``Session(verify=)`` found its closer's commits forged):
+    # no ``theta``; the round is over, the fragment keeps its parameters.
+    refused: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,34 +1,174 @@
-"""A round's commit: the accepted contributions handed to the closer (``kernel.FragmentCloser``,
-or a sharded node's ranks), then the round record built from what it made.
+"""A round this node closes: its view of the round (``Collector``: the snapshots judged, SPEC 3.6;
+when the round may close, quorum then the grace window; which contributions enter the merge,
+outliers), and its commit (``compute_commit``: the accepted contributions handed to the closer,
+``kernel.FragmentCloser``, then the round record built from what it made). The reading, merging
+and writing are the closer's; this is the bookkeeping.
 
 Deterministic: contributions are merged in learner-id order, so a closer that recomputes the
 round after a crash writes the same parameter bytes. A version that is no checkpoint
 (``checkpoint_every``) writes the change only; its record carries the digests of the parameters
-and outer state it did not write and the contributions' payloads, so a recovering closer
-replays it (``replay.py``, which calls this with ``outliers=False``)."""
+and outer state it did not write and the contributions' payloads, so a recovering closer replays
+it (``replay.py``, which calls ``compute_commit`` with ``outliers=False``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
-from ..errors import MailboxUnavailable
-from ..protocol.rebuild import cast as cast  # (these lived here; still imported from here)
-from ..protocol.rebuild import rebuild_theta as rebuild_theta
-from ..protocol.rebuild import theta_digest as theta_digest
-from ..protocol.records import Participant, Rejection, RoundRecord, chunk_refs, ref_digest
-from ..protocol.schedule import nominal_step
-from .collector import IGNORED as IGNORED
-from .collector import Collector as Collector
-from .collector import Estimates as Estimates
-from .collector import Judged as Judged
-from .fragment import Accepted, CommitOp, Lost, Made
-from .fragment import FragmentState as FragmentState
-from .fragment import Written as Written
-from .timing import ema
+from ..aggregators.acceptance import PayloadStatus, judge, outlier_mask_of_norms
+from ..aggregators.fused import norm_of
+from ..aggregators.merge import contribution_weight
+from ..errors import MailboxUnavailable, RecordInvalid
+from ..protocol import keys
+from ..protocol.members import SignatureInvalid
+from ..protocol.rebuild import cast, rebuild_theta, theta_digest
+from ..protocol.records import Participant, Rejection, RoundRecord, Snapshot, chunk_refs, ref_digest
+from ..protocol.run import RunInfo
+from ..protocol.schedule import fragment_of, nominal_step, version_before
+from ..protocol.store import RunStore
+from .fragment import Accepted, CommitOp, FragmentState, Lost, Made, Written
+from .kernel import FragmentCloser
+from .spool import Spool
+from .timing import Estimates, ema, grace_seconds
 from .writing import Put
+
+# (names that lived here before the closer was one; still imported from here)
+__all__ = ["IGNORED", "Collector", "Commit", "Estimates", "FragmentState", "Judged", "Written", "cast"]
+__all__ += ["commit_record", "compute_commit", "rebuild_theta", "theta_digest"]
+
+IGNORED = "ignored"  # a snapshot no member signed: judged once, in no record
+
+
+@dataclass
+class Judged:
+    learner: str
+    reason: str | None
+    snapshot: Snapshot | None = None
+    weight: float = 0.0
+    # Squared norm of each tensor of an accepted delta (``fused.sq_norms``, bit for bit), summed as
+    # the snapshot was read: the clip, outlier and cosine norms need no second read.
+    norms: dict[str, float] | None = None
+
+
+@dataclass
+class Collector:
+    """The closer's view of one open round. ``closer``: the node's; None, a one-process closer of
+    this collector's own, made on first use over ``spool`` and holding ``state``."""
+
+    round: int
+    run: RunInfo
+    state: FragmentState
+    opened_at: float
+    estimates: Estimates
+    judged: dict[str, Judged] = field(default_factory=dict)
+    quorum_at: float | None = None
+    grace: float = 0.0
+    closer: FragmentCloser | None = None
+    spool: Spool | None = None
+
+    @property
+    def fragment(self) -> int:
+        return fragment_of(self.round, self.run.P)
+
+    def closer_for(self, store: RunStore) -> FragmentCloser:
+        if self.closer is None:
+            own = FragmentCloser.one_process(self.run, store, self.spool)
+            own.adopt(self.fragment, self.state)
+            self.closer = own
+        return self.closer
+
+    def accepted(self) -> list[Judged]:
+        return [j for j in self.judged.values() if j.reason is None]
+
+    def judge_snapshot(self, store: RunStore, learner: str, *, own: Snapshot | None = None) -> Judged:
+        """Fetch and judge ``learner``'s snapshot for this round (SPEC 3.6). ``own``: the closer's
+        own snapshot record (not read back; its chunks are in the closer's spool already)."""
+        key = keys.snapshot_key(self.round, learner)
+        try:
+            snap = own if own is not None else store.read_record(key, Snapshot)
+        except SignatureInvalid as e:
+            # Members-only runs: not signed by a member (a copied public key, a revoked key, a
+            # replay). Not a contribution at all: reported once, kept out of the record.
+            store.on_ignored(key, str(e))
+            return self._record(Judged(learner, IGNORED))
+        except RecordInvalid:
+            return self._record(Judged(learner, "corrupt"))
+        if snap is None:
+            return self._record(Judged(learner, "missing"))
+        if snap.learner != learner or snap.round != self.round:
+            return self._record(Judged(learner, "corrupt", snap))
+        base = version_before(self.round, self.run.P)
+        schema_ok = snap.schema_digest == self.run.digest
+        status: PayloadStatus = "ok"
+        finite, norms = True, None
+        if snap.steps > 0 and schema_ok and snap.base_version == base:
+            if not all(keys.in_snapshot_folder(x.key, x.sha256, self.round, learner) for x in chunk_refs(snap.payload)):
+                status = "corrupt"  # checked before any read: the ref may name any object
+            else:
+                verdict = self.closer_for(store).judge(self.fragment, self.round, snap.payload)
+                status, finite, norms = verdict.status, verdict.finite, verdict.norms
+        ok = status == "ok" and norms is not None
+        reason = judge(snap.steps, schema_ok, snap.base_version, base, {} if ok else None, status)
+        if reason is None and not finite:
+            reason = "nonfinite"
+        weight = contribution_weight(snap.tokens, snap.steps) if reason is None and snap.steps else 0.0
+        if reason is None and not weight > 0:
+            reason = "zero_steps"
+        if reason is not None or not ok:
+            self._forget(snap)
+            return self._record(Judged(learner, reason, snap, weight))
+        self.closer_for(store).reserve(self.fragment)
+        return self._record(Judged(learner, reason, snap, weight, norms))
+
+    def _forget(self, snap: Snapshot) -> None:
+        """Drop a rejected snapshot's chunks from the spool (those no accepted one shares)."""
+        spool = self.closer.spool if self.closer is not None else self.spool
+        if spool is None:
+            return
+        keep = {r.sha256 for j in self.accepted() if j.snapshot is not None for r in chunk_refs(j.snapshot.payload)}
+        for r in chunk_refs(snap.payload):
+            if r.sha256 not in keep:
+                spool.discard(r.sha256)
+
+    def reject_outliers(self, factor: float) -> None:
+        """Reject (reason ``outlier``) accepted deltas whose norm is over ``factor`` times the median
+        norm of the others (``acceptance.outlier_mask``). The smallest one is never an outlier."""
+        accepted = sorted(self.accepted(), key=lambda j: j.learner)
+        if len(accepted) < 2:
+            return
+        mask = outlier_mask_of_norms([norm_of(j.norms or {}) for j in accepted], factor=factor)
+        for j, outlier in zip(accepted, mask, strict=True):
+            if outlier:
+                j.reason, j.weight, j.norms = "outlier", 0.0, None
+                if j.snapshot is not None:
+                    self._forget(j.snapshot)
+
+    def _record(self, j: Judged) -> Judged:
+        self.judged[j.learner] = j
+        return j
+
+    def update(
+        self, live: set[str], now: float, *, quorum_size: int, gap: int, in_flight: int, overlap_steps: int | None
+    ) -> bool:
+        """Advance the quorum and grace state; True when the round should close now."""
+        n_ok = len(self.accepted())
+        all_reported = live <= set(self.judged)
+        if all_reported and n_ok == 0:
+            # Every live learner reported and none was accepted: nothing else can close the
+            # round. A payload rejected as corrupt or missing may only have been read back
+            # damaged in transit, so judge those again on the next poll.
+            for learner in [lr for lr, j in self.judged.items() if j.reason in ("corrupt", "missing")]:
+                del self.judged[learner]
+        if self.quorum_at is None and (n_ok >= quorum_size or (all_reported and n_ok >= 1)):
+            self.quorum_at = now
+            self.grace = grace_seconds(
+                **asdict(self.estimates), gap=gap, in_flight=in_flight, overlap_steps=overlap_steps
+            )
+        if self.quorum_at is None:
+            return False
+        return all_reported or now - self.quorum_at >= self.grace
 
 
 @dataclass

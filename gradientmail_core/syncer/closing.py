@@ -6,13 +6,12 @@ from __future__ import annotations
 import numpy as np
 
 from .. import events as ev
-from ..errors import PayloadCorrupt, RecordInvalid
+from ..errors import RecordInvalid
 from ..mailbox import CreateOutcome
 from ..protocol import keys
 from ..protocol.records import RoundRecord
 from ..protocol.schedule import fragment_of, gap
-from .closer import compute_commit
-from .collector import IGNORED, Collector, Estimates
+from .closer import IGNORED, Collector, Estimates, compute_commit
 from .following import Following
 from .fragment import FragmentState
 from .replay import recover
@@ -91,11 +90,7 @@ class Closing(Following):
                 theirs = self.store.decode_record(existing, RoundRecord, keys.round_key(c.round))
             except RecordInvalid:
                 return False  # the listing will find the record and report it
-            try:
-                theta = self._fetch_commit(theirs)
-            except PayloadCorrupt:
-                return False  # as above: _advance reports it and retries
-            self._on_record(theirs, theta)
+            self._take(theirs)  # (a payload that reads back damaged: _advance retries it)
             return False
         self.stats.committed += 1
         self.closer.landed(rec.fragment, rec.version)

@@ -13,10 +13,10 @@ from ..protocol.run import payload_cap
 from ..protocol.tape import fetch_theta, schedule_problem
 from .bridge import CommitNotice
 from .closer import rebuild_theta, theta_digest
-from .state import NodeState
+from .verifying import Verifying
 
 
-class Following(NodeState):
+class Following(Verifying):
     def _advance(self, round_keys: list[str]) -> bool:
         """Follow the listed records in order; False if one could not be read yet (retried next poll)."""
         rounds = sorted({r for k in round_keys if (r := keys.parse_round_key(k)) is not None and r > self.head})
@@ -48,14 +48,36 @@ class Following(NodeState):
             if self.bridge.follow is not None:  # a sharded node: its ranks fetch their own chunks
                 self._on_record(rec, {})
                 continue
+            if not self._take(rec, lend=True):
+                return False
+        return True
+
+    def _take(self, rec: RoundRecord, *, lend: bool = False) -> bool:
+        """Follow another node's commit ``rec``: checked first when this node verifies
+        (``verifying.py``), its parameters fetched (unless verifying made them), handed to the
+        learner (``lend``: without keeping them, when ``lends``). False when a payload read back
+        damaged (a transport fault: the caller retries on the next poll)."""
+        refused, theta = self._screen(rec)
+        if refused is not None:
+            self._refuse(rec, refused)
+            return True
+        if theta is None:
             try:
                 theta = self._fetch_commit(rec)
             except PayloadCorrupt as e:
-                # A committed payload that reads back wrong is a transport fault: retry next poll.
-                self.emit(ev.StoreFailure(self.me, f"round {r}: {e}"))
+                self.emit(ev.StoreFailure(self.me, f"round {rec.round}: {e}"))
                 return False
-            self._on_record(rec, theta, lent=theta is not None and self.lends())
+        self._on_record(rec, theta, lent=lend and theta is not None and self.lends())
         return True
+
+    def _refuse(self, rec: RoundRecord, reason: str) -> None:
+        """Follow ``rec`` on the tape without applying it: the learner hears that the round is over
+        (it waits for it no longer) and keeps the fragment's parameters of the last commit it
+        applied; this node keeps those too (``thetas``)."""
+        self._on_record(rec, None)
+        self.emit(ev.CommitRefused(self.me, rec.round, rec.fragment, rec.closer, reason))
+        if self.role != "syncer":
+            self.bridge.inbox.put(CommitNotice(rec.round, rec.fragment, rec.version, {}, refused=True))
 
     def _check_record(self, rec: RoundRecord | None, r: int) -> str | None:
         problem = schedule_problem(rec, r, self.run.P)

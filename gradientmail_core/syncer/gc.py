@@ -12,13 +12,25 @@ class GarbageCollection(NodeState):
         """After committing r: snapshot records of rounds <= r, claims of rounds <= r, leases
         abandoned long ago, and the payloads no reader needs: snapshot payloads of rounds <= r and
         round payloads of rounds <= r - 2P, except, between checkpoints, a fragment's newest
-        checkpoint and what a recovery replays after it (``_checkpoint_rounds``)."""
+        checkpoint and what a recovery replays after it (``_checkpoint_rounds``), and what verifying
+        the newest rounds needs (``_window``)."""
         store, P = self.store, self.run.P
         ck = self._checkpoint_rounds()
-        doomed = [keys.snapshot_key(rr, lr) for rr, ls in self.snapshot_keys.items() if rr <= r for lr in ls]
+        records_from, contributions_from, states_from = self._window(r)
+        doomed = [
+            keys.snapshot_key(rr, lr)
+            for rr, ls in self.snapshot_keys.items()
+            if rr <= r and rr < records_from
+            for lr in ls
+        ]
         for k in store.keys(keys.SNAPSHOT_BLOBS):
             b = keys.parse_blob_key(k)
-            if b is None or (b.round is not None and b.round <= r and b.round <= ck[fragment_of(b.round, P)]):
+            if b is None or (
+                b.round is not None
+                and b.round <= r
+                and b.round <= ck[fragment_of(b.round, P)]
+                and b.round < contributions_from
+            ):
                 doomed.append(k)
         for k in store.keys(keys.CLAIMS):
             parsed = keys.parse_claim_key(k)
@@ -33,13 +45,30 @@ class GarbageCollection(NodeState):
                     and b.round is not None
                     and b.round <= cutoff
                     and b.round < ck[fragment_of(b.round, P)]
+                    and b.round < states_from
                 ):
                     doomed.append(k)
         doomed += self.liveness.abandoned()
         if doomed:
             store.delete(doomed)
-        for rr in [rr for rr in self.snapshot_keys if rr <= r]:
+        for rr in [rr for rr in self.snapshot_keys if rr <= r and rr < records_from]:
             del self.snapshot_keys[rr]
+
+    def _window(self, r: int) -> tuple[int, int, int]:
+        """What verifying each of the newest ``W = verify_window`` rounds (``r - W + 1`` to ``r``)
+        needs, as the first round of each kind kept: ``(snapshot records, snapshot payloads, round
+        payloads)``. A round's participants' snapshot records and payloads; and the state its
+        fragment started from: the theta and outer state of the previous version, or, between
+        checkpoints (``checkpoint_every = k``), the checkpoint at most ``k`` versions back and the
+        contributions of the rounds after it (``replay.recover``), so ``k P`` rounds before the
+        window for round payloads and ``(k - 1) P`` for contributions. ``W = 0``: nothing more than
+        the run needs (every bound past ``r``)."""
+        w = self.run.cfg.verify_window
+        if w == 0:
+            return r + 1, r + 1, r + 1
+        k, P = self.run.cfg.checkpoint_every, self.run.P
+        first = r - w + 1
+        return first, first - (k - 1) * P, first - k * P
 
     def _checkpoint_rounds(self) -> list[int]:
         """Per fragment, the round of its newest checkpoint (-1: the initial parameters). A

@@ -34,10 +34,10 @@ from ..protocol.run import RunInfo
 from ..protocol.store import RunStore
 from .fragment import CommitOp, FragmentState, Lost, Made, Verdict, discard
 from .merging import Source, Span, merge_and_step
-from .ranks import OneProcess, Ranks, flat, whole_layout
+from .ranks import OneProcess, Ranks, alloc, flat, whole_layout
 from .reading import Visit, contribution_cap, read_chunk, tensor_of, visits
 from .spool import Spool
-from .writing import Put, new_theta, write_payloads
+from .writing import Put, write_commit
 
 # A fragment at least this large reads ahead and encodes its payloads on worker threads; a smaller
 # one (a simulation's, a test's) inline, without starting threads.
@@ -64,6 +64,7 @@ class FragmentCloser:
         self.states: dict[int, FragmentState] = {}  # landed
         self.pending: dict[int, FragmentState] = {}  # committed, record not yet written
         self.reserved: dict[int, tuple[Arrays, Arrays]] = {}
+        self.spans: dict[int, Span] = {}  # what this process holds of each fragment (fixed for the run)
 
     @classmethod
     def one_process(cls, run: RunInfo, store: RunStore, spool: Spool | None = None) -> FragmentCloser:
@@ -88,6 +89,11 @@ class FragmentCloser:
         self.reserved.pop(f, None)
 
     def span(self, f: int) -> Span:
+        if f not in self.spans:
+            self.spans[f] = self._span(f)
+        return self.spans[f]
+
+    def _span(self, f: int) -> Span:
         shapes, merge, layout = self.run.shapes[f], self.run.cfg.merge, self.layout
         ranges = {n: layout.range(n, self.ranks.rank) for n in shapes}
         specs = chunk_specs(shapes, self.run.chunk_elements)
@@ -98,40 +104,32 @@ class FragmentCloser:
         split = {n for n in radial if n in spans or n not in whole}
         return Span(shapes, ranges, specs, visits(specs, ranges, self.ranks.rank), split)
 
-    def _alloc(self, ranges: Mapping[str, tuple[int, int]], shapes: Mapping[str, Sequence[int]]) -> Arrays:
-        """Arrays for this process's ranges: a tensor held whole in its shape, a range flat."""
-        out = {}
-        for n, (lo, hi) in ranges.items():
-            out[n] = np.empty(tuple(shapes[n]) if (lo, hi) == (0, numel(shapes[n])) else hi - lo, np.float32)
-        return out
+    def _chunk(
+        self, refs: Sequence[PayloadRef], specs: Sequence[ChunkSpec], k: int, dtypes: Mapping[str, str],
+        cap: int | None = None, round: int = 0, spool: Spool | None = None,
+    ) -> dict[str, np.ndarray]:  # fmt: skip
+        """Chunk ``k`` read (spool first), verified and decoded; ``_Failed`` when it cannot be."""
+        s = specs[k]
+        dt = {p.name: dtypes[p.name] for p in s.pieces}
+        try:
+            got = read_chunk(
+                self.store, spool, refs[k], s, dtypes=dt, max_bytes=cap, round=round, decoded=len(specs) == 1
+            )
+        except PayloadLayoutMismatch as e:
+            raise _Failed(k, "schema", e) from e
+        except (PayloadCorrupt, MissingExtra) as e:  # MissingExtra: a zstd payload, zstandard absent
+            raise _Failed(k, "corrupt", e) from e
+        if got is None:
+            raise _Failed(k, "missing")
+        return got
 
     def _read(
-        self,
-        refs: Sequence[PayloadRef],
-        specs: Sequence[ChunkSpec],
-        dtypes: Mapping[str, str],
-        planned: Sequence[Visit],
-        feed: Callable[[Piece, np.ndarray], None],
-        *,
-        cap: int | None = None,
-        round: int = 0,
-        spool: Spool | None = None,
-    ) -> None:
-        """Each chunk ``planned`` names, read (spool first), verified and decoded; each piece's part
-        in this process's ranges to ``feed``. ``_Failed`` at the first chunk that cannot be."""
+        self, refs: Sequence[PayloadRef], specs: Sequence[ChunkSpec], dtypes: Mapping[str, str],
+        planned: Sequence[Visit], feed: Callable[[Piece, np.ndarray], None], **how: Any,
+    ) -> None:  # fmt: skip
+        """Each chunk ``planned`` names (``_chunk``): each piece's part in this process's ranges to ``feed``."""
         for k, pieces in planned:
-            s = specs[k]
-            dt = {p.name: dtypes[p.name] for p in s.pieces}
-            try:
-                got = read_chunk(
-                    self.store, spool, refs[k], s, dtypes=dt, max_bytes=cap, round=round, decoded=len(specs) == 1
-                )
-            except PayloadLayoutMismatch as e:
-                raise _Failed(k, "schema", e) from e
-            except (PayloadCorrupt, MissingExtra) as e:  # MissingExtra: a zstd payload, zstandard absent
-                raise _Failed(k, "corrupt", e) from e
-            if got is None:
-                raise _Failed(k, "missing")
+            got = self._chunk(refs, specs, k, dtypes, **how)
             for p, a, b in pieces:
                 feed(p, got[p.name][a:b])
 
@@ -151,7 +149,7 @@ class FragmentCloser:
             if len(refs) != len(specs):
                 raise PayloadCorrupt(f"{ref.key} names {len(refs)} chunks, the plan has {len(specs)}")
             ranges = {n: span.ranges[tensor_of(n)] for n in shapes}
-            out = self._alloc(ranges, shapes)
+            out = alloc(ranges, shapes)
 
             def into(p: Piece, v: np.ndarray) -> None:
                 lo = ranges[p.name][0]
@@ -222,11 +220,13 @@ class FragmentCloser:
         and touch every page now (with the first accepted contribution): the page faults of 8 bytes
         per parameter of fresh memory are paid while contributions arrive, not after quorum."""
         if f not in self.reserved:
-            span = self.span(f)
-            self.reserved[f] = self._alloc(span.ranges, span.shapes), self._alloc(span.ranges, span.shapes)
+            self.reserved[f] = self._pair(self.span(f))
             for arrays in self.reserved[f]:
                 for a in arrays.values():
                     a.fill(0)
+
+    def _pair(self, span: Span) -> tuple[Arrays, Arrays]:
+        return alloc(span.ranges, span.shapes), alloc(span.ranges, span.shapes)
 
     def commit(self, op: CommitOp, put: Put | None) -> Made:
         """Merge ``op``'s contributions, take the outer step and write the payloads (``put``; None:
@@ -249,33 +249,27 @@ class FragmentCloser:
         cap, dtypes = contribution_cap(run, f, len(span.specs)), run.delta_dtypes(f)
 
         def chunk(i: int, k: int) -> dict[str, np.ndarray]:
-            ref = op.accepted[i].refs[k]
+            refs = op.accepted[i].refs
             try:
-                got = read_chunk(
-                    self.store, self.spool, ref, span.specs[k], dtypes=dtypes, max_bytes=cap, round=op.round,
-                    decoded=len(span.specs) == 1,
-                )  # fmt: skip
-            except (PayloadCorrupt, MissingExtra) as e:
-                raise Lost(i, "corrupt", f"{ref.key}: {e}") from e
-            if got is None:
-                raise Lost(i, "missing", f"{ref.key} is gone")
-            return got
+                return self._chunk(refs, span.specs, k, dtypes, cap, op.round, self.spool)
+            except _Failed as e:
+                why = f"{refs[k].key}: {e.cause}" if e.cause else f"{refs[k].key} is gone"
+                raise Lost(i, "corrupt" if e.cause else "missing", why) from e.cause
 
         threaded = run.fragment_bytes(f) >= THREADED_BYTES
         source = Source(chunk, in_memory=len(span.specs) == 1, threaded=threaded)
-        out = self.reserved.pop(f, None) or (
-            self._alloc(span.ranges, span.shapes),
-            self._alloc(span.ranges, span.shapes),
-        )
+        out = self.reserved.pop(f, None) or self._pair(span)
         try:
-            master, momentum, cosine = merge_and_step(run.cfg, self.ranks, span, source, op.accepted, st, op.final, out)
+            master, momentum, cosine_of = merge_and_step(
+                run.cfg, self.ranks, span, source, op.accepted, st, op.final, out
+            )
         except BaseException:
             self.reserved[f] = out  # nothing was committed: the next attempt writes every element again
             raise
-        theta, built = new_theta(run, self.ranks, self.layout, f, st, master, keep=self.keep_theta)
-        refs, theta_digest, outer_digest, payloads = write_payloads(
-            run, self.ranks, self.layout, op, momentum, master, built, put=put, threaded=threaded
+        theta, refs, theta_digest, outer_digest, payloads = write_commit(
+            run, self.ranks, self.layout, op, st, master, momentum, keep=self.keep_theta, put=put, threaded=threaded
         )
+        cosine = cosine_of()  # (summed on a worker meanwhile, for a large fragment held in memory)
         version = op.version + 1
         kept = theta if self.keep_theta or run.cfg.commit_dtype is not None else master
         self.pending[f] = FragmentState(version, kept, master, momentum, version if op.checkpoint else st.checkpoint)

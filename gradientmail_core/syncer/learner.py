@@ -111,6 +111,12 @@ class Learner:
 
     def apply(self, c: CommitNotice) -> None:
         """Align fragment ``c.fragment`` with a commit, in place, by the run's alignment rule."""
+        if c.refused:
+            # Not applied (verifying.py): this learner waits for the round no longer, and keeps the
+            # fragment as it is (its next contribution of it is stale until a commit it applies).
+            while self.published and self.published[0].round <= c.round:
+                self.published.popleft()
+            return
         if c.version <= self.versions.get(c.fragment, -1):
             return
         f = c.fragment

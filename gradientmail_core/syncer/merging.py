@@ -22,7 +22,8 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -32,10 +33,11 @@ from ..aggregators import fused
 from ..aggregators import merge as merge_mod
 from ..aggregators import outer as outer_mod
 from ..aggregators.fused import cosine_from, cosine_into, cosine_units, merge_into, norm_of
-from ..aggregators.leaves import Pooled
+from ..aggregators.leaves import Pooled, combine_leaves, dot_range, dot_total
 from ..ahead import ordered
 from ..codec.chunked import ChunkSpec
 from ..config import RDA, DiLoCo
+from ..protocol.chunks import numel
 from .fragment import Accepted, FragmentState
 from .ranks import Ranks, flat
 from .reading import Visit
@@ -118,11 +120,12 @@ def merge_and_step(
     st: FragmentState,
     final: bool,
     out: tuple[dict[str, np.ndarray], dict[str, np.ndarray]],
-) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], float | None]:
-    """``(new master, new momentum, cosine)`` of this process's ranges, written into ``out``."""
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], Callable[[], float | None]]:
+    """``(new master, new momentum, cosine)`` of this process's ranges, written into ``out``;
+    ``cosine()`` gives the cosine (a phase: call it on every rank, after the payloads)."""
     shapes, ranges, visits, split = span.shapes, span.ranges, span.visits, span.split
     names = list(shapes)
-    sizes = {n: int(np.prod(s, dtype=np.int64)) for n, s in shapes.items()}
+    sizes = {n: numel(s) for n, s in shapes.items()}
     n = len(accepted)
     sq = [a.norms for a in accepted]
     p, clips, units, radial = merge_terms(cfg, names, [a.weight for a in accepted], sq)
@@ -131,19 +134,27 @@ def merge_and_step(
         got = source.chunk(i, k) if got is None else got
         return [got[pc.name][a:b] for pc, a, b in clipped]
 
-    def pooled_norms(select: set[str], count: int, values: Callable[[int, list], Iterable[list[np.ndarray]]]):
+    def pooled_norms(select: set[str], count: int, who: Sequence[int], values: Callable[..., Iterable[list[Any]]]):
         """``count`` squared norms of each tensor in ``select``, pooled over the ranks:
-        ``values(k, mine)`` gives each one's arrays of chunk ``k``'s pieces ``mine``."""
+        ``values(k, mine, fetch)`` gives each one's arrays of chunk ``k``'s pieces ``mine``, reading
+        the chunks of contributions ``who`` in order with ``fetch(i, k)`` (the next read ahead)."""
         dots = [Pooled("dot", {nm: sizes[nm] for nm in select}, ranges) for _ in range(count)]
 
         def local() -> list[dict[str, Any]]:
             for d in dots:
                 d.start()
-            for k, clipped in visits:
-                mine = [c for c in clipped if c[0].name in select]
-                for d, arrays in zip(dots, values(k, mine) if mine else (), strict=False):
-                    for (pc, _, _), x in zip(mine, arrays, strict=True):
-                        d.feed(pc.name, x)
+            ks = [k for k, clipped in visits if any(c[0].name in select for c in clipped)]
+            reads = None if source.in_memory else source.stream([(i, k) for k in ks for i in who])
+
+            def fetch(i: int, k: int) -> dict[str, np.ndarray]:
+                return source.chunk(i, k) if reads is None else next(reads)
+
+            with contextlib.closing(reads) if reads is not None else contextlib.nullcontext():
+                for k, clipped in visits:
+                    mine = [c for c in clipped if c[0].name in select]
+                    for d, arrays in zip(dots, values(k, mine, fetch) if mine else (), strict=False):
+                        for (pc, _, _), x in zip(mine, arrays, strict=True):
+                            d.feed(pc.name, x)
             return [d.wire() for d in dots]
 
         pooled = ranks.phase(local)
@@ -154,29 +165,35 @@ def merge_and_step(
     clipped_i = [i for i in range(n) if clips[i] is not None]
     if radial and clipped_i:
         got = pooled_norms(
-            radial, len(clipped_i), lambda k, m: ([x * clips[i] for x in part(i, k, m)] for i in clipped_i)
-        )
+            radial, len(clipped_i), clipped_i,
+            lambda k, m, fetch: ([x * clips[i] for x in part(i, k, m, fetch(i, k))] for i in clipped_i),
+        )  # fmt: skip
         x_sq = [dict(got[clipped_i.index(i)]) if i in clipped_i else x_sq[i] for i in range(n)]
     scales, radius = merge_scales(names, radial, p, x_sq)
     # Pass 1: the merged norm of each radial tensor that spans chunks or ranks.
     direction: dict[str, float] = {}
     if split:
         merged = pooled_norms(
-            split, 1, lambda k, m: [_merged(m, (part(i, k, m) for i in range(n)), scales, clips, None, None)]
-        )
+            split, 1, range(n),
+            lambda k, m, fetch: [_merged(m, (part(i, k, m, fetch(i, k)) for i in range(n)), scales, clips, None)[0]],
+        )  # fmt: skip
         direction = {nm: math.sqrt(v) for nm, v in merged[0].items()}
     # Pass 2: every chunk merged (and the cosine's sums), scaled, stepped.
     new_master, new_momentum = out
     cos = Pooled("cosine", sizes, ranges) if units is not None else None
+    # Contributions held in memory stay there: a large fragment's cosine is summed after the pass,
+    # on a worker while the payloads are written (``later``), not in it (2-3x the merge's work).
+    defer = cos is not None and source.in_memory and source.threaded
+    inline = None if defer else units
     lr, beta = cfg.outer_lr, cfg.outer_momentum
 
-    def step(pc: Any, v: np.ndarray) -> None:
+    def step(pc: Any, v: np.ndarray, sq: float | None = None) -> None:
         name, scale = pc.name, None
         if name in radial:
             if name in direction:
                 norm = direction[name]
-            else:  # this process holds the whole tensor, in this chunk: its norm now
-                norm = math.sqrt(fused.sq_norms({name: v})[name])
+            else:  # this process holds the whole tensor, in this chunk: its norm now (or summed as merged)
+                norm = math.sqrt(fused.sq_norms({name: v})[name] if sq is None else sq)
             if norm == 0.0:
                 v.fill(0)  # +0.0 everywhere (the direction may hold -0.0)
             else:
@@ -191,57 +208,113 @@ def merge_and_step(
             nmo = flat(new_momentum[name])[a:b]
             outer_mod.outer_step_tensor(m_old, mo, v, lr=lr, beta=beta, scale=scale, out=(nm, nmo), name=name)
 
+    def held(at: tuple[int, Any, int]) -> None:
+        """A piece of contributions held in memory merged block by block (side by side on worker
+        threads for a large tensor), its cosine sums fed in order, then stepped. Its squared norm
+        is summed as merged when this process takes it (RDA, a tensor held whole). Tensors run on
+        threads side by side: each feeds only its own sums."""
+        k, pc, a = at
+        v = _scratch(pc.size)
+        norm_here = pc.name in radial and pc.name not in direction
+
+        def block(lo: int) -> tuple[list[np.ndarray] | None, Any]:
+            hi = min(lo + BLOCK, pc.size)
+            piece = [(pc, a + lo, a + hi)]
+            sums = _merged(piece, (part(i, k, piece) for i in range(n)), scales, clips, inline, into=[v[lo:hi]])[1]
+            if not norm_here:
+                return sums, None
+            d = dot_range(pc.size, lo, hi)  # (the tensor held whole: blocks in its own coordinates)
+            d.feed(v[lo:hi])
+            return sums, d.finish()
+
+        threads = fused.WORKERS if source.threaded and pc.size > BLOCK else 0
+        dots = []
+        for sums, dot in ordered(block, range(0, pc.size, BLOCK), threads=threads, queued=2 * threads):
+            if cos is not None and sums is not None:
+                cos.feed(pc.name, sums[0])
+            dots.append(dot)
+        step(pc, v, dot_total(pc.size, combine_leaves(pc.size, "dot", dots)) if norm_here else None)
+
+    def merge_read(k: int, clipped: list[Any], reads: Iterator[dict[str, np.ndarray]]) -> None:
+        """Chunk ``k`` of each contribution read once and merged as it comes (the next read
+        meanwhile), then stepped; its buffers let go on return, before the next chunk's."""
+        chunks = (part(i, k, clipped, next(reads)) for i in range(n))
+        merged, sums = _merged(clipped, chunks, scales, clips, units)
+        for t, ((pc, _, _), v) in enumerate(zip(clipped, merged, strict=True)):
+            if cos is not None and sums is not None:
+                cos.feed(pc.name, sums[t])
+            step(pc, v)
+
     def pass2() -> dict[str, Any]:
-        if cos is not None:
+        if cos is not None and not defer:
             cos.start()
         reads = None if source.in_memory else source.stream([(i, k) for k, _ in visits for i in range(n)])
         with contextlib.closing(reads) if reads is not None else contextlib.nullcontext():
             for k, clipped in visits:
-                if reads is not None:  # the chunk's pieces together: each contribution's chunk read once
-                    got = [next(reads) for _ in range(n)]
-                    merged = _merged(
-                        clipped, (part(i, k, clipped, got[i]) for i in range(n)), scales, clips, units, cos
-                    )
-                    del got
-                    for (pc, _, _), v in zip(clipped, merged, strict=True):
-                        step(pc, v)
+                if reads is not None:
+                    merge_read(k, clipped, reads)
                     continue
-                for one in clipped:  # held in memory: one tensor's piece at a time, by blocks
-                    pc, a, b = one
-                    v = _scratch(pc.size)
-                    for lo in range(0, pc.size, BLOCK):
-                        hi = min(lo + BLOCK, pc.size)
-                        block = [(pc, a + lo, a + hi)]
-                        xs = (part(i, k, block) for i in range(n))
-                        _merged(block, xs, scales, clips, units, cos, into=[v[lo:hi]])
-                    step(pc, v)
-        return cos.wire() if cos is not None else {}
+                # Held in memory: a large tensor by blocks side by side, then the smaller ones side
+                # by side, each whole on one thread (the order of tensors changes no byte).
+                big = [(k, pc, a) for pc, a, _ in clipped if pc.size > BLOCK]
+                small = [(k, pc, a) for pc, a, _ in clipped if pc.size <= BLOCK]
+                threads = fused.WORKERS if source.threaded and len(small) > 1 else 0
+                for c in big:
+                    held(c)
+                for _ in ordered(held, small, threads=threads, queued=2 * threads):
+                    pass
+        return cos.wire() if cos is not None and not defer else {}
 
     pooled = ranks.phase(pass2)
-    cosine = cosine_from(units, cos.leaves(pooled) if cos is not None else {}, n)
-    return new_master, (st.momentum if final else new_momentum), cosine
+    master, momentum = new_master, (st.momentum if final else new_momentum)
+    if cos is None or not defer:
+        cosine = cosine_from(units, cos.leaves(pooled) if cos is not None else {}, n)
+        return master, momentum, lambda: cosine
+
+    def sums() -> dict[str, Any]:  # the cosine's sums of the contributions held, block by block
+        assert cos is not None
+        cos.start()
+        for k, clipped in visits:
+            for pc, a, _ in clipped:
+                for lo in range(0, pc.size, BLOCK):
+                    piece = [(pc, a + lo, a + min(lo + BLOCK, pc.size))]
+                    got = _merged(piece, (part(i, k, piece) for i in range(n)), None, clips, units)[1]
+                    if got is not None:
+                        cos.feed(pc.name, got[0])
+        return cos.wire()
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="gradientmail-cosine")
+    summing = pool.submit(sums)
+    pool.shutdown(wait=False)  # (not ``with``: its exit would wait for the sums here)
+
+    def later() -> float | None:  # (a phase: every rank calls it after the payloads are written)
+        return cosine_from(units, cos.leaves(ranks.phase(summing.result)), n)
+
+    return master, momentum, later
 
 
 def _merged(
     pieces: Sequence[tuple[Any, int, int]],
     contributions: Iterable[Sequence[np.ndarray]],
-    scales: Mapping[str, Sequence[np.float32 | None]],
+    scales: Mapping[str, Sequence[np.float32 | None]] | None,
     clips: Sequence[np.float32 | None],
     units: Sequence[float | None] | None,
-    cos: Pooled | None,
     *,
     into: Sequence[np.ndarray] | None = None,
-) -> list[np.ndarray]:
+) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
     """``pieces`` merged (not scaled) from each contribution's values of them (in learner order,
     each taken, used and dropped in turn), as ``fused._merge_range`` merges them: each piece's
-    float32 values (in ``into``, or a buffer of this call's). With ``units``, feeds each piece's
-    cosine sum (of the contributions as given, before clipping) to ``cos``."""
+    float32 values (in ``into``, or a buffer of this call's), and with ``units`` each piece's
+    cosine sum (float64, of the contributions as given, before clipping). ``scales`` None: the
+    cosine sums only."""
     sizes = [b - a for _, a, b in pieces]
     starts = np.cumsum([0, *sizes]).tolist()
-    if into is None:
+    if scales is None:
+        into = []
+    elif into is None:
         buf = np.empty(starts[-1], np.float32)
         into = [buf[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
-    acc = np.empty(starts[-1], np.float64) if units is not None and cos is not None else None
+    acc = np.empty(starts[-1], np.float64) if units is not None else None
     first_merge = [True] * len(pieces)
     first_cos = True
     for i, xs in enumerate(contributions):
@@ -249,6 +322,8 @@ def _merged(
         for t, ((pc, _, _), x) in enumerate(zip(pieces, xs, strict=True)):
             if u is not None and acc is not None:
                 cosine_into(acc[starts[t] : starts[t + 1]], x, u, first=first_cos)
+            if scales is None:
+                continue
             if clips[i] is not None:
                 x = x if x.flags.writeable else x.copy()
                 x *= clips[i]  # ``merge.clip``: one float32 multiply, before the merge's
@@ -261,10 +336,8 @@ def _merged(
     for t, v in enumerate(into):
         if first_merge[t]:
             v.fill(0)  # no contribution has a direction here
-    if cos is not None and acc is not None:
-        for t, (pc, _, _) in enumerate(pieces):
-            cos.feed(pc.name, acc[starts[t] : starts[t + 1]])
-    return list(into)
+    sums = None if acc is None else [acc[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
+    return list(into), sums
 
 
 _local = threading.local()

@@ -68,6 +68,8 @@ class Node(Publishing, Election):
     def leave(self) -> None:
         self.lease.release()
         self.spool.close()  # the contribution chunks of the rounds it closed: on local disk, removed
+        if self.verifier is not None:
+            self.verifier.close()
         self.emit(ev.Left(self.me, self.head))
 
     # ---- one poll ---------------------------------------------------------------------

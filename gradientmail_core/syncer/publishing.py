@@ -46,7 +46,7 @@ class Publishing(NodeState):
             return keys.snapshot_blob_key(pub.round, self.me, sha, compression)
 
         # A node closing rounds keeps its contribution's chunks in its spool as it uploads them, and
-        # judges it from there (``collector.judge_snapshot``): a node closing nothing keeps nothing.
+        # judges it from there (``closer.Collector.judge_snapshot``): a node closing nothing keeps nothing.
         keep = self.collector is not None
         kept = False
         upload = getattr(pub.delta, "upload", None)

@@ -27,36 +27,23 @@ from ..protocol.chunks import Layout, Piece, fragment_plan, numel
 
 T = TypeVar("T")
 Owned = dict[int, list[tuple[Piece, np.ndarray]]]  # chunk -> its pieces' values, at the chunk's owner
+Shapes = Mapping[str, Sequence[int]]
+Local = Mapping[str, np.ndarray]  # tensor -> this process's flat range of it
 
 
 class Ranks(Protocol):
     rank: int
     world: int
 
-    def begin(self, name: str, /, **args: Any) -> None:
-        """An op starts (``FragmentCloser``'s ``load``, ``judge``, ``commit``, ``landed``): the rank
-        that leads announces it to the others, which run it with these arguments."""
-        ...
+    def begin(self, name: str, /, **args: Any) -> None: ...
+    def phase(self, fn: Callable[[], T]) -> list[T]: ...
 
-    def phase(self, fn: Callable[[], T]) -> list[T]:
-        """``fn()`` here, then every rank's result in rank order (on every rank)."""
-        ...
-
-    def gather(
-        self, shapes: Mapping[str, Sequence[int]], layout: Layout, chunk: int | None, local: Mapping[str, np.ndarray]
-    ) -> Owned:
+    def gather(self, shapes: Shapes, layout: Layout, chunk: int | None, local: Local) -> Owned:
         """Collective: the chunks of a payload of ``shapes`` this rank owns, from each holder's flat
         range ``local[name]``. Pieces this rank holds whole may be views of ``local``."""
         ...
 
-    def scatter(
-        self,
-        shapes: Mapping[str, Sequence[int]],
-        layout: Layout,
-        chunk: int | None,
-        owned: Owned,
-        local: Mapping[str, np.ndarray],
-    ) -> None:
+    def scatter(self, shapes: Shapes, layout: Layout, chunk: int | None, owned: Owned, local: Local) -> None:
         """Collective, the reverse of ``gather``: every holder's ``local`` ranges get their elements
         of every chunk from its owner."""
         ...
@@ -78,25 +65,22 @@ class OneProcess:
     def phase(self, fn: Callable[[], T]) -> list[T]:
         return [fn()]
 
-    def gather(
-        self, shapes: Mapping[str, Sequence[int]], layout: Layout, chunk: int | None, local: Mapping[str, np.ndarray]
-    ) -> Owned:
+    def gather(self, shapes: Shapes, layout: Layout, chunk: int | None, local: Local) -> Owned:
         plan = fragment_plan(shapes, chunk)
         return {k: [(p, flat(local[p.name])[p.start : p.stop]) for p in pieces] for k, pieces in enumerate(plan)}
 
-    def scatter(
-        self,
-        shapes: Mapping[str, Sequence[int]],
-        layout: Layout,
-        chunk: int | None,
-        owned: Owned,
-        local: Mapping[str, np.ndarray],
-    ) -> None:
+    def scatter(self, shapes: Shapes, layout: Layout, chunk: int | None, owned: Owned, local: Local) -> None:
         for pieces in owned.values():
             for p, values in pieces:
                 dest = flat(local[p.name])[p.start : p.stop]
                 if not np.shares_memory(dest, values):
                     dest[...] = values
+
+
+def alloc(ranges: Mapping[str, tuple[int, int]], shapes: Shapes) -> dict[str, np.ndarray]:
+    """Float32 arrays for the ranges a process holds: a tensor held whole in its shape, a range flat."""
+    whole = {n: (lo, hi) == (0, numel(shapes[n])) for n, (lo, hi) in ranges.items()}
+    return {n: np.empty(tuple(shapes[n]) if whole[n] else hi - lo, np.float32) for n, (lo, hi) in ranges.items()}
 
 
 def whole_layout(shapes: Mapping[str, Sequence[int]]) -> Layout:

@@ -10,9 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from ..codec.chunked import ChunkSpec, decode_chunk
-from ..errors import PayloadCorrupt, PayloadLayoutMismatch
-from ..protocol import keys
+from ..codec.chunked import ChunkSpec
+from ..errors import PayloadCorrupt
 from ..protocol.chunks import Piece
 from ..protocol.records import PayloadRef
 from ..protocol.run import RunInfo, payload_cap
@@ -64,45 +63,19 @@ def read_chunk(
     cap = s.cap() if max_bytes is None else min(max_bytes, s.cap())
     if ref.more:
         raise PayloadCorrupt(f"{ref.key}: a chunk's ref lists chunks of its own")
-    held = spool.decoded(ref.sha256) if spool is not None else None
-    if held is not None:
-        if {n: v.size for n, v in held.items()} != {p.name: p.size for p in s.pieces}:
-            raise PayloadLayoutMismatch(f"{ref.key}: its chunk holds other tensors than chunk {s.k}'s")
-        return held
-    if spool is not None and spool.has(ref.sha256):
-        try:
-            compression = keys.compression_of(ref.key)
-        except ValueError as e:
-            raise PayloadCorrupt(str(e)) from None
-        if ref.size <= cap:
-            try:
-                got = decode_chunk(
-                    spool.chunks(ref.sha256),
-                    s,
-                    size=ref.size,
-                    sha256=ref.sha256,
-                    compression=compression,
-                    max_bytes=cap,
-                    dtypes=dtypes,
-                    key=ref.key,
-                )
-                return {name: v.reshape(-1) for name, v in got.items()}
-            except PayloadLayoutMismatch:
-                raise
-            except (PayloadCorrupt, OSError):
-                spool.discard(ref.sha256)  # damaged on disk (or gone): read it from the store again
+    got = spool.read(ref, s, dtypes=dtypes, cap=cap) if spool is not None else None
+    if got is not None:
+        return got
 
     def get(tee: Callable[[Any], object] | None) -> dict[str, np.ndarray] | None:
         return store.get_chunk(ref, s.pieces, shapes=s.shapes, k=s.k, n=s.n, dtypes=dtypes, max_bytes=cap, tee=tee)
 
-    if spool is None:
-        return get(None)
-    if decoded:
+    if spool is None or decoded:
         fetched = get(None)
-        if fetched is not None:
-            spool.hold(ref.sha256, fetched, round)
-            return spool.decoded(ref.sha256)
-        return None
+        if fetched is None or spool is None:
+            return fetched
+        spool.hold(ref.sha256, fetched, round)
+        return spool.decoded(ref.sha256)
     with spool.writer(ref.sha256, ref.size, round) as w:
         fetched = get(None if w is None else w.write)
         if fetched is not None and w is not None:

@@ -9,22 +9,24 @@ commits every later round again with ``compute_commit`` itself, through the same
 merge, in the same order, with the recorded weights and no outlier judgement (the record lists the
 participants after it). Each replayed round must give the record's change payload,
 ``theta_digest`` and ``outer_digest`` bit for bit, or ``ProtocolError``: never a silently
-different state.
+different state. ``recompute`` is that commit on its own, for any recorded round: verifying a
+round (``verify.py``) compares what it gives with every field of the record.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 
 from ..errors import MailboxUnavailable, PayloadCorrupt, ProtocolError
 from ..protocol import keys
 from ..protocol.rebuild import chain_records, checkpoint_record
-from ..protocol.records import RoundRecord, Snapshot, chunk_refs, ref_digest
+from ..protocol.records import PayloadRef, RoundRecord, Snapshot, chunk_refs, ref_digest
 from ..protocol.run import RunInfo
 from ..protocol.schedule import version_before
 from ..protocol.store import RunStore
-from .closer import compute_commit
-from .collector import Collector, Estimates, Judged
+from .closer import Collector, Commit, Estimates, Judged, compute_commit
 from .fragment import FragmentState, discard
 from .kernel import FragmentCloser
 
@@ -80,24 +82,8 @@ def replay_round(
     """Commit ``rec``'s round again from ``state`` (the version before, held by ``closer``) and its
     recorded contributions; ``ProtocolError`` unless the result is the record's, bit for bit."""
     f, r = rec.fragment, rec.round
-    assert rec.change is not None and rec.contributions is not None and state.version == rec.version - 1
-    c = Collector(r, run, state, opened_at=0.0, estimates=Estimates(), quorum_at=0.0, closer=closer)
-    try:
-        for j in _contributions(closer, run, rec):
-            c.judged[j.learner] = j
-        compression = keys.compression_of(rec.change.key)  # (every chunk's: the closer writes them alike)
-        commit = compute_commit(
-            c,
-            closer=rec.closer,
-            live=rec.live,
-            compression=compression,
-            sync_seconds=None,
-            now=0.0,
-            outliers=False,
-            write=discard,  # only the record is compared: keep no payload
-        )
-    finally:
-        closer.spool.drop_through(r)  # (the round this node collects comes after every replayed one)
+    assert rec.change is not None and rec.contributions is not None
+    commit = recompute(closer, store, run, state, rec, rec.contributions)
     if not _same(commit.record, rec):
         closer.forget(f, unless=state.version)
         raise ProtocolError(
@@ -108,18 +94,53 @@ def replay_round(
     return commit.state
 
 
-def _contributions(closer: FragmentCloser, run: RunInfo, rec: RoundRecord) -> list[Judged]:
-    """Each participant of ``rec`` as the merge takes it: its payload read and verified (its own
-    blob folder, the sha256 the record names) into the closer's spool, its recorded weight, each
-    tensor's squared norm; a payload gone is ``MailboxUnavailable``."""
+def recompute(
+    closer: FragmentCloser,
+    store: RunStore,
+    run: RunInfo,
+    state: FragmentState,
+    rec: RoundRecord,
+    refs: Sequence[PayloadRef],
+) -> Commit:
+    """``rec``'s round committed again, through ``closer``, from ``state`` (the version before,
+    which ``closer`` holds) and ``refs`` (each participant's payload, in the record's order): the
+    same merge, in the same order, with the recorded weights, no outlier judgement, the payloads
+    hashed and not kept. The new state is pending in ``closer`` (``landed`` keeps it). What
+    ``replay_round`` checks, and ``verify.py`` compares field by field. A payload gone is
+    ``MailboxUnavailable``, one that reads back damaged ``PayloadCorrupt``, one that is not the
+    participant's ``ProtocolError``."""
+    r = rec.round
+    assert state.version == rec.version - 1 and len(refs) == len(rec.participants)
+    c = Collector(r, run, state, opened_at=0.0, estimates=Estimates(), quorum_at=0.0, closer=closer)
+    try:
+        for j in _contributions(closer, run, rec, refs):
+            c.judged[j.learner] = j
+        # (every payload of a commit is written with one compression: the change's, or the theta's)
+        written = rec.change if rec.change is not None else rec.theta
+        assert written is not None
+        return compute_commit(
+            c,
+            closer=rec.closer,
+            live=rec.live,
+            compression=keys.compression_of(written.key),
+            sync_seconds=None,
+            now=0.0,
+            outliers=False,
+            write=discard,  # only the record is compared: keep no payload
+        )
+    finally:
+        closer.spool.drop_through(r)  # (the round this node collects comes after every replayed one)
+
+
+def _contributions(closer: FragmentCloser, run: RunInfo, rec: RoundRecord, refs: Sequence[PayloadRef]) -> list[Judged]:
+    """Each participant of ``rec`` as the merge takes it: its payload (``refs``, in order) read and
+    verified (its own blob folder, the sha256 the record names) into the closer's spool, its
+    recorded weight, each tensor's squared norm; a payload gone is ``MailboxUnavailable``."""
     f, r = rec.fragment, rec.round
-    assert rec.contributions is not None
     out = []
-    for p, ref in zip(rec.participants, rec.contributions, strict=True):
-        parsed = [keys.parse_blob_key(x.key) for x in chunk_refs(ref)]
+    for p, ref in zip(rec.participants, refs, strict=True):
         if ref_digest(ref) != p.payload_sha256 or not all(
-            b is not None and (b.kind, b.round, b.learner, b.sha) == ("snapshot", r, p.learner, x.sha256)
-            for b, x in zip(parsed, chunk_refs(ref), strict=True)
+            keys.in_snapshot_folder(x.key, x.sha256, r, p.learner) for x in chunk_refs(ref)
         ):
             raise ProtocolError(
                 f"{keys.round_key(r)}: contribution {ref.key} is not {p.learner}'s payload of round {r}"
@@ -129,9 +150,9 @@ def _contributions(closer: FragmentCloser, run: RunInfo, rec: RoundRecord) -> li
             raise PayloadCorrupt(f"{ref.key}: a chunk of {p.learner}'s contribution to round {r} reads back bad")
         if verdict.norms is None:
             raise MailboxUnavailable(
-                f"fragment {f}: contribution {ref.key} to round {r}, needed to rebuild version {rec.version} from "
-                f"checkpoint version {rec.checkpoint}, is gone; newer commits exist (or the store lost it: then "
-                "restore it, the fragment cannot be rebuilt without it)"
+                f"fragment {f}: {p.learner}'s contribution {ref.key} to round {r}, needed to commit version "
+                f"{rec.version} again, is gone; newer commits exist (or the store lost it: then restore it, the "
+                "fragment cannot be rebuilt without it)"
             )
         snap = Snapshot(
             learner=p.learner,

@@ -36,8 +36,11 @@ from typing import IO
 
 import numpy as np
 
-from ..errors import PayloadCorrupt
+from ..codec.chunked import ChunkSpec, decode_chunk
+from ..errors import PayloadCorrupt, PayloadLayoutMismatch
 from ..mailbox import Chunk
+from ..protocol import keys
+from ..protocol.records import PayloadRef
 
 PREFIX = "gradientmail-spool-"
 READ_BYTES = 1 << 20  # bytes per read of a spooled file
@@ -148,6 +151,35 @@ class Spool:
     # ---- reading ----------------------------------------------------------------------------
     def has(self, sha256: str) -> bool:
         return sha256 in self.entries or sha256 in self.held
+
+    def read(
+        self, ref: PayloadRef, s: ChunkSpec, *, dtypes: Mapping[str, str], cap: int
+    ) -> dict[str, np.ndarray] | None:
+        """Chunk ``s`` of a payload (``ref``: the chunk's ref) from this spool: held decoded, or its
+        bytes on disk, verified and decoded again (``{piece name: flat values}``); None when not
+        here, or damaged on disk (then dropped: read it from the store again)."""
+        held = self.decoded(ref.sha256)
+        if held is not None:
+            if {n: v.size for n, v in held.items()} != {p.name: p.size for p in s.pieces}:
+                raise PayloadLayoutMismatch(f"{ref.key}: its chunk holds other tensors than chunk {s.k}'s")
+            return held
+        if ref.sha256 not in self.entries or ref.size > cap:
+            return None
+        try:
+            compression = keys.compression_of(ref.key)
+        except ValueError as e:
+            raise PayloadCorrupt(str(e)) from None
+        try:
+            got = decode_chunk(
+                self.chunks(ref.sha256), s, size=ref.size, sha256=ref.sha256, compression=compression,
+                max_bytes=cap, dtypes=dtypes, key=ref.key,
+            )  # fmt: skip
+        except PayloadLayoutMismatch:
+            raise
+        except (PayloadCorrupt, OSError):
+            self.discard(ref.sha256)  # damaged on disk (or gone): read it from the store again
+            return None
+        return {name: v.reshape(-1) for name, v in got.items()}
 
     def chunks(self, sha256: str) -> Iterator[bytes]:
         """The bytes of entry ``sha256``, as they are on disk (the reader checks them: ``decode_chunk``)."""

@@ -19,8 +19,9 @@ from ..protocol.run import RunInfo
 from ..protocol.schedule import fragment_of
 from ..protocol.store import RunStore
 from .bridge import Bridge
-from .collector import Collector
+from .closer import Collector
 from .kernel import FragmentCloser
+from .verify import RoundVerifier
 
 _COMPRESSION = {"off": "", "none": "", "": "", "zstd": "zstd"}  # user-facing name -> payload suffix
 
@@ -32,12 +33,15 @@ class NodeOptions:
     round_timeout: float = 60.0  # floor of the follower's no-record timeout
     compression: str = ""
     lease_every: float | None = None  # lease renewal interval; None: lease_timeout / 4
+    verify: float = 0.0  # share of the commits it follows that a node recomputes first (verifying.py)
 
     def __post_init__(self) -> None:
         if not self.poll_interval > 0 or not self.lease_timeout > self.poll_interval:
             raise ValueError(f"need 0 < poll_interval ({self.poll_interval}) < lease_timeout ({self.lease_timeout})")
         if self.lease_every is not None and not 0 < self.lease_every < self.lease_timeout:
             raise ValueError(f"need 0 < lease_every ({self.lease_every}) < lease_timeout ({self.lease_timeout})")
+        if isinstance(self.verify, bool) or not isinstance(self.verify, int | float) or not 0.0 <= self.verify <= 1.0:
+            raise ValueError(f"verify={self.verify!r}: expected a fraction of rounds in [0, 1] (0: verify none)")
 
     @classmethod
     def from_user(
@@ -48,6 +52,7 @@ class NodeOptions:
         lease_every: float | None,
         round_timeout: float | None,
         compression: str,
+        verify: float = 0.0,
     ) -> NodeOptions:
         """The options as ``gm.Session`` and ``gm.Syncer`` take them: compression by its user-facing
         name (``"off"``/``"zstd"``), ``round_timeout`` None for ``max(30, 10 x poll_interval)``."""
@@ -59,6 +64,7 @@ class NodeOptions:
             lease_every=lease_every,
             round_timeout=round_timeout if round_timeout is not None else max(30.0, 10 * poll_interval),
             compression=_COMPRESSION[compression],
+            verify=verify,
         )
 
     @property
@@ -141,6 +147,12 @@ class NodeState:
         self._last_sync: float | None = None
         self.stuck: str | None = None
         self.lent = False  # the parameters read at join went to the training thread (``lends``)
+        # ``verify``: the commits this node recomputes before it applies them, on a closer of the
+        # verifier's own, and the closers whose commits it no longer applies (``verifying.py``).
+        self.verifier = RoundVerifier(store, run, keep=options.verify >= 1.0) if options.verify > 0 else None
+        # (drawn only when verifying: the node's draws are otherwise what they were)
+        self.verify_rng = random.Random(self.rng.getrandbits(64) if self.verifier is not None else 0)
+        self.distrusted: dict[str, int] = {}  # closer -> the round of its commit found forged
 
     def _list_leases(self) -> None:
         self.liveness.observe(self.store.keys(keys.LEASES))
@@ -156,6 +168,7 @@ class NodeState:
         then holds one copy of the model, the learner's anchors; elected, it reads them back."""
         return (
             self.bridge.lend
+            and self.verifier is None  # (a verified commit's parameters are the verifier's state)
             and self.run.cfg.commit_dtype is None
             and self.collector is None
             and not self.closer.holds_any()

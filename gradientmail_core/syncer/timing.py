@@ -6,6 +6,9 @@ compared across machines.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 
 def ema(prev: float | None, x: float, decay: float = 0.1) -> float:
     """Exponential moving average; the first sample seeds it."""
@@ -38,3 +41,16 @@ def grace_seconds(
         ahead = overlap_steps
     slack = ahead * x_step - (x_quorum + x_sync)
     return float(min(0.5 * max(slack, 0.0), gap * x_step))
+
+
+@dataclass
+class Estimates:
+    """The estimates a round record carries (seconds): a step, quorum after opening, a commit."""
+
+    x_step: float | None = None
+    x_quorum: float | None = None
+    x_sync: float | None = None
+
+    @classmethod
+    def from_record(cls, rec: Any) -> Estimates:
+        return cls() if rec is None else cls(rec.x_step, rec.x_quorum, rec.x_sync)

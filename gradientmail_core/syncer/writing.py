@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -30,22 +30,13 @@ from ..protocol.chunks import Layout, is_whole
 from ..protocol.records import PayloadRef, digest_of, join_refs
 from ..protocol.run import RunInfo
 from .fragment import CommitOp, FragmentState, Written
-from .ranks import Owned, Ranks, flat
+from .ranks import Owned, Ranks, alloc, flat
 from .reading import tensor_of
 
 AHEAD = 2  # payload chunks encoded and hashed ahead of the one being written (large fragments)
 
 Put = Callable[[str, PayloadStream], object]
-
-
-class Built(NamedTuple):
-    """What a commit's payloads are written from, at the chunks' owner: the new parameters' pieces,
-    the master's and the previous parameters' (for the change), and the change's F8 scales."""
-
-    theta: Owned
-    master: Owned
-    prev: Owned
-    scales: dict[str, int]
+Arrays = Mapping[str, np.ndarray]
 
 
 def write_plan(checkpoint: bool, change: bool, compression: str) -> list[tuple[str, bool]]:
@@ -53,36 +44,35 @@ def write_plan(checkpoint: bool, change: bool, compression: str) -> list[tuple[s
     the parameters and the outer state; ``change`` (``commit_dtype``) writes the quantized change;
     the parameters and outer state not written are still hashed uncompressed, for the record's
     ``theta_digest``/``outer_digest``."""
-    plan: list[tuple[str, bool]] = []
-    if checkpoint:
-        plan += [("theta", True), ("outer", True)]
-    if change:
-        plan.append(("change", True))
-    if not (checkpoint and compression == ""):
-        plan.append(("theta", False))
-    if not checkpoint:
-        plan.append(("outer", False))
-    return plan
+    plan = [("theta", True), ("outer", True)] if checkpoint else []
+    plan += [("change", True)] if change else []
+    plan += [] if checkpoint and compression == "" else [("theta", False)]
+    return plan + ([] if checkpoint else [("outer", False)])
 
 
-def new_theta(
+def write_commit(
     run: RunInfo,
     ranks: Ranks,
     layout: Layout,
-    f: int,
+    op: CommitOp,
     st: FragmentState,
-    master: Mapping[str, np.ndarray],
+    master: Arrays,
+    momentum: Arrays,
     *,
     keep: bool,
-) -> tuple[dict[str, np.ndarray], Built]:
-    """The new parameters of this process's ranges (kept when ``keep`` or with a change) and what
-    the payloads are written from (``Built``)."""
+    put: Put | None,
+    threaded: bool,
+) -> tuple[dict[str, np.ndarray], dict[str, PayloadRef], str, str | None, dict[str, Any]]:
+    """The commit's payloads, this rank's chunks written (or hashed; ``put`` None: their bytes kept,
+    one process only): ``(new parameters of this process's ranges, kept when ``keep`` or with a
+    change; refs by kind; theta_digest; outer_digest; payloads)``, from every rank's chunks."""
+    f, r, compression = op.f, op.round, op.compression
     shapes, dtypes, cd, C = run.shapes[f], run.fragment_dtypes(f), run.cfg.commit_dtype, run.chunk_elements
-    for name in shapes:
-        if dtypes[name] not in ELEMENTWISE:
-            raise AssertionError(f"parameters of dtype {dtypes[name]} are not cast piece by piece")
+    assert all(dtypes[n] in ELEMENTWISE for n in shapes), "parameters are cast piece by piece"
+    specs, ranges = chunk_specs(shapes, C), {n: layout.range(n, ranks.rank) for n in shapes}
     # Collectives, on every rank in this order: the master's chunks (and the previous parameters'
-    # with a change) at their owners, then the change's F8 scales.
+    # with a change) at their owners, the change's F8 scales, the new parameters back to their
+    # holders, the outer state at its owners, the written chunks pooled.
     owned_master = ranks.gather(shapes, layout, C, master)
     owned_prev = ranks.gather(shapes, layout, C, st.theta) if cd is not None else {}
     scales: dict[str, int] = {}
@@ -92,149 +82,105 @@ def new_theta(
             out: dict[str, np.float32] = {}
             for k, pieces in owned_master.items():
                 for (pc, m), (_, pv) in zip(pieces, owned_prev[k], strict=True):
-                    out[pc.name] = max(
-                        out.get(pc.name, np.float32(0)), quant.e4m3_amax(np.subtract(m, pv, dtype=np.float32))
-                    )
+                    a = quant.e4m3_amax(np.subtract(m, pv, dtype=np.float32))
+                    out[pc.name] = max(out.get(pc.name, np.float32(0)), a)
             return {nm: float(a).hex() for nm, a in out.items()}
 
-        most: dict[str, float] = {}
         for got in ranks.phase(amax):
             for nm, a in got.items():
-                most[nm] = max(most.get(nm, 0.0), float.fromhex(a))
-        scales = {nm: quant.e4m3_scale_byte(np.float32(a)) for nm, a in most.items()}
+                scales[nm] = max(scales.get(nm, 0), quant.e4m3_scale_byte(np.float32(float.fromhex(a))))
     keep = keep or cd is not None
-    ranges = {n: layout.range(n, ranks.rank) for n in shapes}
-    local: dict[str, np.ndarray] = {}
-    for name, shape in shapes.items():
-        lo, hi = ranges[name]
-        if cd is None and dtypes[name] == "F32":
-            local[name] = master[name]  # the master's own array
-        elif keep:
-            whole = (lo, hi) == (0, int(np.prod(shape, dtype=np.int64)))
-            local[name] = np.empty(shape if whole else hi - lo, np.float32)
+    same = {n for n in ranges if cd is None and dtypes[n] == "F32"}  # the master's own arrays
+    fresh = alloc({n: r for n, r in ranges.items() if keep and n not in same}, shapes)
+    local = {n: master[n] if n in same else fresh[n] for n in ranges if n in same or n in fresh}
     theta: Owned = {}
 
     def build() -> bool:  # (a phase: a rank failing here fails the commit on every rank)
         for k, pieces in owned_master.items():
-            chunk = []
+            theta[k] = []
             for i, (pc, m) in enumerate(pieces):
-                if cd is None and dtypes[pc.name] == "F32":
-                    chunk.append((pc, m))
-                    continue
-                if cd is None:
-                    values = m
-                else:
+                values = m
+                if cd is not None:
                     pf = owned_prev[k][i][1]
                     diff = np.subtract(m, pf, dtype=np.float32)
                     values = pf + quant.dequantize(quant.quantize(diff, cd, f8_scale=scales.get(pc.name)))
+                elif dtypes[pc.name] == "F32":
+                    theta[k].append((pc, m))
+                    continue
                 if dtypes[pc.name] != "F32":
                     values = quant.dequantize(quant.quantize(values, dtypes[pc.name]))
                 lo, hi = ranges[pc.name]
                 here = keep and lo <= pc.start and pc.stop <= hi
                 dest = flat(local[pc.name])[pc.start - lo : pc.stop - lo] if here else np.empty(pc.size, np.float32)
                 dest[...] = np.asarray(values, np.float32).reshape(-1)
-                chunk.append((pc, dest))
-            theta[k] = chunk
+                theta[k].append((pc, dest))
         return True
 
     ranks.phase(build)
     if keep:
         ranks.scatter(shapes, layout, C, theta, local)
-    return local, Built(theta, owned_master, owned_prev, scales)
-
-
-def write_payloads(
-    run: RunInfo,
-    ranks: Ranks,
-    layout: Layout,
-    op: CommitOp,
-    momentum: Mapping[str, np.ndarray],
-    master: Mapping[str, np.ndarray],
-    built: Built,
-    *,
-    put: Put | None,
-    threaded: bool,
-) -> tuple[dict[str, PayloadRef], str, str | None, dict[str, Any]]:
-    """Write (or hash) this rank's chunks of each payload of the commit; ``(refs by kind,
-    theta_digest, outer_digest, payloads)`` from every rank's chunks. ``put`` None: the payloads'
-    bytes are kept (one process only)."""
-    theta, owned_master, owned_prev, scales = built
-    f, r, checkpoint, compression = op.f, op.round, op.checkpoint, op.compression
-    shapes, dtypes, cd, C = run.shapes[f], run.fragment_dtypes(f), run.cfg.commit_dtype, run.chunk_elements
-    specs = chunk_specs(shapes, C)
     outer_shapes = run.outer_shapes(f)
     outer_specs = chunk_specs(outer_shapes, C)
     outer_local = {f"momentum/{n}": v for n, v in momentum.items()}
     if not run.master_is_theta(f):
         outer_local.update({f"master/{n}": v for n, v in master.items()})
-    renamed = layout.renamed({o: tensor_of(o) for o in outer_shapes})
-    owned_outer = ranks.gather(outer_shapes, renamed, C, outer_local)
+    owned_outer = ranks.gather(outer_shapes, layout.renamed({o: tensor_of(o) for o in outer_shapes}), C, outer_local)
 
     def change(k: int) -> PayloadStream:
-        s, values, parted = specs[k], {}, {}
+        values, parted = {}, {}
         for (pc, m), (_, pv) in zip(owned_master[k], owned_prev[k], strict=True):
             values[pc.name] = np.subtract(m, pv, dtype=np.float32)
             if pc.name in scales and not is_whole(pc, shapes):
                 parted[pc.name] = scales[pc.name]
         assert cd is not None
-        return stream_chunk(values, s, cd, kind="change", compression=compression, f8_scales=parted)
+        return stream_chunk(values, specs[k], cd, kind="change", compression=compression, f8_scales=parted)
 
-    jobs: list[tuple[str, bool, int, Callable[[], PayloadStream]]] = []
-    for kind, written in write_plan(checkpoint, cd is not None, compression):
-        z = compression if written else ""
-        if kind == "theta":
-            jobs += [(kind, written, k, partial(_stream, ps, specs[k], dtypes, kind, z)) for k, ps in theta.items()]
-        elif kind == "outer":
-            jobs += [
-                (kind, written, k, partial(_stream, ps, outer_specs[k], "F32", kind, z))
-                for k, ps in owned_outer.items()
-            ]
-        else:
-            jobs += [(kind, written, k, partial(change, k)) for k in owned_master]
+    owners: dict[str, Owned] = {"theta": theta, "outer": owned_outer, "change": owned_master}
+    makers: dict[str, Callable[[int, str], PayloadStream]] = {
+        "theta": lambda k, z: _stream(theta[k], specs[k], dtypes, "theta", z),
+        "outer": lambda k, z: _stream(owned_outer[k], outer_specs[k], "F32", "outer", z),
+        "change": lambda k, z: change(k),
+    }
+    plan = write_plan(op.checkpoint, cd is not None, compression)
+    jobs = [(kind, written, k) for kind, written in plan for k in owners[kind]]
     kept: dict[str, Any] = {}
 
-    def write_all() -> dict[str, dict[str, list[Any]]]:
-        out: dict[str, dict[str, list[Any]]] = {}
-        makes = [job[3] for job in jobs]
-        made = ordered(call, makes, threads=AHEAD if threaded else 0, queued=AHEAD + 1, name="commit", drop=_close)
+    def write_all() -> list[list[Any]]:
+        rows = []
+        makes = [partial(makers[kind], k, compression if written else "") for kind, written, k in jobs]
+        made = ordered(call, makes, threads=AHEAD if threaded else 0, queued=AHEAD + 1, drop=_close)
         try:
-            for (kind, written, k, _), data in zip(jobs, made, strict=True):
+            for (kind, written, k), data in zip(jobs, made, strict=True):
                 with data:
                     key = keys.round_blob_key(r, kind, data.sha256, compression if written else "")
-                    if written:
-                        if put is None:
-                            kept[key] = data.read()
-                        else:
-                            put(key, data)
-                    out.setdefault(f"{kind}/{int(written)}", {})[str(k)] = [data.sha256, len(data)]
+                    if written and put is not None:
+                        put(key, data)
+                    elif written:
+                        kept[key] = data.read()
+                    rows.append([kind, written, k, data.sha256, len(data)])
         finally:
             made.close()
-        return out
+        return rows
 
-    parts: dict[str, dict[str, list[Any]]] = {}
-    for got in ranks.phase(write_all):
-        for kind, chunks in got.items():
-            parts.setdefault(kind, {}).update(chunks)
+    rows = sorted(tuple(row) for pooled in ranks.phase(write_all) for row in pooled)  # (kind, written, k, sha, size)
     counts = {"theta": len(specs), "change": len(specs), "outer": len(outer_specs)}
     refs: dict[str, PayloadRef] = {}
-    shas: dict[str, list[str]] = {}
+    shas: dict[tuple[str, bool], list[str]] = {}
     payloads: dict[str, Any] = {}
-    for kind_written, chunks in parts.items():
-        kind, flag = kind_written.split("/")
-        assert sorted(int(k) for k in chunks) == list(range(counts[kind])), f"round {r}: {kind} chunks {sorted(chunks)}"
-        in_order = [chunks[str(k)] for k in range(counts[kind])]
-        shas[kind_written] = [sha for sha, _ in in_order]
-        if flag == "1":
+    for kind, written in plan:
+        done = [row for row in rows if row[:2] == (kind, written)]
+        assert [row[2] for row in done] == list(range(counts[kind])), f"round {r}: {kind} chunks {done}"
+        shas[kind, written] = [row[3] for row in done]
+        if written:
             made_refs = [
-                PayloadRef(key=keys.round_blob_key(r, kind, sha, compression), sha256=sha, size=size)
-                for sha, size in in_order
+                PayloadRef(key=keys.round_blob_key(r, kind, sha, compression), sha256=sha, size=n)
+                for *_, sha, n in done
             ]
             refs[kind] = join_refs(made_refs)
-            for ref in made_refs:
-                payloads[ref.key] = kept.get(ref.key, Written(ref.size, ref.sha256))
-    theta_digest = digest_of(shas["theta/1" if checkpoint and compression == "" else "theta/0"])
-    outer_digest = None if checkpoint else digest_of(shas["outer/0"])
-    return refs, theta_digest, outer_digest, payloads
+            payloads.update({x.key: kept.get(x.key, Written(x.size, x.sha256)) for x in made_refs})
+    theta_digest = digest_of(shas["theta", op.checkpoint and compression == ""])
+    outer_digest = None if op.checkpoint else digest_of(shas["outer", False])
+    return local, refs, theta_digest, outer_digest, payloads
 
 
 def _stream(pieces: list[tuple[Any, np.ndarray]], s: Any, dtypes: Any, kind: str, z: str) -> PayloadStream:

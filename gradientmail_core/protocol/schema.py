@@ -1,0 +1,98 @@
+"""Does this node's model fit the run? The schema check every path makes before it trains (a plain
+node in ``run.open_run``, ``gm.align`` in ``tape.load_newest``, a sharded node's rank 0), and the
+fix it suggests when one explains the difference.
+
+Names are compared as they are, canonical on both sides (``adapters/naming.py`` removes wrapper
+modules), so what is left to explain is the user's own structure: a node whose model holds the
+run's network one attribute deeper (``self.net``) has every name prefixed with ``net.``, which
+``module="net"`` (or opening the session on that submodule) removes; the opposite case, a run
+created from a model one level deeper than this node's, is a ``names=`` mapping that adds the
+prefix. A difference only in the shapes of adapter tensors (PEFT's ``lora_A``/``lora_B``) is a
+different adapter config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ..errors import SchemaMismatch
+from .records import TensorSpec
+
+__all__ = ["check_schema", "schema_differences", "suggest_fix"]
+
+
+def schema_differences(run: list[TensorSpec], mine: list[TensorSpec]) -> list[str]:
+    """Every difference between the run's schema and this model's, one line each, sorted by name."""
+    theirs = {s.name: s for s in run}
+    ours = {s.name: s for s in mine}
+    out = [f"{n}: in the run, missing from this model" for n in theirs if n not in ours]
+    out += [f"{n}: in this model, not in the run" for n in ours if n not in theirs]
+    for n in theirs.keys() & ours.keys():
+        a, b = theirs[n], ours[n]
+        if (a.dtype, list(a.shape)) != (b.dtype, list(b.shape)):
+            out.append(f"{n}: run has {a.dtype}{list(a.shape)}, this model has {b.dtype}{list(b.shape)}")
+    return sorted(out)
+
+
+def _prefixes(names: Iterable[str]) -> list[str]:
+    """The dotted prefixes every name shares, shortest first (``a.b.c``, ``a.b.d`` -> ``a``, ``a.b``)."""
+    names = list(names)
+    if not names:
+        return []
+    common = names[0].split(".")[:-1]
+    for n in names[1:]:
+        parts = n.split(".")[:-1]
+        k = 0
+        while k < min(len(common), len(parts)) and common[k] == parts[k]:
+            k += 1
+        common = common[:k]
+    return [".".join(common[: i + 1]) for i in range(len(common))]
+
+
+def suggest_fix(run: list[TensorSpec], mine: list[TensorSpec]) -> str | None:
+    """What makes this node's schema the run's, when a rule explains the difference; else None."""
+    theirs = [s.name for s in run]
+    ours = [s.name for s in mine]
+    want = set(theirs)
+    for p in _prefixes(ours):
+        if {n[len(p) + 1 :] for n in ours} == want:
+            return (
+                f"every name of this node starts with '{p}.' and the run's do not: pass module='{p}' "
+                f"(gm.Session: open it on that submodule, model.{p})"
+            )
+    have = set(ours)
+    for p in _prefixes(theirs):
+        if {n[len(p) + 1 :] for n in theirs} == have:
+            return (
+                f"every name of the run starts with '{p}.' and this node's do not: the run's nodes hold this "
+                f"model as '{p}'; give this node that structure, or pass names=lambda n: '{p}.' + n"
+            )
+    if want == have:
+        differing = {d.split(":")[0] for d in schema_differences(run, mine)}
+        if differing and all(_adapter_tensor(n) for n in differing):
+            return (
+                "only the shapes of adapter tensors differ: this node's adapter config (e.g. the LoRA rank r) is "
+                "not the run's; use the run's adapter config"
+            )
+        return None
+    if len(want) == len(have) and not (want & have):
+        return (
+            "no name matches the run's, though the counts do: if the models are the same under another naming "
+            "convention, map this node's names to the run's with names={...} or names=callable"
+        )
+    if any(_adapter_tensor(n) for n in want ^ have):
+        return "the adapter tensors differ: this node's adapter config (target modules, rank) is not the run's"
+    return None
+
+
+def _adapter_tensor(name: str) -> bool:
+    """A PEFT adapter's tensor (LoRA, DoRA, IA3, ...), by the module names PEFT gives them."""
+    return any(part.startswith(("lora_", "ia3_", "oft_", "boft_", "vera_")) for part in name.split("."))
+
+
+def check_schema(run: list[TensorSpec], mine: list[TensorSpec]) -> None:
+    """``SchemaMismatch`` (the differences, and the fix when one explains them) unless this model's
+    schema has the run's names, dtypes and shapes."""
+    diffs = schema_differences(run, mine)
+    if diffs:
+        raise SchemaMismatch(diffs, fix=suggest_fix(run, mine))
