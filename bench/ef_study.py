@@ -18,10 +18,10 @@ residuals and the commits were:
 
 Variants (``--variant``, comma-separated ``key=value``):
 
-- ``ef=add`` (the engine before issue 29): the residual is added to the next delta;
-  ``ef=decay:g``: ``g`` times the residual is added; ``ef=start``: the residual is subtracted
-  from the learner's parameters when its commit arrives, so the next delta carries it only where
-  the inner steps leave it in place;
+- ``ef=add`` (the engine before issue 29): a merged delta's residual is added to the next delta
+  instead of being given back to the parameters when its commit arrives (the engine since issue
+  29, ``adapters/feedback.py``: the next delta then carries it only where the inner steps leave
+  it in place);
 - ``commit=keep`` (before issue 29): the closer's master keeps the whole rounding of the change;
   ``commit=decay:g``: ``g`` of it (``commit=decay:0``: the master is the published parameters);
   ``commit=grad``: the closer quantizes the merged outer gradient (I2, with a residual of its own;
@@ -29,7 +29,7 @@ Variants (``--variant``, comma-separated ``key=value``):
   are the master); ``cd=F4``: commits in another dtype.
 
     python bench/ef_study.py --arms textbook-I2 textbook-I2-EF --seeds 0 1 2 --jobs 2 --steps 1000
-    python bench/ef_study.py --arms textbook-I2-EF --variant ef=start --steps 1000
+    python bench/ef_study.py --arms textbook-I2-EF --variant '' ef=add commit=decay:0 --steps 1000
 """
 
 from __future__ import annotations
@@ -112,23 +112,24 @@ class Recorder:
 
 def patch(variant: dict[str, str], rec: Recorder) -> None:
     """Patch the engine in this (worker) process: the variant, and the recorder's hooks."""
-    from gradientmail_core.adapters import feedback, handles
+    from gradientmail_core.adapters import handles
     from gradientmail_core.codec import quant
     from gradientmail_core.syncer import kernel
 
-    ef = variant.get("ef", "add")
+    ef = variant.get("ef", "engine")
     commit = variant.get("commit", "keep")
-    g_ef = float(ef.split(":")[1]) if ef.startswith("decay:") else 1.0
-    orig_qwr = feedback.quantize_with_residual
+    if ef == "add":
+        # the rule before issue 29: what the merged delta owes goes into the next delta, the
+        # parameters are left as the commit made them
+        def settle(self, fragment, round, *, merged):
+            if self.residuals is not None:
+                owed = self.residuals.settle(fragment, round, merged=merged)
+                if owed:
+                    self.residuals.carry(fragment, owed)
 
-    def qwr(delta, residual, dtypes):
-        if ef == "start" or residual is None:
-            residual = None
-        elif g_ef != 1.0:
-            residual = {n: (np.float32(g_ef) * r).astype(np.float32) for n, r in residual.items()}
-        return orig_qwr(delta, residual, dtypes)
-
-    handles.quantize_with_residual = qwr
+        handles.FragmentIO.settle = settle
+    elif ef != "engine":
+        raise SystemExit(f"unknown ef={ef}")
     who: dict[int, int] = {}
     orig_quantized = handles._HostContribution.quantized
 
@@ -141,7 +142,7 @@ def patch(variant: dict[str, str], rec: Recorder) -> None:
         if first:
             self._seen = True
             d = flat(self.delta if self.delta is not None else self._delta())
-            x = d if before is None or ef == "start" else d + g_ef * flat(before)
+            x = d if before is None else d + flat(before)
             sent = flat({n: quant.dequantize(q) for n, q in out.items()})
             slot = getattr(self, "_slot", None)
             if slot is not None:
@@ -160,20 +161,6 @@ def patch(variant: dict[str, str], rec: Recorder) -> None:
             return c
 
         setattr(handles.FragmentIO, name, wrapped)
-    if ef == "start":
-        from gradientmail_core.syncer import learner as learner_mod
-
-        orig_apply = learner_mod.Learner.apply
-
-        def apply(self, c):
-            fresh = c.version > self.versions.get(c.fragment, -1)
-            orig_apply(self, c)
-            res = self.io.residuals.of(c.fragment) if fresh and self.io.residuals is not None else None
-            if res:
-                local = self.adapter.read(list(res))
-                self.adapter.write({n: np.subtract(local[n], r, dtype=np.float32) for n, r in res.items()})
-
-        learner_mod.Learner.apply = apply
     g_commit = float(commit.split(":")[1]) if commit.startswith("decay:") else 1.0
     orig_commit = kernel.FragmentCloser.commit
 
