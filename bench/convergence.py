@@ -23,7 +23,8 @@ Arms:
   lockstep); ``streaming-*``: Streaming DiLoCo (5 fragments, H=50, overlap 5 steps, mixing 0.5).
   Each set has ``-F32``, ``-F4``, ``-F4-EF``, ``-I2``, ``-I2-EF`` (deltas in that dtype, ``-EF``
   with error feedback) and ``-frontier``: I2 deltas and commits, error feedback,
-  ``checkpoint_every=10`` (the bytes of ``traffic.py --goal``),
+  ``checkpoint_every=10`` (the bytes of ``traffic.py --goal``), and ``-frugal``: the same with
+  F4 commits (``gm.DiLoCo.frugal``),
 - ``decoupled-hetero``: Decoupled DiLoCo (4 fragments, H=20, quorum 3, RDA, no waiting) with
   learner 3 taking three times as long per step as the others; its fast learners go on to
   1.5 x ``steps`` (at the schedule's floor after ``steps``) to find when it reaches the target,
@@ -57,6 +58,7 @@ from pathlib import Path
 from _training import LEARNERS, SIZE, Curve, Job, charlm, run_job
 
 import gradientmail_core as gm
+from gradientmail_core.config import FRUGAL
 
 HERE = Path(__file__).resolve().parent
 SETS = ("textbook", "streaming")
@@ -67,8 +69,10 @@ QUANTIZED = {
     "I2": "",
     "I2-EF": "<= 1.01, and <= I2",
     "frontier": "<= 1.015",
+    "frugal": "<= 1.015",
 }
-# The frontier of ``traffic.py --goal`` (what ``gm.DiLoCo.frugal`` sets).
+# The frontier of ``traffic.py --goal``: I2 deltas and I2 commits. ``-frugal``: what
+# ``gm.DiLoCo.frugal`` sets (the same with F4 commits).
 FRONTIER = dict(delta_dtype="I2", commit_dtype="I2", error_feedback=True, checkpoint_every=10)
 HETERO = ("decoupled-hetero", "align-blend", "align-carry", "align-adaptive")
 
@@ -103,6 +107,7 @@ def arm_configs(args: argparse.Namespace) -> list[tuple[str, gm.DiLoCo, list[int
             (f"{s}-I2", replace(base, delta_dtype="I2"), lockstep),
             (f"{s}-I2-EF", replace(base, delta_dtype="I2", error_feedback=True), lockstep),
             (f"{s}-frontier", replace(base, **FRONTIER), lockstep),
+            (f"{s}-frugal", replace(base, **FRUGAL), lockstep),
         ]
     hetero = gm.DiLoCo(sync_every=20, fragments=4, quorum_size=3, **outer)
     arms += [
