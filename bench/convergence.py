@@ -1,245 +1,282 @@
-"""Convergence at equal compute: DiLoCo variants against synchronous data parallel.
+"""Convergence at equal compute: DiLoCo variants against synchronous data parallel, and quantized
+deltas and commits against F32 deltas, each arm over several seeds.
 
 A small character-level transformer (``examples/charlm.py``) on the standard library's own
 source files (every ``heldout_every``-th file held out). Every arm trains 4 learners x ``steps``
 optimizer steps of ``batch`` sequences with the same AdamW and the same learning-rate schedule
 (linear warmup over 5% of the steps, then cosine decay to 10% of the peak at ``steps``, each
 optimizer following it by its own step count), so all see the same number of tokens; the loss
-reported is the held-out loss of the newest *committed* parameters.
+reported is the held-out loss of the newest *committed* parameters. A seed picks the initial
+weights and every learner's data order; every arm runs every seed (``--seeds``), and a ratio
+against another arm is taken seed by seed, then averaged (mean, and the spread over seeds).
 
 Arms:
 
 - ``data-parallel``: gradients averaged over the 4 workers every step (one model, batch 4 x b),
 - ``diloco-H20`` / ``diloco-H50``: standard DiLoCo (``fragments=1, in_flight=1,
-  overlap_steps=0, WeightedMean, quorum 4``), every learner waits at each sync,
-- ``streaming-F32`` / ``streaming-F4``: Streaming DiLoCo (5 fragments, H=50, overlap 5 steps,
-  mixing 0.5), deltas in F32 or F4; ``streaming-F4-EF``, ``streaming-I2``, ``streaming-I2-EF``:
-  F4 and I2 deltas with and without error feedback; ``streaming-I2-goal``: I2 deltas and commits,
-  error feedback and ``checkpoint_every=10`` (``traffic.py --goal``); each against F32, same lrs;
+  overlap_steps=0, WeightedMean, quorum 4``), every learner waits at each sync; ``diloco-H20``
+  has learner 3 three times slower (its curve against steps is standard DiLoCo's, its clock the
+  straggler's),
+- two sets of quantized arms, each against its own F32 arm, same lrs (``--arms 'textbook-*'``):
+  ``textbook-*``: textbook DiLoCo as a new user would try it (``fragments=1, in_flight=1,
+  overlap_steps=0``, no mixing, ``WeightedMean``, quorum 4, ``sync_every=20``, 4 learners in
+  lockstep); ``streaming-*``: Streaming DiLoCo (5 fragments, H=50, overlap 5 steps, mixing 0.5).
+  Each set has ``-F32``, ``-F4``, ``-F4-EF``, ``-I2``, ``-I2-EF`` (deltas in that dtype, ``-EF``
+  with error feedback) and ``-frontier``: I2 deltas and commits, error feedback,
+  ``checkpoint_every=10`` (the bytes of ``traffic.py --goal``), and ``-frugal``: the same with
+  F4 commits (``gm.DiLoCo.frugal``),
 - ``decoupled-hetero``: Decoupled DiLoCo (4 fragments, H=20, quorum 3, RDA, no waiting) with
   learner 3 taking three times as long per step as the others; its fast learners go on to
   1.5 x ``steps`` (at the schedule's floor after ``steps``) to find when it reaches the target,
-- ``diloco-H20`` is run with that same straggler: it waits for it at every sync, so its
-  curve against steps is standard DiLoCo's and its clock is the straggler's.
 - ``align-blend`` / ``align-carry`` / ``align-adaptive``: ``decoupled-hetero`` (whose commits
   overwrite the local steps: ``gm.Overwrite()``) with the other alignment rules, the same 3x
   straggler: each rule's loss at ``steps`` and its time to Overwrite's loss at ``steps``.
-  ``--arms decoupled-hetero align-blend align-carry align-adaptive --no-data-parallel`` runs just these.
 
 Learners are driven single-threaded (``Node.tick``/``Learner.step`` on a ``MemoryMailbox`` and
 one ``FakeClock``) in simulated time: a fast step takes one time unit, every node polls once
-per unit. The run is reproducible bit for bit and needs one core.
+per unit. A run is reproducible bit for bit and needs one core; ``--jobs N`` runs N (arm, seed)
+pairs side by side in worker processes (the same figures).
 
-    python bench/convergence.py                 # 2,500 steps: 11 minutes on an idle core, 20 loaded
-    python bench/convergence.py --steps 600     # quicker, further from converged (larger gaps)
-    python bench/convergence.py --no-data-parallel --arms streaming-F32 streaming-F4-EF   # quantized deltas
+    python bench/convergence.py --seeds 1      # every arm, 2,500 steps, one seed: ~25 minutes
+    python bench/convergence.py --steps 1000 --no-data-parallel --arms 'textbook-*' 'streaming-*' --jobs 2
+    python bench/convergence.py --no-data-parallel --arms streaming-F32 streaming-F4-EF --log runs.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import fnmatch
+import json
+import multiprocessing
 import os
-import sys
+import statistics
 import time
-from dataclasses import dataclass, field
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import replace
 from pathlib import Path
 
-import torch
+from _training import LEARNERS, SIZE, Curve, Job, charlm, run_job
+
+import gradientmail_core as gm
+from gradientmail_core.config import FRUGAL
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "examples"))
-import _cluster  # noqa: E402
-import charlm  # noqa: E402
-
-import gradientmail_core as gm  # noqa: E402
-from gradientmail_core.adapters import adapter_for  # noqa: E402
-
-LEARNERS = 4
-SIZE = charlm.Size(layers=2, width=64, heads=4, block=64)
-
-
-@dataclass
-class Curve:
-    name: str
-    steps: list[float] = field(default_factory=list)  # optimizer steps of a (fast) learner
-    times: list[float] = field(default_factory=list)  # simulated time units
-    losses: list[float] = field(default_factory=list)
-
-    def add(self, step: float, t: float, loss: float) -> None:
-        self.steps.append(step)
-        self.times.append(t)
-        self.losses.append(loss)
-
-    def final(self) -> float:
-        """The loss of the last evaluation: at the end of training, after the last commit."""
-        return self.losses[-1]
-
-    def at(self, step: float) -> float:
-        """The loss of the last evaluation at or before ``step``."""
-        return [loss for s, loss in zip(self.steps, self.losses) if s <= step][-1]
-
-    def time_to(self, target: float) -> float | None:
-        for t, loss in zip(self.times, self.losses):
-            if loss <= target:
-                return t
-        return None
+SETS = ("textbook", "streaming")
+# The quantized arms of each set: what each compares against F32 deltas, and the target.
+QUANTIZED = {
+    "F4": "",
+    "F4-EF": "<= 1.003, and <= F4",
+    "I2": "",
+    "I2-EF": "<= 1.01, and <= I2",
+    "frontier": "<= 1.015",
+    "frugal": "<= 1.015",
+}
+# The frontier of ``traffic.py --goal``: I2 deltas and I2 commits. ``-frugal``: what
+# ``gm.DiLoCo.frugal`` sets (the same with F4 commits).
+FRONTIER = dict(delta_dtype="I2", commit_dtype="I2", error_feedback=True, checkpoint_every=10)
+HETERO = ("decoupled-hetero", "align-blend", "align-carry", "align-adaptive")
 
 
-class Data:
-    def __init__(self, heldout_batches: int) -> None:
-        text = charlm.stdlib_text()
-        self.train = charlm.encode(text["train"])
-        self.heldout = charlm.heldout_batches(
-            charlm.encode(text["heldout"]), batches=heldout_batches, batch=32, block=SIZE.block
+def arm_configs(args: argparse.Namespace) -> list[tuple[str, gm.DiLoCo, list[int]]]:
+    """Every arm but data parallel: (name, config, time units per step of each learner)."""
+    outer = dict(outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
+    standard = dict(fragments=1, in_flight=1, overlap_steps=0, merge=gm.WeightedMean(), quorum_size=LEARNERS, **outer)
+    sets = {
+        "textbook": gm.DiLoCo(sync_every=20, **standard),
+        "streaming": gm.DiLoCo(
+            **outer,
+            sync_every=50,
+            fragments=5,
+            in_flight=2,
+            overlap_steps=5,
+            mixing=0.5,
+            merge=gm.WeightedMean(),
+            quorum_size=LEARNERS,
+        ),
+    }
+    lockstep, straggler = [1] * LEARNERS, [1, 1, 1, 3]
+    arms = [
+        ("diloco-H20", gm.DiLoCo(sync_every=20, **standard), straggler),
+        ("diloco-H50", gm.DiLoCo(sync_every=50, **standard), lockstep),
+    ]
+    for s, base in sets.items():
+        arms += [
+            (f"{s}-F32", base, lockstep),
+            (f"{s}-F4", replace(base, delta_dtype="F4"), lockstep),
+            (f"{s}-F4-EF", replace(base, delta_dtype="F4", error_feedback=True), lockstep),
+            (f"{s}-I2", replace(base, delta_dtype="I2"), lockstep),
+            (f"{s}-I2-EF", replace(base, delta_dtype="I2", error_feedback=True), lockstep),
+            (f"{s}-frontier", replace(base, **FRONTIER), lockstep),
+            (f"{s}-frugal", replace(base, **FRUGAL), lockstep),
+        ]
+    hetero = gm.DiLoCo(sync_every=20, fragments=4, quorum_size=3, **outer)
+    arms += [
+        ("decoupled-hetero", hetero, straggler),
+        ("align-blend", replace(hetero, alignment=gm.Blend(mixing=0.5)), straggler),
+        ("align-carry", replace(hetero, alignment=gm.Carry()), straggler),
+        ("align-adaptive", replace(hetero, alignment=gm.Adaptive()), straggler),
+    ]
+    return arms
+
+
+def selected(name: str, patterns: list[str] | None) -> bool:
+    return patterns is None or any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def jobs_for(args: argparse.Namespace) -> list[Job]:
+    jobs: list[Job] = []
+    for seed in args.seeds:
+        if not args.no_data_parallel:
+            jobs.append(Job("data-parallel", seed, None))
+        for name, cfg, units in arm_configs(args):
+            if selected(name, args.arms):
+                hetero = name in HETERO
+                until = int(args.steps * 1.5) if hetero else args.steps
+                jobs.append(Job(name, seed, cfg, tuple(units), until, hetero))
+    return jobs
+
+
+# ---- tables --------------------------------------------------------------------------------------
+
+
+def spread(values: list[float]) -> str:
+    """``mean +- sample sd`` (``mean`` alone for one value)."""
+    m = statistics.fmean(values)
+    return f"{m:.4f}" if len(values) < 2 else f"{m:.4f} +- {statistics.stdev(values):.4f}"
+
+
+def ratios(curves: dict[str, dict[int, Curve]], name: str, base: str, at: int | None = None) -> list[float]:
+    """``name``'s loss over ``base``'s, seed by seed (the seeds both ran)."""
+    got, ref = curves.get(name, {}), curves.get(base, {})
+
+    def loss(c: Curve) -> float:
+        return c.at(at) if at is not None else c.final()
+
+    return [loss(got[s]) / loss(ref[s]) for s in sorted(got) if s in ref]
+
+
+def ratio_cell(rs: list[float]) -> str:
+    if not rs:
+        return "-"
+    m = statistics.fmean(rs)
+    return f"{m:.4f}" if len(rs) < 2 else f"{m:.4f} [{min(rs):.4f}, {max(rs):.4f}]"
+
+
+def final_loss(name: str, c: Curve, steps: int) -> float:
+    # The hetero arms train past ``steps`` (50% more time) to find when they reach the target;
+    # their loss at ``steps`` fast-learner steps is the figure at equal time.
+    return c.at(steps) if name in HETERO else c.final()
+
+
+def main_table(curves: dict[str, dict[int, Curve]], steps: int) -> None:
+    if "data-parallel" not in curves:
+        return
+    print(f"\nheld-out loss (nats/char) at the end of training, mean +- sd over seeds; load {os.getloadavg()[0]:.1f}")
+    print(f"{'arm':>20} | {'final loss':>17} | {'/ data-parallel [min, max]':>26} | rounds | rejected")
+    for name, by_seed in curves.items():
+        losses = [final_loss(name, c, steps) for c in by_seed.values()]
+        rs = ratios(curves, name, "data-parallel", at=steps if name in HETERO else None)
+        one = next(iter(by_seed.values()))
+        print(
+            f"{name:>20} | {spread(losses):>17} | {ratio_cell(rs):>26} | {one.info.get('rounds', '-')!s:>6} | "
+            f"{one.info.get('rejected', '-')}"
+        )
+    if "diloco-H20" in curves:
+        rs = ratios(curves, "diloco-H20", "data-parallel")
+        print(f"DiLoCo H=20 against data parallel: loss ratio {ratio_cell(rs)} (target <= 1.02)")
+
+
+def quantized_table(curves: dict[str, dict[int, Curve]]) -> None:
+    """Each set's quantized arms against the set's F32 deltas, seed by seed, same lr."""
+    for s in SETS:
+        base = f"{s}-F32"
+        if base not in curves:
+            continue
+        seeds = sorted(curves[base])
+        print(f"\n{s}: held-out loss against {base}, seed by seed (seeds {seeds}); mean [min, max]")
+        print(f"{'arm':>20} | {'final loss':>17} | {'/ F32 deltas':>26} | target")
+        print(f"{base:>20} | {spread([c.final() for c in curves[base].values()]):>17} | {'1':>26} |")
+        for arm, target in QUANTIZED.items():
+            name = f"{s}-{arm}"
+            if name in curves:
+                rs = ratios(curves, name, base)
+                losses = [c.final() for c in curves[name].values()]
+                print(f"{name:>20} | {spread(losses):>17} | {ratio_cell(rs):>26} | {target}")
+        for fed, plain in ((f"{s}-F4-EF", f"{s}-F4"), (f"{s}-I2-EF", f"{s}-I2")):
+            if fed in curves and plain in curves:
+                diffs = ratios(curves, fed, plain)
+                print(f"{fed:>20} against {plain}: {ratio_cell(diffs)} (error feedback never worse: <= 1)")
+
+
+def alignment_table(curves: dict[str, dict[int, Curve]], steps: int) -> None:
+    """Each alignment rule against Overwrite (``decoupled-hetero``), with the 3x straggler: the loss
+    when the fast learners have trained ``steps`` steps, and the time to Overwrite's loss there."""
+    rules = [n for n in HETERO[1:] if n in curves]
+    if "decoupled-hetero" not in curves or not rules:
+        return
+    print("\nalignment rules with a 3x straggler (decoupled, H=20, 4 fragments, quorum 3), against Overwrite")
+    print(f"{'rule':>17} | {'loss @ steps':>17} | {'/ overwrite':>26} | time to Overwrite's loss / Overwrite's")
+    over = curves["decoupled-hetero"]
+    for name in rules:
+        c = curves[name]
+        times = []
+        for seed, o in over.items():
+            if seed in c:
+                t, t_over = c[seed].time_to(o.at(steps)), o.time_to(o.at(steps))
+                times.append(float("nan") if t is None or not t_over else t / t_over)
+        losses = [x.at(steps) for x in c.values()]
+        print(
+            f"{name[6:]:>17} | {spread(losses):>17} | {ratio_cell(ratios(curves, name, 'decoupled-hetero', steps)):>26}"
+            f" | {ratio_cell(times)}"
         )
 
-    def generator(self, seed: int) -> torch.Generator:
-        return torch.Generator().manual_seed(seed)
 
-    def batch(self, g: torch.Generator, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return charlm.sample_batch(self.train, batch=batch, block=SIZE.block, generator=g)
-
-
-def optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-
-
-def lr_factor(k: int, args: argparse.Namespace) -> float:
-    """The inner learning rate of an optimizer's step ``k + 1`` (after ``k`` steps), as a
-    fraction of ``--lr``: linear warmup over ``--warmup`` steps, then cosine decay to
-    ``--min-lr`` at ``--steps`` steps, and ``--min-lr`` after that. Every optimizer of every arm
-    follows it by its own step count. ``--schedule constant`` keeps it at 1."""
-    if args.schedule == "constant":
-        return 1.0
-    if k < args.warmup:
-        return (k + 1) / args.warmup
-    p = min(1.0, (k - args.warmup) / max(1, args.steps - args.warmup))
-    return args.min_lr + (1.0 - args.min_lr) * 0.5 * (1.0 + math.cos(math.pi * p))
+def hetero_table(curves: dict[str, dict[int, Curve]]) -> None:
+    if not {"data-parallel", "diloco-H20", "decoupled-hetero"} <= set(curves):
+        return
+    for seed in sorted(curves["decoupled-hetero"]):
+        if seed not in curves["diloco-H20"] or seed not in curves["data-parallel"]:
+            continue
+        sync, het, base = curves["diloco-H20"][seed], curves["decoupled-hetero"][seed], curves["data-parallel"][seed]
+        target, what = base.final(), "data parallel's final loss"
+        if sync.time_to(target) is None or het.time_to(target) is None:
+            target, what = max(sync.final(), base.final()), "synchronous DiLoCo's final loss"
+        ts, th = sync.time_to(target), het.time_to(target)
+        ratio = "-" if ts is None or th is None else f"{th / ts:.3f}"
+        print(
+            f"seed {seed}: time to {what} {target:.4f} with a 3x straggler: synchronous {ts}, decoupled {th}: "
+            f"ratio {ratio} (target <= 0.6)"
+        )
 
 
-class Inner:
-    """A learner's (or data parallel's) AdamW and its learning-rate schedule."""
+def plot(curves: dict[str, dict[int, Curve]], path: str, steps: int) -> None:
+    import matplotlib
 
-    def __init__(self, model: torch.nn.Module, args: argparse.Namespace) -> None:
-        self.args = args
-        self.opt = optimizer(model, args.lr)
-        self.k = 0
-        self._set()
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-    def _set(self) -> None:
-        for group in self.opt.param_groups:
-            group["lr"] = self.args.lr * lr_factor(self.k, self.args)
-
-    def step(self) -> None:
-        self.opt.step()
-        self.k += 1
-        self._set()
-
-
-def train_step(model, inner: Inner, x, y) -> None:
-    loss = model.loss(x, y)
-    inner.opt.zero_grad(set_to_none=True)
-    loss.backward()
-    inner.step()
-
-
-# ---- arms ----------------------------------------------------------------------------------------
-
-
-def data_parallel(data: Data, args: argparse.Namespace) -> Curve:
-    """4 workers averaging gradients every step = one model on their 4 batches at once."""
-    model = charlm.CharTransformer(SIZE, seed=0)
-    opt = Inner(model, args)
-    gens = [data.generator(100 + i) for i in range(LEARNERS)]
-    curve = Curve("data-parallel")
-    curve.add(0, 0, charlm.evaluate(model, data.heldout))
-    for s in range(1, args.steps + 1):
-        xs, ys = zip(*(data.batch(g, args.batch) for g in gens))
-        train_step(model, opt, torch.cat(xs), torch.cat(ys))
-        if s % args.eval_every == 0:
-            curve.add(s, s, charlm.evaluate(model, data.heldout))
-    return curve
-
-
-def cluster(
-    name: str,
-    cfg: gm.DiLoCo,
-    data: Data,
-    args: argparse.Namespace,
-    *,
-    step_units: list[int],
-    until: int,
-    hetero: bool = False,
-) -> tuple[Curve, dict]:
-    """Learners taking ``step_units`` time units per step. Each trains ``until`` steps and the run
-    ends when their rounds have committed; with ``hetero``, it ends when the fast learners have
-    trained ``until`` steps, however far the slow ones got."""
-    mailbox, clock = gm.MemoryMailbox(), gm.FakeClock()
-    members, opts, gens = [], [], []
-    for i in range(LEARNERS):
-        model = charlm.CharTransformer(SIZE, seed=0)
-        members.append(_cluster.join(f"l{i}", model, cfg=cfg, mailbox=mailbox, clock=clock, seed=i))
-        opts.append(Inner(model, args))
-        gens.append(data.generator(100 + i))
-    _cluster.see_each_other(members)
-    evaluator = charlm.CharTransformer(SIZE, seed=0)
-    eval_adapter = adapter_for(evaluator)
-    stats = {"rejected": {}, "steps": [0] * LEARNERS}
-
-    def committed_loss() -> float:
-        for _, theta in members[0].node.thetas.values():
-            eval_adapter.write(theta)
-        return charlm.evaluate(evaluator, data.heldout)
-
-    def blocked(m) -> bool:
-        lr = m.learner
-        overlap = cfg.overlap_steps
-        return overlap is not None and bool(lr.published) and lr.local_step - lr.published[0].local_step >= overlap
-
-    curve = Curve(name)
-    curve.add(0, 0, committed_loss())
-    fast = min(step_units)
-    # A step ends ``step_units`` after it starts; a learner starts its next step when it is
-    # free and not held back by ``overlap_steps`` (the engine's wait, here in simulated time).
-    busy_until: list[int | None] = list(step_units)
-    goal = [until if step_units[i] == fast or not hetero else 0 for i in range(LEARNERS)]
-    t = 0
-    next_eval = args.eval_every
-
-    def finished() -> bool:
-        trained = all(stats["steps"][i] >= goal[i] for i in range(LEARNERS))
-        # Equal-speed and synchronous arms end once their last rounds committed, like data parallel.
-        return trained and (hetero or all(not m.learner.published for m in members))
-
-    while not finished():
-        t += 1
-        clock.advance(1.0)
-        for i, m in enumerate(members):
-            if busy_until[i] == t:
-                x, y = data.batch(gens[i], args.batch)
-                train_step(m.model, opts[i], x, y)
-                m.step(args.batch * SIZE.block)
-                stats["steps"][i] += 1
-                busy_until[i] = None
-        for m in members:
-            m.tick()
-        for i, m in enumerate(members):
-            if busy_until[i] is None and stats["steps"][i] < max(goal) and not blocked(m):
-                busy_until[i] = t + step_units[i]
-        lead = max(stats["steps"][i] for i in range(LEARNERS) if step_units[i] == fast)
-        if lead >= next_eval:
-            curve.add(lead, t, committed_loss())
-            next_eval += args.eval_every
-    if curve.times[-1] != t:
-        curve.add(lead, t, committed_loss())
-    for m in members:
-        for k, v in m.node.stats.rejected.items():
-            stats["rejected"][k] = stats["rejected"].get(k, 0) + v
-    stats["rounds"] = members[0].node.head + 1
-    stats["time"] = t
-    return curve, stats
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 5))
+    lows = []
+    for name, by_seed in curves.items():
+        c = by_seed[min(by_seed)]
+        a.plot(c.steps, c.losses, label=name)
+        lows.append(min(c.losses))
+    a.set_xlabel("optimizer steps per learner (fast learners for the hetero arms); the first seed")
+    a.set_ylabel("held-out loss (nats/char)")
+    a.set_xlim(0, steps * 1.5)
+    a.set_ylim(min(lows) - 0.05, min(lows) + 1.0)
+    a.legend(fontsize=7)
+    for name in ("diloco-H20", "decoupled-hetero"):
+        if name in curves:
+            c = curves[name][min(curves[name])]
+            b.plot(c.times, c.losses, label=name)
+    if "data-parallel" in curves:
+        b.axhline(curves["data-parallel"][min(curves["data-parallel"])].final(), color="grey", linestyle=":")
+    b.set_xlabel("simulated time (units of one fast step)")
+    b.set_ylim(min(lows) - 0.05, min(lows) + 1.0)
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 # ---- main ----------------------------------------------------------------------------------------
@@ -257,192 +294,55 @@ def main() -> None:
     ap.add_argument("--heldout-batches", type=int, default=8, help="fixed held-out batches of 32 x 64 chars")
     ap.add_argument("--outer-lr", type=float, default=0.7, help="outer learning rate of every DiLoCo arm")
     ap.add_argument("--outer-momentum", type=float, default=0.9)
-    ap.add_argument("--arms", nargs="*", default=None, help="run only these arms (data-parallel always runs)")
+    ap.add_argument("--arms", nargs="*", default=None, help="run only these arms (shell-style patterns)")
     ap.add_argument("--no-data-parallel", action="store_true", help="skip the data-parallel baseline")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds (init and data order) of every arm")
+    ap.add_argument("--jobs", type=int, default=1, help="(arm, seed) pairs run side by side, one process each")
+    ap.add_argument("--log", default=None, help="append each (arm, seed)'s curve to this JSON-lines file")
     ap.add_argument("--plot", default=str(HERE / "convergence.png"))
     args = ap.parse_args()
     if args.warmup is None:
         args.warmup = max(1, args.steps // 20)
-    torch.set_num_threads(1)
     t_start = time.perf_counter()
-    data = Data(args.heldout_batches)
-    outer = dict(outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
-    standard = dict(fragments=1, in_flight=1, overlap_steps=0, merge=gm.WeightedMean(), quorum_size=LEARNERS, **outer)
-    streaming = dict(
-        **outer,
-        sync_every=50,
-        fragments=5,
-        in_flight=2,
-        overlap_steps=5,
-        mixing=0.5,
-        merge=gm.WeightedMean(),
-        quorum_size=LEARNERS,
-    )
-    straggler = [1, 1, 1, 3]
-    curves: dict[str, Curve] = {}
-    info: dict[str, dict] = {}
-
-    def done(name: str) -> None:
-        c = curves[name]
-        print(
-            f"  {name:>17}: final held-out loss {c.final():.4f}  ({time.perf_counter() - t_start:.0f} s elapsed)",
-            flush=True,
-        )
-
+    jobs = jobs_for(args)
+    n_params = sum(p.numel() for p in charlm.CharTransformer(SIZE).parameters())
     print(
         f"convergence at equal compute: {LEARNERS} learners x {args.steps} steps x {args.batch} x {SIZE.block} "
-        f"chars, model {sum(p.numel() for p in charlm.CharTransformer(SIZE).parameters()):,} params; "
+        f"chars, model {n_params:,} params; {len(jobs)} runs (seeds {args.seeds}), {args.jobs} at a time; "
         f"load average {os.getloadavg()[0]:.1f}",
         flush=True,
     )
-    if not args.no_data_parallel:
-        curves["data-parallel"] = data_parallel(data, args)
-        done("data-parallel")
-    arms = [
-        ("diloco-H20", gm.DiLoCo(sync_every=20, **standard), straggler),
-        ("diloco-H50", gm.DiLoCo(sync_every=50, **standard), [1] * LEARNERS),
-        ("streaming-F32", gm.DiLoCo(**streaming), [1] * LEARNERS),
-        ("streaming-F4", gm.DiLoCo(**streaming, delta_dtype="F4"), [1] * LEARNERS),
-        ("streaming-F4-EF", gm.DiLoCo(**streaming, delta_dtype="F4", error_feedback=True), [1] * LEARNERS),
-        ("streaming-I2", gm.DiLoCo(**streaming, delta_dtype="I2"), [1] * LEARNERS),
-        ("streaming-I2-EF", gm.DiLoCo(**streaming, delta_dtype="I2", error_feedback=True), [1] * LEARNERS),
-        ("decoupled-hetero", gm.DiLoCo(sync_every=20, fragments=4, quorum_size=3, **outer), straggler),
-    ]
-    goal = dict(delta_dtype="I2", commit_dtype="I2", error_feedback=True, checkpoint_every=10)  # traffic.py --goal
-    arms.append(("streaming-I2-goal", gm.DiLoCo(**streaming, **goal), [1] * LEARNERS))
-    hetero_cfg = dict(sync_every=20, fragments=4, quorum_size=3, **outer)
-    arms += [
-        ("align-blend", gm.DiLoCo(**hetero_cfg, alignment=gm.Blend(mixing=0.5)), straggler),
-        ("align-carry", gm.DiLoCo(**hetero_cfg, alignment=gm.Carry()), straggler),
-        ("align-adaptive", gm.DiLoCo(**hetero_cfg, alignment=gm.Adaptive()), straggler),
-    ]
-    for name, cfg, units in arms:
-        if args.arms is not None and name not in args.arms:
-            continue
-        hetero = name == "decoupled-hetero" or name.startswith("align-")
-        until = int(args.steps * 1.5) if hetero else args.steps
-        curves[name], info[name] = cluster(name, cfg, data, args, step_units=units, until=until, hetero=hetero)
-        done(name)
+    curves: dict[str, dict[int, Curve]] = {}
 
-    alignment_table(curves, args.steps)
-    if "data-parallel" not in curves:
-        quantized_table(curves)
-        return
-    base = curves["data-parallel"].final()
-    print(f"\nheld-out loss (nats/char) at the end of training, load average {os.getloadavg()[0]:.1f}")
-    print(f"{'arm':>17} | {'final loss':>10} | {'/ data-parallel':>15} | {'rounds':>6} | rejected")
-    for name, c in curves.items():
-        if name == "decoupled-hetero" or name.startswith("align-"):
-            # It trains past args.steps (50% more time) to find when it reaches the target; its
-            # loss at args.steps fast-learner steps is the figure at equal time.
-            final = c.at(args.steps)
-        else:
-            final = c.final()
-        i = info.get(name, {})
+    def done(c: Curve) -> None:
+        curves.setdefault(c.name, {})[c.seed] = c
         print(
-            f"{name:>17} | {final:>10.4f} | {final / base:>15.4f} | {i.get('rounds', '-'):>6} | "
-            f"{i.get('rejected', '-')}"
+            f"  {c.name:>20} seed {c.seed}: final held-out loss {c.final():.4f} ({c.info['wall_s']:.0f} s; "
+            f"{time.perf_counter() - t_start:.0f} s elapsed)",
+            flush=True,
         )
-    quantized_table(curves)
-    if "diloco-H20" in curves:
-        ratio = curves["diloco-H20"].final() / base
-        print(f"DiLoCo H=20 against data parallel: loss ratio {ratio:.4f} (target <= 1.02)")
-    if "diloco-H20" not in curves or "decoupled-hetero" not in curves:
-        return
+        if args.log:
+            with open(args.log, "a") as f:
+                row = dict(arm=c.name, seed=c.seed, steps=args.steps, lr=args.lr, final=c.final(), info=c.info)
+                f.write(json.dumps({**row, "curve": [c.steps, c.times, c.losses]}) + "\n")
 
-    sync, het = curves["diloco-H20"], curves["decoupled-hetero"]
-    target = base
-    if sync.time_to(target) is None or het.time_to(target) is None:
-        target = max(sync.final(), base)
-        print(
-            f"(data parallel's final loss {base:.4f} is not reached by both; target = synchronous DiLoCo's final "
-            f"loss {target:.4f})"
-        )
-    ts, th = sync.time_to(target), het.time_to(target)
-    if ts is not None and th is not None:
-        print(
-            f"time to loss {target:.4f} with a 3x straggler: synchronous DiLoCo {ts} units, decoupled {th} units: "
-            f"ratio {th / ts:.3f} (target <= 0.6)"
-        )
+    if args.jobs <= 1:
+        for job in jobs:
+            done(run_job(job, args))
     else:
-        print(f"time to loss {target:.4f}: synchronous {ts}, decoupled {th} (not reached)")
-    plot(curves, args.plot, args.steps)
-    print(f"plot: {args.plot}; total {time.perf_counter() - t_start:.0f} s")
-
-
-QUANTIZED = {
-    "streaming-F4": "< 1.01",
-    "streaming-F4-EF": "<= 1.003",
-    "streaming-I2": "(what error feedback buys)",
-    "streaming-I2-EF": "<= 1.01",
-    "streaming-I2-goal": "(I2 commits, checkpoint_every=10)",
-}
-
-
-def quantized_table(curves: dict[str, Curve]) -> None:
-    """Quantized deltas (with and without error feedback) against F32 deltas, same lr."""
-    if "streaming-F32" not in curves:
-        return
-    base = curves["streaming-F32"].final()
-    for name, target in QUANTIZED.items():
-        if name in curves:
-            ratio = curves[name].final() / base
-            print(f"{name[10:]:>8} against F32 deltas (streaming): loss ratio {ratio:.4f} (target {target})")
-
-
-def alignment_table(curves: dict[str, Curve], steps: int) -> None:
-    """Each alignment rule against Overwrite (``decoupled-hetero``), with the 3x straggler: the loss
-    when the fast learners have trained ``steps`` steps, and the time to Overwrite's loss there."""
-    rules = [n for n in ("align-blend", "align-carry", "align-adaptive") if n in curves]
-    if "decoupled-hetero" not in curves or not rules:
-        return
-    over = curves["decoupled-hetero"]
-    target = over.at(steps)
-    t_over = over.time_to(target)
-    print(
-        f"\nalignment rules with a 3x straggler (decoupled, H=20, 4 fragments, quorum 3), target = Overwrite's loss {target:.4f}"
-    )
-    print(f"{'rule':>17} | {'loss @ steps':>12} | {'/ overwrite':>11} | {'time to target':>14} | {'/ overwrite':>11}")
-    print(f"{'overwrite':>17} | {target:>12.4f} | {1.0:>11.4f} | {t_over!s:>14} | {1.0:>11.3f}")
-    for name in rules:
-        c = curves[name]
-        loss, t = c.at(steps), c.time_to(target)
-        ratio = "-" if t is None or not t_over else f"{t / t_over:.3f}"
-        print(f"{name[6:]:>17} | {loss:>12.4f} | {loss / target:>11.4f} | {t!s:>14} | {ratio:>11}")
-
-
-def plot(curves: dict[str, Curve], path: str, steps: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 5))
-    for name, c in curves.items():
-        a.plot(c.steps, c.losses, label=name)
-    a.set_xlabel("optimizer steps per learner (fast learners for decoupled-hetero)")
-    a.set_ylabel("held-out loss (nats/char)")
-    a.set_title("equal compute: loss against step")
-    a.set_xlim(0, steps * 1.5)
-    lows = [min(c.losses) for c in curves.values()]
-    a.set_ylim(min(lows) - 0.05, min(lows) + 1.0)
-    a.legend()
-    for name in ("diloco-H20", "decoupled-hetero"):
-        c = curves[name]
-        label = (
-            "synchronous DiLoCo H=20 (waits for the straggler)"
-            if name == "diloco-H20"
-            else "decoupled DiLoCo (quorum 3)"
-        )
-        b.plot(c.times, c.losses, label=label)
-    b.axhline(curves["data-parallel"].final(), color="grey", linestyle=":", label="data parallel, final loss")
-    b.set_xlabel("simulated time (units of one fast step)")
-    b.set_ylabel("held-out loss (nats/char)")
-    b.set_title("one learner 3x slower")
-    b.set_ylim(min(lows) - 0.05, min(lows) + 1.0)
-    b.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+        # spawn: a forked child of a process that ran torch may hang in its thread pools
+        with ProcessPoolExecutor(max_workers=args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            for future in as_completed([pool.submit(run_job, job, args) for job in jobs]):
+                done(future.result())
+    curves = {name: dict(sorted(curves[name].items())) for name in dict.fromkeys(j.name for j in jobs)}
+    main_table(curves, args.steps)
+    quantized_table(curves)
+    alignment_table(curves, args.steps)
+    hetero_table(curves)
+    if "data-parallel" in curves:
+        plot(curves, args.plot, args.steps)
+        print(f"plot: {args.plot}")
+    print(f"total {time.perf_counter() - t_start:.0f} s")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,10 @@ DELTA_DTYPES = ("F32", "F16", "BF16", "F8_E4M3", "F4", "I2")
 CHUNK_BLOCK = 32  # chunk sizes are multiples of the F4/I2 quantizer block (codec/plan.py BLOCK)
 DEFAULT_CHUNK_ELEMENTS = 1 << 24  # 16 Mi elements: 64 MiB of fp32, 8 MiB of F4 per chunk payload
 DEFAULT_VERIFY_WINDOW = 8  # rounds whose inputs GC keeps for verification (docs/security.md)
+# ``DiLoCo.frugal``: the fewest bytes measured at no quality cost (docs/options.md, "Presets";
+# bench/README.md, section 6, issue 29). I2 commits would move ~22% fewer bytes in all (~10% fewer
+# at the closer) at about 2% more held-out loss on textbook DiLoCo, so the change goes out in F4.
+FRUGAL: dict[str, Any] = dict(delta_dtype="I2", error_feedback=True, commit_dtype="F4", checkpoint_every=10)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,7 +157,8 @@ class DiLoCo:
     outlier_factor: float | None = None  # reject deltas whose norm exceeds this x the others' median
     clip_norm: float | None = None  # scale each delta down to at most this whole-fragment L2 norm
     alignment: Alignment = field(default_factory=Overwrite)  # how a commit meets the local steps
-    # each learner adds its last delta's quantization error to its next delta of the fragment
+    # each learner gives a merged delta's quantization error back to its parameters when the
+    # commit arrives (adapters/feedback.py), so the next delta carries it where the loss is flat
     error_feedback: bool = False
     # The closer writes the full parameters and outer state only every k-th version of a fragment
     # (and on a final round); the rounds between carry the quantized change and what a recovering
@@ -268,6 +273,13 @@ class DiLoCo:
                 continue  # the default: manifests from before the option keep their bytes and agree
             d[f.name] = v.to_dict() if hasattr(v, "to_dict") else v
         return d
+
+    @classmethod
+    def frugal(cls, *, sync_every: int, fragments: int = 1, **options: Any) -> DiLoCo:
+        """A run that moves about a thousandth of data parallel's bytes: I2 deltas with error
+        feedback, F4 commits, the full parameters and outer state every 10th version (``FRUGAL``).
+        Any other option may be given, and one given here wins over the preset's."""
+        return cls(sync_every=sync_every, fragments=fragments, **{**FRUGAL, **options})
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DiLoCo:

@@ -240,6 +240,17 @@ MUTATIONS: list[Mutation] = [
       ("tests/test_error_feedback.py::test_the_residual_is_the_fed_delta_minus_what_was_sent",),
       "error feedback keeps what was sent minus what was meant: the error doubles instead of cancelling",
       quick=True),
+    M("feedback-added-to-the-next-delta-too", "gradientmail_core/adapters/handles.py",
+      "        self.residuals.carry(fragment, left)\n",
+      "        self.residuals.carry(fragment, owed)\n",
+      ("tests/test_error_feedback.py::test_the_residual_is_sent_again_only_where_the_inner_steps_leave_the_parameters",),
+      "issue 29: a residual given back to the parameters is also added to the next delta (the rule before): sent "
+      "twice where the inner steps already bring the commit's displacement back", quick=True),
+    M("feedback-not-given-back", "gradientmail_core/adapters/handles.py",
+      "        if not owed:\n            return\n",
+      "        if owed is not None:\n            return\n",
+      ("tests/test_error_feedback.py::test_a_merged_delta_gives_its_residual_back_to_the_parameters",),
+      "issue 29: error feedback that never gives the residual back: the quantization error is dropped", quick=True),
     # Verifying commits (issue 28): a verifier that compares nothing, trusts the weights it is
     # given, a follower that keeps applying a forger's commits, GC that keeps no window.
     M("verify-compares-nothing", "gradientmail_core/syncer/verify.py",

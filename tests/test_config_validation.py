@@ -3,6 +3,7 @@ that names the field."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -109,3 +110,20 @@ def test_a_run_config_with_an_unknown_part_is_refused(data: dict) -> None:
 def test_a_run_config_with_an_unknown_field_is_refused() -> None:
     with pytest.raises(ValueError, match="surprise"):
         gm.DiLoCo.from_dict({**gm.DiLoCo(**BASE).to_dict(), "surprise": 1})
+
+
+def test_the_frugal_preset_is_i2_deltas_with_feedback_f4_commits_and_sparse_checkpoints() -> None:
+    cfg = gm.DiLoCo.frugal(sync_every=20)
+    assert (cfg.delta_dtype, cfg.error_feedback, cfg.commit_dtype, cfg.checkpoint_every) == ("I2", True, "F4", 10)
+    # the rest is the plain config's, and survives the manifest
+    assert dataclasses.replace(cfg, delta_dtype=None, error_feedback=False, commit_dtype=None, checkpoint_every=1) == (
+        gm.DiLoCo(sync_every=20, fragments=1)
+    )
+    assert gm.DiLoCo.from_dict(cfg.to_dict()) == cfg
+
+
+def test_an_option_given_to_the_frugal_preset_wins_over_the_presets_own() -> None:
+    cfg = gm.DiLoCo.frugal(sync_every=40, fragments=4, commit_dtype="I2", quorum_size=4)
+    assert (cfg.fragments, cfg.commit_dtype, cfg.quorum_size, cfg.delta_dtype) == (4, "I2", 4, "I2")
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        gm.DiLoCo.frugal(sync_every=20, commit_dtype=None)

@@ -1,7 +1,9 @@
 """Error feedback (``DiLoCo(error_feedback=True)``, ``adapters/feedback.py``): the residual's
-arithmetic, its rules when a delta is retried or not merged, that it is off byte for byte when
-off, the same bytes from numpy, torch and the torch device pipeline, and the closer's own
-feedback of its commits' rounding error."""
+arithmetic, its way back into the parameters when its delta was merged (and only there: sent
+again where the inner steps leave the parameters, not where they pull them back), its rules when
+a delta is retried or not merged, what bf16 parameters cannot hold of it, that it is off byte for
+byte when off, the same bytes from numpy, torch (host and device pipeline) and MLX, and the
+closer's own handling of its commits' rounding error."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from gradientmail_core.adapters.base import NumpyAdapter
 from gradientmail_core.adapters.feedback import quantize_with_residual
 from gradientmail_core.adapters.handles import FragmentIO
 from gradientmail_core.codec import quant
-from gradientmail_core.codec.payload import decode_payload
+from gradientmail_core.codec.payload import decode_payload, encode_payload
 from gradientmail_core.mailbox.forwarding import ForwardingMailbox
 from gradientmail_core.syncer.closer import rebuild_theta
 
@@ -103,25 +105,73 @@ def test_a_retried_encode_sends_the_same_bytes_and_moves_the_residual_once():
     assert io.residuals.of(0) is held
 
 
-def test_a_delta_the_commit_left_out_gives_back_the_residual_before_it():
+def test_a_merged_delta_gives_its_residual_back_to_the_parameters():
+    params, io = _io()
+    anchor = {"w": np.zeros(64, F32)}
+    params["w"][:] = np.linspace(-1, 1, 64, dtype=F32)
+    data = io.capture(["w"], anchor, slot=(0, 0)).encode({"w": "I2"}, compression="")
+    x = anchor["w"] - np.linspace(-1, 1, 64, dtype=F32)
+    owed = io.residuals.owed(0)
+    assert np.array_equal(owed["w"], x - decode_payload(data, {"w": (64,)})["w"])
+    theta = {"w": np.full(64, 0.5, F32)}  # the commit, written into the fragment
+    io.stage(theta).write()
+    io.settle(0, 0, merged=True)
+    assert np.array_equal(params["w"], theta["w"] - owed["w"])
+    assert io.residuals.of(0) is None and io.residuals.owed(0) is None  # float32 held all of it
+    io.settle(0, 0, merged=True)  # settled once
+    assert np.array_equal(params["w"], theta["w"] - owed["w"])
+
+
+def test_a_delta_the_commit_left_out_gives_nothing_back():
     params, io = _io()
     anchor = {"w": np.zeros(64, F32)}
     params["w"][:] = np.linspace(-1, 1, 64, dtype=F32)
     io.capture(["w"], anchor, slot=(0, 0)).encode({"w": "I2"}, compression="")
-    before = io.residuals.of(0)
-    io.settle(0, 0, merged=True)
-    io.capture(["w"], anchor, slot=(0, 4)).encode({"w": "I2"}, compression="")
-    assert io.residuals.of(0) is not before
+    assert io.residuals.owed(0) is not None
     io.settle(0, 3, merged=False)  # another round: not this delta's
-    io.settle(0, 4, merged=False)  # rejected, or over the quorum: as if never sent
-    assert io.residuals.of(0) is before
-    io.settle(0, 4, merged=False)  # settled once
-    assert io.residuals.of(0) is before
-    # the first delta of a fragment left out: no residual at all, as before it
-    _, io2 = _io()
-    io2.capture(["w"], anchor, slot=(1, 1)).encode({"w": "I2"}, compression="")
-    io2.settle(1, 1, merged=False)
-    assert io2.residuals.of(1) is None
+    assert io.residuals.owed(0) is not None
+    before = params["w"].copy()
+    io.settle(0, 0, merged=False)  # rejected, or over the quorum: as if never sent
+    assert np.array_equal(params["w"], before) and io.residuals.of(0) is None and io.residuals.owed(0) is None
+
+
+def test_a_delta_sent_before_the_older_ones_commit_arrived_takes_its_residual_in():
+    # (records skipped to catch up: the older residual can no longer be given back on its own)
+    params, io = _io()
+    anchor = {"w": np.zeros(64, F32)}
+    params["w"][:] = np.linspace(-1, 1, 64, dtype=F32)
+    io.capture(["w"], anchor, slot=(0, 0)).encode({"w": "I2"}, compression="")
+    owed = io.residuals.owed(0)
+    data = io.capture(["w"], anchor, slot=(0, 4)).encode({"w": "I2"}, compression="")
+    x = np.add(anchor["w"] - params["w"], owed["w"], dtype=F32)
+    assert data == encode_payload({"w": x}, {"w": "I2"}, kind="delta")
+    io.settle(0, 0, merged=True)  # the older delta's commit, late: nothing of it is owed any more
+    assert np.array_equal(params["w"], np.linspace(-1, 1, 64, dtype=F32))
+
+
+def test_the_residual_is_sent_again_only_where_the_inner_steps_leave_the_parameters():
+    """Given back to the parameters, the residual reaches the next delta where training moves a
+    parameter by a step whatever its start (flat), and not where training sets it to a point of
+    its own (stiff: the displacement of the commit is brought back there already). Adding it to
+    the next delta (the rule before issue 29) would send it in both halves."""
+    params, io = _io()
+    rng = np.random.default_rng(5)
+    theta0 = {"w": np.zeros(64, F32)}
+    params["w"][:] = rng.standard_normal(64).astype(F32)
+    io.capture(["w"], theta0, slot=(0, 0)).encode({"w": "I2"}, compression="")
+    owed = io.residuals.owed(0)["w"]
+    theta1 = {"w": rng.standard_normal(64).astype(F32)}
+    io.stage(theta1).write()
+    io.settle(0, 0, merged=True)
+    stiff, step = np.arange(64) < 32, rng.standard_normal(64).astype(F32)
+    target = rng.standard_normal(64).astype(F32)
+    params["w"][:] = np.where(stiff, target, params["w"] - step)  # one "inner step" of each kind
+    data = io.capture(["w"], theta1, slot=(0, 1)).encode({"w": "I2"}, compression="")
+    flat_part = np.subtract(theta1["w"], np.subtract(theta1["w"], owed, dtype=F32) - step, dtype=F32)
+    d = np.where(stiff, np.subtract(theta1["w"], target, dtype=F32), flat_part)
+    assert data == encode_payload({"w": d}, {"w": "I2"}, kind="delta")
+    added_again = np.add(np.subtract(theta1["w"], params["w"], dtype=F32), owed, dtype=F32)
+    assert data != encode_payload({"w": added_again}, {"w": "I2"}, kind="delta")
 
 
 def test_a_publish_dropped_before_encoding_leaves_the_residual():
@@ -181,54 +231,64 @@ def test_with_i2_deltas_each_fragments_first_delta_is_the_same_and_later_ones_ca
     assert first and all(on[k] == off.get(k) for k in first)
     later = {k for k in on if k.startswith("blobs/snapshots/")} - set(first)
     assert later and later.isdisjoint(off)  # different bytes, hence different keys (their sha256)
-    assert all(m.learner.io.residuals.of(f) is not None for m in c.live() for f in (0, 1))
+    # every residual went into the float32 parameters: nothing left to add to a next delta
+    assert all(m.learner.io.residuals.of(f) is None for m in c.live() for f in (0, 1))
 
 
 # ---- the same bytes on every path ---------------------------------------------------------
 
 
-def _contributions(make_io, dtype: str, rounds: int = 6) -> list[bytes]:
-    """Fragment 0 published ``rounds`` times, the parameters moved the same way on every path,
-    one round left out of the commit (its residual given back)."""
+def _contributions(make_io, dtype: str, rounds: int = 6, params: str = "F32") -> list[bytes]:
+    """Fragment 0 published ``rounds`` times, the parameters moved the same way on every path
+    (half toward a point of their own, half by a step), each commit written into the fragment
+    before the residual goes back into it, one round left out of its commit. ``params``: the
+    parameters' dtype (``"BF16"``: the part of each residual they cannot hold is carried)."""
     rng = np.random.default_rng(3)
     theta = {"w": rng.standard_normal((8, 40)).astype(F32), "b": rng.standard_normal(40).astype(F32)}
-    io, write = make_io(theta)
+    if params == "BF16":
+        theta = {n: quant.dequantize(quant.quantize(v, "BF16")) for n, v in theta.items()}
+    io, adapter = make_io(theta, params)
     out = []
     for r in range(rounds):
         io.stage(theta).write()
+        if r:
+            io.settle(0, r - 1, merged=r - 1 != 2)
+        local = adapter.read(list(theta))
+        pull = {n: rng.standard_normal(v.shape).astype(F32) for n, v in theta.items()}
         step = {n: (1e-2 * rng.standard_normal(v.shape)).astype(F32) for n, v in theta.items()}
-        write({n: theta[n] - step[n] for n in theta})
+        adapter.write(
+            {
+                n: np.where(np.arange(v.size).reshape(v.shape) % 2 == 0, pull[n], local[n] - step[n])
+                for n, v in theta.items()
+            }
+        )
         data = io.capture(list(theta), theta, slot=(0, r)).encode(dict.fromkeys(theta, dtype), compression="")
         out.append(data)
-        io.settle(0, r, merged=r != 2)
         q = decode_payload(data, {n: v.shape for n, v in theta.items()})
         theta = {n: (theta[n] - F32(0.5) * q[n]).astype(F32) for n in theta}
+        if params == "BF16":
+            theta = {n: quant.dequantize(quant.quantize(v, "BF16")) for n, v in theta.items()}
     return out
 
 
-def _numpy_io(theta):
-    params = {n: v.copy() for n, v in theta.items()}
-    adapter = NumpyAdapter(params)
-    return FragmentIO(adapter, feedback=True), lambda v: adapter.write(v)
+def _numpy_io(theta, params):
+    assert params == "F32"
+    adapter = NumpyAdapter({n: v.copy() for n, v in theta.items()})
+    return FragmentIO(adapter, feedback=True), adapter
 
 
 def _torch_io(pipeline: bool):
-    def make(theta):
+    def make(theta, params):
         import torch
 
         from gradientmail_core.adapters.torch import TorchAdapter
 
+        dtype = {"F32": torch.float32, "BF16": torch.bfloat16}[params]
         model = torch.nn.Module()
         for n, v in theta.items():
-            model.register_parameter(n, torch.nn.Parameter(torch.from_numpy(v.copy())))
+            model.register_parameter(n, torch.nn.Parameter(torch.from_numpy(v.copy()).to(dtype)))
         adapter = TorchAdapter(model, device_pipeline=pipeline)
-
-        def write(values):
-            with torch.no_grad():
-                for n, v in values.items():
-                    getattr(model, n).copy_(torch.from_numpy(v))
-
-        return FragmentIO(adapter, feedback=True), write
+        return FragmentIO(adapter, feedback=True), adapter
 
     return make
 
@@ -236,17 +296,18 @@ def _torch_io(pipeline: bool):
 PATHS = {"torch-host": _torch_io(False), "torch-device": _torch_io(True)}
 if importlib.util.find_spec("mlx") is not None:  # pragma: no cover - MLX is absent on Linux CI
 
-    def _mlx_io(theta):
+    def _mlx_io(theta, params):
         import mlx.core as mx
         import mlx.nn as nn
 
         from gradientmail_core.adapters.mlx import MLXAdapter
 
+        dtype = {"F32": mx.float32, "BF16": mx.bfloat16}[params]
         model = nn.Module()
         for n, v in theta.items():
-            setattr(model, n, mx.array(v))
+            setattr(model, n, mx.array(v).astype(dtype))
         adapter = MLXAdapter(model)
-        return FragmentIO(adapter, feedback=True), lambda values: adapter.write(values)
+        return FragmentIO(adapter, feedback=True), adapter
 
     PATHS["mlx"] = _mlx_io
 
@@ -256,6 +317,38 @@ if importlib.util.find_spec("mlx") is not None:  # pragma: no cover - MLX is abs
 @pytest.mark.parametrize("dtype", ["I2", "F4", "F8_E4M3", "BF16"])
 def test_every_path_sends_the_numpy_paths_bytes(path, dtype):
     assert _contributions(PATHS[path], dtype) == _contributions(_numpy_io, dtype)
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
+@pytest.mark.parametrize("path", sorted(set(PATHS) - {"torch-host"}))
+@pytest.mark.parametrize("dtype", ["I2", "F4"])
+def test_with_bf16_parameters_every_path_carries_what_they_cannot_hold_alike(path, dtype):
+    assert _contributions(PATHS[path], dtype, params="BF16") == _contributions(
+        PATHS["torch-host"], dtype, params="BF16"
+    )
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_what_bf16_parameters_cannot_hold_of_a_residual_goes_into_the_next_delta(pipeline):
+    import torch
+
+    theta = {"w": quant.dequantize(quant.quantize(np.linspace(1, 2, 64, dtype=F32), "BF16"))}
+    io, adapter = _torch_io(pipeline)(theta, "BF16")
+    io.stage(theta).write()
+    adapter.write({"w": theta["w"] - np.random.default_rng(2).standard_normal(64).astype(F32) * F32(0.1)})
+    io.capture(["w"], theta, slot=(0, 0)).encode({"w": "I2"}, compression="")
+    owed = np.asarray(torch.as_tensor(io.residuals.owed(0)["w"]).cpu())
+    io.stage(theta).write()
+    io.settle(0, 0, merged=True)
+    wanted = np.subtract(theta["w"], owed, dtype=F32)
+    held = adapter.read(["w"])["w"]
+    assert np.array_equal(held, quant.dequantize(quant.quantize(wanted, "BF16")))  # what bf16 holds of it
+    left = np.asarray(torch.as_tensor(io.residuals.of(0)["w"]).cpu())
+    assert np.array_equal(left, held - wanted) and left.any()
+    data = io.capture(["w"], theta, slot=(0, 1)).encode({"w": "I2"}, compression="")
+    x = np.add(np.subtract(theta["w"], held, dtype=F32), left, dtype=F32)  # = owed, up to float32 rounding
+    assert data == encode_payload({"w": x}, {"w": "I2"}, kind="delta")
 
 
 @pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")

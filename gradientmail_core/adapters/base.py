@@ -70,6 +70,13 @@ class DevicePipeline(Protocol):
         anchor. The same float32 operations as the host path, so the same bits."""
         ...
 
+    def give_back(self, owed: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        """Training thread, error feedback (``feedback.py``): each named parameter becomes its
+        float32 value less ``owed`` (device tensors ``encode_with_residual`` made), stored in its
+        dtype; returns what a non-float32 parameter could not hold (``feedback.carried``, one
+        entry per such parameter), None if every one is float32."""
+        ...
+
 
 def pipeline_of(adapter: Adapter) -> DevicePipeline | None:
     pipeline: DevicePipeline | None = getattr(adapter, "pipeline", None)

@@ -19,7 +19,7 @@ import numpy as np
 from ..codec import quant
 from ..codec.stream import PayloadStream, stream_quantized
 from .base import Adapter, Captured, DevicePipeline, pipeline_of
-from .feedback import Fed, Residuals, quantize_with_residual
+from .feedback import Fed, Residuals, carried, give_back, quantize_with_residual
 
 
 class Contribution(Protocol):
@@ -152,6 +152,7 @@ class FragmentIO:
         self.pipeline = pipeline_of(adapter)
         # Error feedback: each fragment's quantization residual, where the parameters live.
         self.residuals = Residuals() if feedback else None
+        self._dtypes: dict[str, str] | None = None  # the parameters' own dtypes (``settle``)
 
     def capture(
         self,
@@ -201,9 +202,27 @@ class FragmentIO:
         return c
 
     def settle(self, fragment: int, round: int, *, merged: bool) -> None:
-        """Training thread: a commit of ``round`` arrived; ``merged``: it holds this learner's delta."""
-        if self.residuals is not None:
-            self.residuals.settle(fragment, round, merged=merged)
+        """Training thread, after the fragment was aligned with a commit of ``round``; ``merged``:
+        it holds this learner's delta. Error feedback: what that delta owes goes into the
+        parameters (``feedback.py``)."""
+        if self.residuals is None:
+            return
+        owed = self.residuals.settle(fragment, round, merged=merged)
+        if not owed:
+            return
+        if self.pipeline is not None:
+            left = self.pipeline.give_back(owed)
+        else:
+            wanted = give_back(self.adapter.read(list(owed)), owed)
+            self.adapter.write(wanted)
+            rounded = [n for n in wanted if self._param_dtypes()[n] != "F32"]
+            left = carried({n: wanted[n] for n in rounded}, self.adapter.read(rounded)) if rounded else None
+        self.residuals.carry(fragment, left)
+
+    def _param_dtypes(self) -> dict[str, str]:
+        if self._dtypes is None:
+            self._dtypes = {s.name: s.dtype for s in self.adapter.schema()}
+        return self._dtypes
 
     def stage(self, theta: Mapping[str, np.ndarray]) -> Incoming:
         """Background thread (or the training thread, if the node did not): a commit's theta,

@@ -257,6 +257,20 @@ class TorchPipeline:
             p.copy_(moved)
             self.anchors[n] = anchor
 
+    @torch.no_grad()
+    def give_back(self, owed: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        # feedback.give_back and feedback.carried, op for op. The residuals were made on the side
+        # stream, whose work the background waited for (its device-to-host copies came after).
+        self.device.used_here(owed.values())
+        left = {}
+        for n, r in owed.items():
+            p = self.params[n]
+            wanted = p.float() - r
+            p.copy_(wanted)
+            if p.dtype != torch.float32:
+                left[n] = p.float() - wanted
+        return left or None
+
 
 class _Captured:
     def __init__(self, device: _Device, anchors: dict[str, torch.Tensor], local: dict[str, torch.Tensor], event: Any):
@@ -281,8 +295,9 @@ class _Captured:
                 if not feedback or dtypes[n] == "F32":
                     quantized[n] = tq.quantize(x, dtypes[n])
                     continue
-                # feedback.quantize_with_residual, op for op (residuals never leave this stream).
+                # feedback.quantize_with_residual, op for op (residuals never leave the device).
                 if residual is not None and n in residual:
+                    self.device.used_here([residual[n]])  # (``carried``: made on the training stream)
                     x += residual[n]
                 quantized[n] = q = tq.quantize(x, dtypes[n])
                 e = torch.sub(x, dequantize(q), out=x)  # q holds its own codes, not x (x is not F32)
