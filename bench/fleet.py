@@ -75,15 +75,19 @@ class Link(ForwardingMailbox):
         self.tally = Tally()
 
     def _cost(self, op: str, nbytes: int = 0, *, up: bool = False, key: str = "") -> None:
+        self.tally.counts[op] += 1
+        self._move(nbytes, up=up, key=key, seconds=self.latency)
+
+    def _move(self, nbytes: int, *, up: bool, key: str, seconds: float = 0.0) -> None:
+        """``nbytes`` moved up or down (a contribution's if ``key`` is one), on this node's clock."""
         t = self.tally
-        t.counts[op] += 1
         if up:
             t.up += nbytes
         else:
             t.down += nbytes
             if key.startswith(keys.SNAPSHOT_BLOBS):
                 t.contribution_down += nbytes
-        seconds = self.latency + nbytes / self.bandwidth
+        seconds += nbytes / self.bandwidth
         t.busy += seconds
         self.clock.sleep(seconds)
 
@@ -119,16 +123,7 @@ class Link(ForwardingMailbox):
         it = iter(chunks)
         try:
             for chunk in it:
-                n = memoryview(chunk).nbytes
-                t = self.tally
-                if up:
-                    t.up += n
-                else:
-                    t.down += n
-                    if key.startswith(keys.SNAPSHOT_BLOBS):
-                        t.contribution_down += n
-                t.busy += n / self.bandwidth
-                self.clock.sleep(n / self.bandwidth)
+                self._move(memoryview(chunk).nbytes, up=up, key=key)
                 yield chunk
         finally:
             close_stream(it)
