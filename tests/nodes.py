@@ -72,6 +72,24 @@ def wait_until(predicate, timeout: float = 120, what: str = "condition") -> None
         time.sleep(0.05)
 
 
+def same_params(nodes: list[Node]) -> str | None:
+    """None when every node left with the same parameters; otherwise what differs and, per node,
+    the newest commit it aligned with per fragment and any round it gave up on or skipped (the
+    message a failed run needs to be told from a slow one)."""
+    params = [n.params() for n in nodes]
+    if identical(*params):
+        return None
+    differ = sorted(k for k in params[0] if any(not np.array_equal(p[k], params[0][k]) for p in params[1:]))
+    lines = [f"parameters differ in {differ}"]
+    for n in nodes:
+        newest: dict[int, tuple[int, int]] = {}
+        for e in n.events("Aligned"):
+            newest[e["fragment"]] = max(newest.get(e["fragment"], (-1, -1)), (e["version"], e["round"]))
+        odd = [e for e in n.events() if e["event"] in ("GaveUp", "Skipped", "StoreFailure", "Left")]
+        lines.append(f"{n.learner}: newest (version, round) per fragment {dict(sorted(newest.items()))}; {odd}")
+    return "\n".join(lines)
+
+
 def identical(*params: dict[str, np.ndarray]) -> bool:
     first = params[0]
     return all(p.keys() == first.keys() and all(np.array_equal(p[k], first[k]) for k in first) for p in params[1:])

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("boto3")
 import boto3  # noqa: E402
-from nodes import Node, identical, wait_until  # noqa: E402
+from nodes import Node, same_params, wait_until  # noqa: E402
 
 import gradientmail_core as gm  # noqa: E402
 from gradientmail_core.protocol import keys  # noqa: E402
@@ -32,7 +32,7 @@ def check_run(nodes: list[Node], mailbox: gm.Mailbox) -> list[RoundRecord]:
         assert n.wait() == 0, (n.out.parent / f"log-{n.learner}.txt").read_text()[-3000:]
     recs = tape(mailbox)
     assert len(recs) == 160 // 20 * 2
-    assert identical(*[n.params() for n in nodes])
+    assert (diff := same_params(nodes)) is None, diff
     for n in nodes:
         s = n.summary()
         assert s["final_loss"] < s["initial_loss"] - 0.5
@@ -110,7 +110,7 @@ def test_closer_killed_mid_round_is_taken_over(tmp_path):
     from_a = [t for t in took if t["previous"] == "a" or t["reason"] == "unclaimed"]
     assert from_a and from_a[0]["reason"] in ("lease_lost", "timeout", "unclaimed")
     assert "a" not in {r.closer for r in recs[-3:]}
-    assert identical(b.params(), c.params())
+    assert (diff := same_params([b, c])) is None, diff
 
 
 def test_stalled_closer_is_taken_over_and_superseded_cleanly_when_it_resumes(tmp_path):
@@ -128,7 +128,7 @@ def test_stalled_closer_is_taken_over_and_superseded_cleanly_when_it_resumes(tmp
     assert b.events("TookOver") or c.events("TookOver")
     # the resumed closer noticed, stepped down, and followed the tape
     assert closer.events("Superseded")
-    assert identical(b.params(), c.params())
+    assert (diff := same_params([b, c])) is None, diff
 
 
 def test_killed_learner_restarts_with_its_id_and_contributes_again(tmp_path):
@@ -207,4 +207,4 @@ def test_closer_killed_over_s3_is_taken_over_and_the_run_goes_on(tmp_path, s3_se
     assert {r.closer for r in after} <= {n.learner for n in survivors}
     took = [t for n in survivors for t in n.events("TookOver")]
     assert any(t["previous"] == holder or t["reason"] == "unclaimed" for t in took), took
-    assert identical(*[n.params() for n in survivors])
+    assert (diff := same_params(survivors)) is None, diff
