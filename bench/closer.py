@@ -50,7 +50,9 @@ from gradientmail_core.mailbox import CreateOutcome, create_once  # noqa: E402
 from gradientmail_core.protocol.records import Snapshot  # noqa: E402
 from gradientmail_core.protocol.run import open_run  # noqa: E402
 from gradientmail_core.protocol.store import RunStore  # noqa: E402
-from gradientmail_core.syncer.closer import Collector, Estimates, FragmentState, compute_commit  # noqa: E402
+from gradientmail_core.syncer.closer import Collector, compute_commit  # noqa: E402
+from gradientmail_core.syncer.fragment import FragmentState  # noqa: E402
+from gradientmail_core.syncer.timing import Estimates  # noqa: E402
 
 TENSOR = 1 << 22  # 4M params per tensor: a large transformer matrix
 

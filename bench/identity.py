@@ -51,7 +51,9 @@ from gradientmail_core.protocol.records import (  # noqa: E402
 )
 from gradientmail_core.protocol.run import open_run  # noqa: E402
 from gradientmail_core.protocol.store import RunStore  # noqa: E402
-from gradientmail_core.syncer.closer import Collector, Estimates, FragmentState, compute_commit  # noqa: E402
+from gradientmail_core.syncer.closer import Collector, compute_commit  # noqa: E402
+from gradientmail_core.syncer.fragment import FragmentState  # noqa: E402
+from gradientmail_core.syncer.timing import Estimates  # noqa: E402
 
 TENSOR = 1 << 20
 SHA = "ab" * 32

@@ -45,9 +45,10 @@ from gradientmail_core.protocol.records import RoundRecord, ref_size  # noqa: E4
 from gradientmail_core.protocol.run import RunInfo, read_manifest  # noqa: E402
 from gradientmail_core.protocol.schedule import round_of  # noqa: E402
 from gradientmail_core.protocol.store import RunStore  # noqa: E402
-from gradientmail_core.syncer.closer import Collector, Estimates, compute_commit  # noqa: E402
+from gradientmail_core.syncer.closer import Collector, compute_commit  # noqa: E402
 from gradientmail_core.syncer.kernel import FragmentCloser  # noqa: E402
 from gradientmail_core.syncer.replay import recover  # noqa: E402
+from gradientmail_core.syncer.timing import Estimates  # noqa: E402
 from gradientmail_core.syncer.verify import VERIFIED, RoundVerifier, differences  # noqa: E402
 
 TENSOR = 250_000

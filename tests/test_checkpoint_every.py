@@ -20,6 +20,7 @@ from gradientmail_core.adapters.base import NumpyAdapter
 from gradientmail_core.errors import MailboxUnavailable, ProtocolError
 from gradientmail_core.mailbox.memory import MemoryMailbox
 from gradientmail_core.protocol import keys
+from gradientmail_core.protocol.rebuild import theta_digest
 from gradientmail_core.protocol.records import Manifest, RoundRecord, decode, encode
 from gradientmail_core.protocol.run import RunInfo, open_run
 from gradientmail_core.protocol.schedule import is_checkpoint, round_of
@@ -27,7 +28,6 @@ from gradientmail_core.protocol.store import RunStore
 from gradientmail_core.protocol.tape import fetch_theta, load_newest
 from gradientmail_core.syncer import replay
 from gradientmail_core.syncer.bridge import Bridge
-from gradientmail_core.syncer.closer import theta_digest
 from gradientmail_core.syncer.kernel import FragmentCloser
 from gradientmail_core.syncer.learner import Learner
 from gradientmail_core.syncer.node import Node

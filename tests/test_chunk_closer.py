@@ -32,8 +32,10 @@ from gradientmail_core.protocol.run import RunInfo, open_run
 from gradientmail_core.protocol.schedule import version_before
 from gradientmail_core.protocol.store import RunStore
 from gradientmail_core.syncer import kernel
-from gradientmail_core.syncer.closer import Collector, Commit, Estimates, FragmentState, compute_commit
+from gradientmail_core.syncer.closer import Collector, Commit, compute_commit
+from gradientmail_core.syncer.fragment import FragmentState
 from gradientmail_core.syncer.spool import Spool
+from gradientmail_core.syncer.timing import Estimates
 
 # Tensors larger than a reduction leaf (32768) and a chunk that does not divide it: leaves, and
 # the cosine's leaves, straddle the chunk boundaries; one tensor is whole inside a chunk.

@@ -17,7 +17,9 @@ from gradientmail_core.protocol.records import Snapshot
 from gradientmail_core.protocol.run import open_run
 from gradientmail_core.protocol.store import RunStore
 from gradientmail_core.syncer import kernel
-from gradientmail_core.syncer.closer import Collector, Estimates, FragmentState, compute_commit
+from gradientmail_core.syncer.closer import Collector, compute_commit
+from gradientmail_core.syncer.fragment import FragmentState
+from gradientmail_core.syncer.timing import Estimates
 
 SHAPES = {"embed.weight": (40, 16), "h.0.w": (64, 33), "h.0.b": (33,)}
 

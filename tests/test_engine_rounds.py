@@ -183,7 +183,7 @@ def test_commit_dtype_learners_download_the_change_and_rebuild_identical_paramet
     assert all(r.change is not None for r in recs)
     assert_identical(ms)
     # and the parameters are what the record says
-    from gradientmail_core.syncer.closer import theta_digest
+    from gradientmail_core.protocol.rebuild import theta_digest
 
     run = ms[0].node.run
     assert theta_digest(run, 0, {n: ms[0].params[n] for n in run.fragments[0]}) == recs[-1].theta_digest

@@ -20,7 +20,7 @@ from gradientmail_core.adapters.handles import FragmentIO
 from gradientmail_core.codec import quant
 from gradientmail_core.codec.payload import decode_payload, encode_payload
 from gradientmail_core.mailbox.forwarding import ForwardingMailbox
-from gradientmail_core.syncer.closer import rebuild_theta
+from gradientmail_core.protocol.rebuild import rebuild_theta
 
 F32 = np.float32
 HAS_TORCH = importlib.util.find_spec("torch") is not None

@@ -29,11 +29,13 @@ from gradientmail_core.protocol.lease import LeaseWriter
 from gradientmail_core.protocol.records import Claim, Lease, RoundRecord, Snapshot, decode, encode
 from gradientmail_core.protocol.run import open_run, read_manifest
 from gradientmail_core.protocol.store import RunStore
-from gradientmail_core.syncer.closer import Collector, Estimates, FragmentState, Judged, compute_commit
+from gradientmail_core.syncer.closer import Collector, Judged, compute_commit
+from gradientmail_core.syncer.fragment import FragmentState
 from gradientmail_core.syncer.join import join_run
 from gradientmail_core.syncer.marker import RestartMarker
 from gradientmail_core.syncer.node import NodeOptions
 from gradientmail_core.syncer.process_host import ProcessHost
+from gradientmail_core.syncer.timing import Estimates
 
 REPO = Path(__file__).resolve().parents[1]
 OPTS = NodeOptions(poll_interval=0.1, lease_timeout=2.0, round_timeout=1.0)

@@ -18,8 +18,9 @@ from gradientmail_core import events as ev
 from gradientmail_core.mailbox import Mailbox
 from gradientmail_core.protocol import keys
 from gradientmail_core.syncer import following
-from gradientmail_core.syncer.closer import Collector, Estimates, Judged
+from gradientmail_core.syncer.closer import Collector, Judged
 from gradientmail_core.syncer.node import NodeOptions
+from gradientmail_core.syncer.timing import Estimates
 
 
 class Recorder:

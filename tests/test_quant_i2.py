@@ -314,8 +314,8 @@ def test_a_short_or_mislabelled_i2_payload_is_rejected() -> None:
 
 
 def test_a_run_with_i2_deltas_and_commits_ends_identical_and_matches_its_digests() -> None:
+    from gradientmail_core.protocol.rebuild import theta_digest
     from gradientmail_core.protocol.records import RoundRecord, decode
-    from gradientmail_core.syncer.closer import theta_digest
 
     shapes = {"w": (16, 12), "b": (12,)}
     c = Cluster(gm.DiLoCo(sync_every=4, fragments=2, delta_dtype="I2", commit_dtype="I2"), shapes=shapes)

@@ -19,9 +19,10 @@ from gradientmail_core.protocol import keys
 from gradientmail_core.protocol.records import RoundRecord, Snapshot, chunk_refs
 from gradientmail_core.protocol.run import RunInfo, read_manifest
 from gradientmail_core.protocol.store import RunStore
-from gradientmail_core.syncer.closer import Collector, Estimates, Judged, compute_commit
+from gradientmail_core.syncer.closer import Collector, Judged, compute_commit
 from gradientmail_core.syncer.kernel import FragmentCloser
 from gradientmail_core.syncer.replay import recover
+from gradientmail_core.syncer.timing import Estimates
 
 torch = pytest.importorskip("torch")
 

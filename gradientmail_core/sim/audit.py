@@ -35,11 +35,10 @@ from ..config import RDA
 from ..errors import GradientMailError
 from ..mailbox import ForwardingMailbox, Mailbox
 from ..protocol import keys
-from ..protocol.rebuild import payload_digest
+from ..protocol.rebuild import cast, payload_digest, rebuild_theta, theta_digest
 from ..protocol.records import Claim, Manifest, RoundRecord, Snapshot, chunk_refs, decode, ref_digest
 from ..protocol.run import RunInfo
 from ..protocol.schedule import fragment_of, slot, version_before
-from ..syncer.closer import cast, rebuild_theta, theta_digest
 from . import reference as ref
 from .captured import Captured
 

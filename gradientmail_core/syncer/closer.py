@@ -18,20 +18,15 @@ from ..aggregators.merge import contribution_weight
 from ..errors import MailboxUnavailable, RecordInvalid
 from ..protocol import keys
 from ..protocol.members import SignatureInvalid
-from ..protocol.rebuild import cast, rebuild_theta, theta_digest
 from ..protocol.records import Participant, Rejection, RoundRecord, Snapshot, chunk_refs, ref_digest
 from ..protocol.run import RunInfo
 from ..protocol.schedule import fragment_of, nominal_step, version_before
 from ..protocol.store import RunStore
-from .fragment import Accepted, CommitOp, FragmentState, Lost, Made, Written
+from .fragment import Accepted, CommitOp, FragmentState, Lost, Made
 from .kernel import FragmentCloser
 from .spool import Spool
 from .timing import Estimates, ema, grace_seconds
 from .writing import Put
-
-# (names that lived here before the closer was one; still imported from here)
-__all__ = ["IGNORED", "Collector", "Commit", "Estimates", "FragmentState", "Judged", "Written", "cast"]
-__all__ += ["commit_record", "compute_commit", "rebuild_theta", "theta_digest"]
 
 IGNORED = "ignored"  # a snapshot no member signed: judged once, in no record
 
@@ -69,9 +64,8 @@ class Collector:
 
     def closer_for(self, store: RunStore) -> FragmentCloser:
         if self.closer is None:
-            own = FragmentCloser.one_process(self.run, store, self.spool)
-            own.adopt(self.fragment, self.state)
-            self.closer = own
+            self.closer = FragmentCloser.one_process(self.run, store, self.spool)
+            self.closer.states[self.fragment] = self.state
         return self.closer
 
     def accepted(self) -> list[Judged]:

@@ -11,10 +11,11 @@ from ..mailbox import CreateOutcome
 from ..protocol import keys
 from ..protocol.records import RoundRecord
 from ..protocol.schedule import fragment_of, gap
-from .closer import IGNORED, Collector, Estimates, compute_commit
+from .closer import IGNORED, Collector, compute_commit
 from .following import Following
 from .fragment import FragmentState
 from .replay import recover
+from .timing import Estimates
 
 
 class Closing(Following):

@@ -8,11 +8,11 @@ import numpy as np
 from .. import events as ev
 from ..errors import PayloadCorrupt
 from ..protocol import keys
+from ..protocol.rebuild import rebuild_theta, theta_digest
 from ..protocol.records import RoundRecord, ref_size
 from ..protocol.run import payload_cap
 from ..protocol.tape import fetch_theta, schedule_problem
 from .bridge import CommitNotice
-from .closer import rebuild_theta, theta_digest
 from .verifying import Verifying
 
 

@@ -71,9 +71,6 @@ class FragmentCloser:
     def holds_any(self) -> bool:
         return bool(self.states or self.pending)
 
-    def adopt(self, f: int, state: FragmentState) -> None:
-        self.states[f] = state
-
     def forget(self, f: int, *, unless: int | None = None) -> None:
         """Let fragment ``f``'s state go unless it is version ``unless`` (another node committed the
         fragment: the outer state held is stale, twice the fragment in fp32)."""

@@ -26,9 +26,10 @@ from ..protocol.records import PayloadRef, RoundRecord, Snapshot, chunk_refs, re
 from ..protocol.run import RunInfo
 from ..protocol.schedule import version_before
 from ..protocol.store import RunStore
-from .closer import Collector, Commit, Estimates, Judged, compute_commit
+from .closer import Collector, Commit, Judged, compute_commit
 from .fragment import FragmentState, discard
 from .kernel import FragmentCloser
+from .timing import Estimates
 
 
 def recover(
