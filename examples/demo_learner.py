@@ -5,8 +5,9 @@ whose Trainer uses ``MailboxDiLoCoStrategy``. It is also a template for your own
 
     python examples/demo_learner.py --workdir DIR --id learner-0 --steps 300
 
-It reads the demo's settings from ``DIR/settings.json``, trains on the mailbox
-``DIR/mailbox``, and appends what the demo's display shows (loss, bytes, events) to
+It reads the demo's settings from ``DIR/settings.json`` (among them the run's config:
+``gm.DiLoCo.frugal`` with zstd-compressed payloads, or plain F32 deltas with ``--f32``), trains
+on the mailbox ``DIR/mailbox``, and appends what the demo's display shows (loss, bytes, events) to
 ``DIR/metrics/ID.jsonl``, one JSON object per line.
 """
 
@@ -121,6 +122,15 @@ class Reporter(Callback):
         )
 
 
+def algorithm(s: dict[str, Any]) -> gm.DiLoCo:
+    """The run's config from the demo's settings: ``gm.DiLoCo.frugal`` (I2 deltas with error
+    feedback, F4 commits, a checkpoint every 10th version) or, with ``--f32``, plain F32 deltas."""
+    if s["preset"] == "frugal":
+        return gm.DiLoCo.frugal(**s["diloco"])
+    assert s["preset"] is None, s["preset"]
+    return gm.DiLoCo(**s["diloco"])
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", required=True)
@@ -162,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
             time.sleep(0.1)
     mailbox = gm.CountingMailbox(gm.FileMailbox(mailbox_dir))
     strategy = MailboxDiLoCoStrategy(
-        algorithm=gm.DiLoCo(**s["diloco"]),
+        algorithm=algorithm(s),
         mailbox=mailbox,
         learner_id=args.id,
         samples_fn=lambda batch: batch[0].numel(),  # weigh contributions by characters trained
@@ -171,6 +181,7 @@ def main(argv: list[str] | None = None) -> None:
         wait_timeout=600,
         poll_interval=s["poll_interval"],
         lease_timeout=s["lease_timeout"],
+        compression=s["compression"],  # "zstd": the I2 and F4 payloads shrink by another ~15%
         callbacks=(on_event,),
     )
     trainer = Trainer(

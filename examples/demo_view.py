@@ -16,10 +16,11 @@ from rich.text import Text
 
 from gradientmail_core.cli import views
 from gradientmail_core.cli.plot import draw_participants
+from gradientmail_core.config import FRUGAL
 from gradientmail_core.protocol.records import RoundRecord
 
 if TYPE_CHECKING:
-    from demo import Demo
+    from demo import Demo, Settings
 
 COLORS = ["#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f"]
 BASELINE = "#d62728"
@@ -44,10 +45,25 @@ def intro(demo: Demo) -> RenderableType:
         f"{s.learners} learner processes train a {s.size.layers}-layer character-level transformer "
         f"({views.human_count(sum(p.numel() for p in demo.eval_model.parameters()))} parameters) on the Python "
         f"standard library's source, {s.steps} steps each, with Decoupled DiLoCo "
-        f"(H={s.diloco['sync_every']}, {s.diloco['fragments']} fragments, quorum {s.diloco['quorum_size']}).\n"
+        f"(H={s.diloco['sync_every']}, {s.diloco['fragments']} fragments, quorum {s.diloco['quorum_size']}), "
+        f"{config(s)}.\n"
         f"They share nothing but the mailbox [bold]{demo.url}[/].\n{kill}"
     )
     return Panel(text, title="gradientmail demo", title_align="left", border_style="cyan")
+
+
+def config(s: Settings) -> str:
+    """The run's config in words, with the call that builds it."""
+    if s.preset == "frugal":
+        return (
+            f"[bold]gm.DiLoCo.frugal[/] (I2 deltas with error feedback, F4 commits, a checkpoint every "
+            f"{FRUGAL['checkpoint_every']}th version) and compression={s.compression!r}"
+        )
+    return f"plain F32 deltas with the full parameters at every commit, compression={s.compression!r}"
+
+
+def ratio(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
 
 
 def _bar(done: float, total: float) -> Table:
@@ -106,19 +122,31 @@ def dashboard(demo: Demo) -> RenderableType:
 
 
 def summary(demo: Demo, r: dict[str, Any]) -> RenderableType:
-    dim = "[dim]"
+    s, dim = demo.s, "[dim]"
+    above = 100 * (r["loss_ratio"] - 1)
     lines = [
-        "[bold]Held-out loss[/] (nats per character, lower is better)",
+        f"[bold]Config[/]: {config(s)}",
+        "",
+        f"[bold]Communication[/]: [bold]{ratio(r['communication_ratio'])}x less[/] than synchronous data-parallel",
+        f"  {views.human_bytes(r['diloco_bytes'])} through the mailbox, against "
+        f"{views.human_bytes(r['data_parallel_bytes'])} {dim}(one gradient up and one average down per step "
+        "and learner)[/]",
+    ]
+    if s.preset is not None:
+        lines.append(
+            f"  plain F32 deltas (--f32) would have moved about {views.human_bytes(r['f32_bytes_estimate'])} "
+            f"in these rounds: {ratio(r['f32_communication_ratio'])}x less than data-parallel "
+            f"{dim}(payloads only, estimated)[/]"
+        )
+    lines += [
+        "",
+        f"[bold]Held-out loss[/]: [bold]{r['loss_ratio']:.3f}x the baseline's[/] "
+        f"({abs(above):.1f}% {'above' if above >= 0 else 'below'}; nats per character, lower is better)",
         f"  [bold]{r['diloco_loss']:.3f}[/]  DiLoCo: {r['learners']} learner processes sharing only a mailbox "
         f"{dim}({r['rounds_committed']} rounds committed)[/]",
         f"  [bold]{r['baseline_loss']:.3f}[/]  one process on the same data and compute {dim}({r['learners']}x larger "
         "batches: what synchronous data-parallel computes)[/]",
         f"  {r['initial_loss']:.3f}  the untrained model",
-        "",
-        f"[bold]Communication[/]: [bold]{r['communication_ratio']:.1f}x less[/] than synchronous data-parallel",
-        f"  {views.human_bytes(r['diloco_bytes'])} through the mailbox, against "
-        f"{views.human_bytes(r['data_parallel_bytes'])} {dim}(one gradient up and one average down per step "
-        "and learner)[/]",
         "",
         f"[bold]Faults[/]: {', '.join(r['killed']) or 'no learner'} killed with SIGKILL and restarted; "
         f"{r['takeovers']} takeover(s); {r['rejected']} rejected contribution(s)",
@@ -214,7 +242,7 @@ def plot(
         if lr.traffic:
             xs, ys = zip(*lr.traffic)
             ax_bytes.plot(xs, [y / 1e6 for y in ys], color=COLORS[i % len(COLORS)], lw=1.2, label=f"{lr.id} (DiLoCo)")
-    steps = [0, s.steps]
+    steps = [1, s.steps]
     ax_bytes.plot(
         steps,
         [2 * demo.param_bytes * x / 1e6 for x in steps],
@@ -223,12 +251,16 @@ def plot(
         label="synchronous data-parallel",
     )
     ax_bytes.set_title(
-        f"Bytes each learner sent and received: {r['communication_ratio']:.1f}x less than data-parallel",
+        f"Bytes each learner sent and received: {ratio(r['communication_ratio'])}x less than data-parallel",
         loc="left",
         fontsize=11,
     )
     ax_bytes.set_xlabel("step")
-    ax_bytes.set_ylabel("MB (cumulative)")
+    ax_bytes.set_ylabel("MB (cumulative, log scale)")
+    ax_bytes.set_yscale("log")  # a frugal run moves orders of magnitude less than data-parallel
     ax_bytes.legend(fontsize=8)
-    fig.suptitle(f"gradientmail demo: {s.learners} learners, Decoupled DiLoCo over a shared directory", fontsize=12)
+    preset = "gm.DiLoCo.frugal" if s.preset == "frugal" else "F32 deltas"
+    fig.suptitle(
+        f"gradientmail demo: {s.learners} learners, Decoupled DiLoCo ({preset}) over a shared directory", fontsize=12
+    )
     fig.savefig(path, dpi=100)
