@@ -14,5 +14,5 @@ command -v "$PY" >/dev/null || PY=python3
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy gradientmail_core
-.venv/bin/python -m pytest -q "$@"
+.venv/bin/python -m pytest -q --durations=25 "$@"
 .venv/bin/python scripts/mutants.py --quick -j 2
