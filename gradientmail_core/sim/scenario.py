@@ -127,6 +127,11 @@ class _Draw:
         return size_of(self.shapes)
 
 
+def _two_bit(dtype: str | None, which: str, parity: int) -> str | None:
+    """``I2`` in place of ``which`` for an even ``parity``, else ``dtype`` as drawn."""
+    return "I2" if dtype == which and parity % 2 == 0 else dtype
+
+
 def draw_scenario(r: random.Random, nodes: int | None) -> _Draw:
     """The run's shape, drawn from ``r`` (the simulation's rng, right after seeding it);
     ``nodes`` fixes the number of nodes instead of drawing it."""
@@ -148,11 +153,14 @@ def draw_scenario(r: random.Random, nodes: int | None) -> _Draw:
         outer_momentum=lr_beta[1],
         # Quantized commits in half the seeds, most of those with checkpoints only every k-th
         # version (the rounds between are replayed by a node that takes over).
-        commit_dtype=(commit := r.choice([None, None, "F8_E4M3", "F4"])),
+        # Half of the F8 ones commit in I2 instead (the 2-bit frontier), derived from the draws
+        # above like the deltas below, so no seed's draws shift.
+        commit_dtype=(commit := _two_bit(r.choice([None, None, "F8_E4M3", "F4"]), "F8_E4M3", n + in_flight)),
         checkpoint_every=r.choice([1, 2, 3, 5]) if commit else 1,
-        # Quantized deltas wherever commits are quantized, half of them with error feedback; derived
-        # from the draws above (no draw of their own), so every other seed keeps its run.
-        delta_dtype=commit,
+        # Quantized deltas wherever commits are quantized, half of them with error feedback; I2
+        # deltas under half of the F4 commits (``gm.DiLoCo.frugal``'s pair). Derived from the draws
+        # above (no draw of their own), so every other seed keeps its run.
+        delta_dtype=_two_bit(commit, "F4", n + in_flight),
         error_feedback=commit is not None and (H // P) % 2 == 0,
         chunk_elements=chunk,
         # GC's verify window (none, a short one, the default), derived like the chunks: every other
