@@ -164,6 +164,11 @@ class DiLoCo:
     # (and on a final round); the rounds between carry the quantized change and what a recovering
     # closer needs to replay them bit for bit (docs/protocol.md, "Checkpoints"). Needs commit_dtype.
     checkpoint_every: int = 1
+    # With commit_dtype: the part of each merged delta that pulls the learners back toward the
+    # rounding the master keeps (master - published parameters, per block of 32 elements) is taken
+    # out before the outer step, which would apply it a second time (aggregators/outer.py,
+    # ``drop_pullback``; bench/README.md section 6).
+    gap_projection: bool = False
     # Payloads are stored as chunks of this many elements of a fragment's line (a positive multiple
     # of 32; docs/protocol.md, "Chunked payloads"): what lets a sharded node's ranks each upload and
     # download only their part. A fragment of at most this many elements is one chunk, with the
@@ -253,6 +258,13 @@ class DiLoCo:
             raise bad(f"verify_window={w!r}: expected an integer >= 0 (rounds whose inputs the store keeps)")
         if not isinstance(self.error_feedback, bool):
             raise bad(f"error_feedback={self.error_feedback!r}: expected True or False")
+        if not isinstance(self.gap_projection, bool):
+            raise bad(f"gap_projection={self.gap_projection!r}: expected True or False")
+        if self.gap_projection and self.commit_dtype is None:
+            raise bad(
+                "gap_projection=True, commit_dtype=None: the gap it projects on is the rounding of quantized "
+                "commits; set commit_dtype (e.g. 'I2') or leave gap_projection off"
+            )
         object.__setattr__(self, "mixing", float(self.mixing))
         object.__setattr__(self, "outer_lr", float(self.outer_lr))
         object.__setattr__(self, "outer_momentum", float(self.outer_momentum))
@@ -263,7 +275,7 @@ class DiLoCo:
             v = getattr(self, f.name)
             if f.name == "alignment" and isinstance(v, Overwrite | Blend):
                 continue  # Overwrite is the default and Blend is ``mixing``: manifests from before agree
-            if f.name == "error_feedback" and not v:
+            if f.name in ("error_feedback", "gap_projection") and not v:
                 continue  # off, the default: manifests from before agree
             if f.name == "checkpoint_every" and v == 1:
                 continue  # the default: manifests from before the option keep their bytes and agree

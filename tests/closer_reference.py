@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gradientmail_core.aggregators.merge import merge_with_cosine
-from gradientmail_core.aggregators.outer import final_step_tensor, outer_step_tensor
+from gradientmail_core.aggregators.outer import drop_pullback, final_step_tensor, outer_step_tensor
 from gradientmail_core.codec.chunked import fragment_streams
 from gradientmail_core.protocol import keys
 from gradientmail_core.protocol.rebuild import cast, rebuild_theta
@@ -57,6 +57,10 @@ def reference_commit(
     new_momentum: dict[str, np.ndarray] = {}
 
     def step(name: str, d: np.ndarray, scale: np.float32 | None) -> None:
+        if cfg.gap_projection:  # over the whole tensor, its blocks of 32 from element 0
+            d = np.array(d, np.float32) if scale is None else np.multiply(d, scale, dtype=np.float32)
+            scale = None
+            drop_pullback(d.reshape(-1), master[name].reshape(-1), np.asarray(theta[name], np.float32).reshape(-1))
         if rec.final:
             new_master[name] = final_step_tensor(master[name], d, scale=scale, name=name)
         else:

@@ -190,6 +190,10 @@ CONFIGS = {
     "rda-f4-deltas-i2-commits": dict(delta_dtype="F4", commit_dtype="I2"),
     "rda-i2-deltas-f4-commits": dict(delta_dtype="I2", commit_dtype="F4"),
     "mean-f8-deltas-f8-commits": dict(merge=gm.WeightedMean(), delta_dtype="F8_E4M3", commit_dtype="F8_E4M3"),
+    "mean-i2-deltas-i2-commits-gap": dict(
+        merge=gm.WeightedMean(), delta_dtype="I2", commit_dtype="I2", gap_projection=True
+    ),
+    "rda-f4-deltas-i2-commits-gap": dict(delta_dtype="F4", commit_dtype="I2", gap_projection=True),
     "rda-bf16-commits": dict(commit_dtype="BF16"),
     "rda-f32-commits": dict(commit_dtype="F32"),
     "rda-clip": dict(clip_norm=0.5),
@@ -669,3 +673,14 @@ def test_a_fragment_of_one_chunk_is_held_decoded_and_a_larger_one_spooled() -> N
         spool = c.closer.spool
         assert (len(spool.held), len(spool.entries)) == ((1, 0) if held else (0, len(chunk_refs(ref))))
         spool.close()
+
+
+def test_gap_projection_changes_the_commit_once_the_master_holds_rounding() -> None:
+    base = dict(merge=gm.WeightedMean(), delta_dtype="I2", commit_dtype="I2")
+    plain = close_rounds(cfg_of(C, **base), rounds=2)
+    projected = close_rounds(cfg_of(C, **base, gap_projection=True), rounds=2)
+    # round 0 starts from the initial parameters (no rounding yet): the same commit
+    assert projected.commits[0].record.theta_digest == plain.commits[0].record.theta_digest
+    # round 1's master held the I2 rounding of round 0's change: the projection moved the step
+    first = projected.commits[1].state.master
+    assert any(not np.array_equal(first[n], plain.commits[1].state.master[n]) for n in first)

@@ -127,3 +127,15 @@ def test_an_option_given_to_the_frugal_preset_wins_over_the_presets_own() -> Non
     assert (cfg.fragments, cfg.commit_dtype, cfg.quorum_size, cfg.delta_dtype) == (4, "I2", 4, "I2")
     with pytest.raises(ValueError, match="checkpoint_every"):
         gm.DiLoCo.frugal(sync_every=20, commit_dtype=None)
+
+
+def test_gap_projection_needs_quantized_commits_and_a_manifest_keeps_it() -> None:
+    with pytest.raises(ValueError, match="gap_projection=True, commit_dtype=None"):
+        gm.DiLoCo(sync_every=20, fragments=1, gap_projection=True)
+    with pytest.raises(ValueError, match="expected True or False"):
+        gm.DiLoCo(sync_every=20, fragments=1, commit_dtype="I2", gap_projection=1)  # type: ignore[arg-type]
+    cfg = gm.DiLoCo(sync_every=20, fragments=1, commit_dtype="I2", gap_projection=True)
+    assert cfg.to_dict()["gap_projection"] is True and gm.DiLoCo.from_dict(cfg.to_dict()) == cfg
+    # off, the default: a manifest without the field (every run before it) reads as off and agrees
+    plain = gm.DiLoCo(sync_every=20, fragments=1, commit_dtype="I2")
+    assert "gap_projection" not in plain.to_dict() and gm.DiLoCo.from_dict(plain.to_dict()) == plain

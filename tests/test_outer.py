@@ -120,3 +120,46 @@ if __name__ == "__main__":
     body = [f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in spec.items() if k != "expected"]
     steps = ",\n".join(f"    {json.dumps(step)}" for step in spec["expected"])
     GOLDEN.write_text("{\n" + ",\n".join([*body, f'  "expected": [\n{steps}\n  ]']) + "\n}\n")
+
+
+def _pullback_by_hand(d: np.ndarray, master: np.ndarray, theta: np.ndarray) -> np.ndarray:
+    """``drop_pullback`` written plainly: each block of 32 from element 0, one at a time."""
+    out = d.astype(np.float32).copy()
+    for lo in range(0, d.size, 32):
+        g = (master[lo : lo + 32] - theta[lo : lo + 32]).astype(np.float32)
+        dot = sum(float(a) * float(b) for a, b in zip(out[lo : lo + 32], g, strict=True))
+        sq = sum(float(b) * float(b) for b in g)
+        c = min(max(dot / sq, -1.0), 0.0) if sq > 0 else 0.0
+        out[lo : lo + 32] -= np.float32(c) * g
+    return out
+
+
+def test_drop_pullback_takes_out_what_pulls_back_along_the_gap_per_block() -> None:
+    from gradientmail_core.aggregators.outer import drop_pullback
+
+    rng = np.random.default_rng(3)
+    n = 70_000 + 13  # spans _CHUNK, ends in a short block
+    theta = rng.standard_normal(n).astype(np.float32)
+    gap = (0.01 * rng.standard_normal(n)).astype(np.float32)
+    gap[:32] = 0  # a block without rounding keeps its delta
+    master = theta + gap
+    # blocks that pull back (a delta along -gap, more than the whole gap in some), push on, or neither
+    along = np.repeat(rng.uniform(-2.0, 1.0, (n + 31) // 32), 32)[:n].astype(np.float32)
+    d = (along * -(master - theta) + 1e-3 * rng.standard_normal(n)).astype(np.float32)
+    got = d.copy()
+    drop_pullback(got, master, theta)
+    want = _pullback_by_hand(d, master, theta)
+    assert np.allclose(got, want, rtol=0, atol=1e-7)
+    assert np.array_equal(got[:32], d[:32])
+    g = (master - theta).astype(np.float64)
+    for lo in range(32, n - 32, 32):
+        after = float(np.dot(got[lo : lo + 32].astype(np.float64), g[lo : lo + 32]))
+        before = float(np.dot(d[lo : lo + 32].astype(np.float64), g[lo : lo + 32]))
+        # a block pulling back by at most the gap keeps no component along it; one pushing on is untouched
+        if before >= 0:
+            assert np.array_equal(got[lo : lo + 32], d[lo : lo + 32])
+        elif before / float(np.dot(g[lo : lo + 32], g[lo : lo + 32])) >= -1:
+            assert abs(after) <= 1e-5 * float(np.linalg.norm(d[lo : lo + 32]) * np.linalg.norm(g[lo : lo + 32]))
+    again = d.copy()
+    drop_pullback(again, master, theta)
+    assert again.tobytes() == got.tobytes()

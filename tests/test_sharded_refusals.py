@@ -34,6 +34,7 @@ def _check() -> dict[str, str]:
         "checkpoint_every": ({**ok, "commit_dtype": "F4", "checkpoint_every": 4}, {}),
         "carry": ({**ok, "alignment": gm.Carry()}, {}),
         "error_feedback": ({**ok, "delta_dtype": "F4", "error_feedback": True}, {}),
+        "gap_projection": ({**ok, "commit_dtype": "I2", "gap_projection": True}, {}),
     }
     out = {}
     for name, (cfg, kw) in cases.items():
@@ -84,6 +85,7 @@ def test_a_sharded_node_refuses_what_it_does_not_do_yet_and_says_what_to_do():
     assert "checkpoint_every=4" in got["checkpoint_every"] and "checkpoint_every=1" in got["checkpoint_every"]
     assert "gm.Overwrite()" in got["carry"]
     assert "error_feedback=True" in got["error_feedback"]
+    assert "gap_projection=True" in got["gap_projection"] and "without it" in got["gap_projection"]
     assert "stores whole fragments" in got["old_run"] and "chunk size" in got["old_run"]
     assert "not open" in got["unopened"]
 

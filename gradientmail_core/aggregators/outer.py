@@ -108,5 +108,33 @@ def final_step_tensor(
     return np.subtract(t, out, out=out)
 
 
+GAP_BLOCK = 32  # elements: the blocks of F4 and I2, each with a scale of its own
+
+
+def drop_pullback(delta: np.ndarray, master: np.ndarray, theta: np.ndarray) -> None:
+    """Take out of a merged delta (flat float32, in place) the part that pulls the parameters back
+    toward the master's rounding. With ``commit_dtype`` the learners train from ``theta``, the
+    published parameters, while the master keeps ``gap = master - theta``; where the loss is stiff
+    the inner steps pull ``theta`` toward the master, so the merged delta holds a share of ``-gap``
+    that the outer step would apply a second time (bench/README.md section 6). Per block of
+    ``GAP_BLOCK`` elements from the delta's start (a piece of a tensor starts on such a block), the
+    delta's component along the gap is ``c = <delta, gap> / |gap|^2`` (float64 sums); where it pulls
+    back, ``delta -= float32(max(c, -1)) * gap``, the master keeping the rest of its rounding."""
+    assert delta.ndim == master.ndim == theta.ndim == 1 and delta.size == master.size == theta.size
+    for s in range(0, delta.size, _CHUNK):  # (_CHUNK is a multiple of GAP_BLOCK)
+        e = min(s + _CHUNK, delta.size)
+        gap = np.subtract(master[s:e], theta[s:e], dtype=np.float32)
+        d = delta[s:e]
+        full = (e - s) // GAP_BLOCK * GAP_BLOCK
+        for lo, hi, rows in ((0, full, full // GAP_BLOCK), (full, e - s, 1)):
+            if hi == lo:
+                continue
+            g, x = gap[lo:hi].reshape(rows, -1), d[lo:hi].reshape(rows, -1)
+            g64 = g.astype(np.float64)
+            dots, sq = (x.astype(np.float64) * g64).sum(axis=1), (g64 * g64).sum(axis=1)
+            c = np.clip(np.divide(dots, sq, out=np.zeros_like(dots), where=sq > 0), -1.0, 0.0).astype(np.float32)
+            x -= c[:, None] * g
+
+
 def _f32(a: np.ndarray) -> np.ndarray:
     return np.asarray(a, dtype=np.float32)

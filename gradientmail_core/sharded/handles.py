@@ -54,6 +54,11 @@ def check_config(cfg: DiLoCo) -> None:
             f"alignment={cfg.alignment!r} is not supported by sharded nodes yet: use gm.Overwrite() (the default) "
             "or gm.Blend(mixing)"
         )
+    if cfg.gap_projection:
+        raise ShardingUnsupported(
+            "gap_projection=True is not supported by sharded nodes yet (its blocks of 32 elements may straddle "
+            "two ranks' shards): run without it"
+        )
     if cfg.error_feedback:
         raise ShardingUnsupported(
             "error_feedback=True is not supported by sharded nodes yet (each rank would keep the residuals of "

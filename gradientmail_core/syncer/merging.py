@@ -190,6 +190,11 @@ def merge_and_step(
         lo = ranges[name][0]
         a, b = pc.start - lo, pc.stop - lo
         m_old, nm = flat(st.master[name])[a:b], flat(new_master[name])[a:b]
+        if cfg.gap_projection:
+            if scale is not None:  # (the float32 multiply the step would make)
+                np.multiply(v, scale, out=v)
+                scale = None
+            outer_mod.drop_pullback(v.reshape(-1), m_old, flat(st.theta[name])[a:b])
         if final:
             outer_mod.final_step_tensor(m_old, v, scale=scale, out=nm, name=name)
         else:
