@@ -22,9 +22,10 @@ Arms:
   overlap_steps=0``, no mixing, ``WeightedMean``, quorum 4, ``sync_every=20``, 4 learners in
   lockstep); ``streaming-*``: Streaming DiLoCo (5 fragments, H=50, overlap 5 steps, mixing 0.5).
   Each set has ``-F32``, ``-F4``, ``-F4-EF``, ``-I2``, ``-I2-EF`` (deltas in that dtype, ``-EF``
-  with error feedback) and ``-frontier``: I2 deltas and commits, error feedback,
-  ``checkpoint_every=10`` (the bytes of ``traffic.py --goal``), and ``-frugal``: the same with
-  F4 commits (``gm.DiLoCo.frugal``),
+  with error feedback), ``-frontier``: ``gm.DiLoCo.frontier`` (I2 deltas and commits, error
+  feedback, ``checkpoint_every=10``, ``gap_projection``: the bytes of ``traffic.py --goal``),
+  ``-frontier-noproj``: the same without ``gap_projection``, and ``-frugal``: F4 commits
+  (``gm.DiLoCo.frugal``),
 - ``decoupled-hetero``: Decoupled DiLoCo (4 fragments, H=20, quorum 3, RDA, no waiting) with
   learner 3 taking three times as long per step as the others; its fast learners go on to
   1.5 x ``steps`` (at the schedule's floor after ``steps``) to find when it reaches the target,
@@ -58,7 +59,7 @@ from pathlib import Path
 from _training import LEARNERS, SIZE, Curve, Job, charlm, run_job
 
 import gradientmail_core as gm
-from gradientmail_core.config import FRUGAL
+from gradientmail_core.config import FRONTIER, FRUGAL
 
 HERE = Path(__file__).resolve().parent
 SETS = ("textbook", "streaming")
@@ -69,11 +70,12 @@ QUANTIZED = {
     "I2": "",
     "I2-EF": "<= 1.01, and <= I2",
     "frontier": "<= 1.015",
+    "frontier-noproj": "",
     "frugal": "<= 1.015",
 }
-# The frontier of ``traffic.py --goal``: I2 deltas and I2 commits. ``-frugal``: what
-# ``gm.DiLoCo.frugal`` sets (the same with F4 commits).
-FRONTIER = dict(delta_dtype="I2", commit_dtype="I2", error_feedback=True, checkpoint_every=10)
+# ``-frontier``: what ``gm.DiLoCo.frontier`` sets (the bytes of ``traffic.py --goal``: I2 deltas
+# and commits, with ``gap_projection``); ``-frontier-noproj``: the same without the projection (the
+# frontier before it); ``-frugal``: what ``gm.DiLoCo.frugal`` sets (F4 commits).
 HETERO = ("decoupled-hetero", "align-blend", "align-carry", "align-adaptive")
 
 
@@ -107,6 +109,7 @@ def arm_configs(args: argparse.Namespace) -> list[tuple[str, gm.DiLoCo, list[int
             (f"{s}-I2", replace(base, delta_dtype="I2"), lockstep),
             (f"{s}-I2-EF", replace(base, delta_dtype="I2", error_feedback=True), lockstep),
             (f"{s}-frontier", replace(base, **FRONTIER), lockstep),
+            (f"{s}-frontier-noproj", replace(base, **{**FRONTIER, "gap_projection": False}), lockstep),
             (f"{s}-frugal", replace(base, **FRUGAL), lockstep),
         ]
     hetero = gm.DiLoCo(sync_every=20, fragments=4, quorum_size=3, **outer)

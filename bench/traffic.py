@@ -111,8 +111,11 @@ def measure(
     cycles: int,
     error_feedback: bool = False,
     checkpoint_every: int = 1,
+    gap_projection: bool = False,
 ) -> dict:
-    extra = {"checkpoint_every": checkpoint_every} if checkpoint_every != 1 else {}
+    extra: dict = {"checkpoint_every": checkpoint_every} if checkpoint_every != 1 else {}
+    if gap_projection and commit is not None:
+        extra["gap_projection"] = True
     cfg = gm.DiLoCo(
         sync_every=H,
         fragments=fragments,
@@ -262,11 +265,13 @@ def main() -> None:
     ap.add_argument(
         "--goal",
         action="store_true",
-        help="the issue's configuration: I2 deltas and commits, error feedback, checkpoint_every=10",
+        help="gm.DiLoCo.frontier: I2 deltas and commits, error feedback, checkpoint_every=10, gap_projection",
     )
+    ap.add_argument("--gap-projection", action="store_true", help="DiLoCo(gap_projection=True); needs a commit dtype")
     args = ap.parse_args()
     if args.goal:
         args.delta, args.commit, args.error_feedback, args.checkpoint_every = ["I2"], ["same"], True, 10
+        args.gap_projection = True
     n_params = int(args.params)
     if args.cycles is None:
         args.cycles = max(2, args.checkpoint_every)
@@ -300,6 +305,7 @@ def main() -> None:
                     cycles=args.cycles,
                     error_feedback=args.error_feedback,
                     checkpoint_every=args.checkpoint_every,
+                    gap_projection=args.gap_projection,
                 )
                 x = ratios(r)
                 print(

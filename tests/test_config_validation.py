@@ -139,3 +139,19 @@ def test_gap_projection_needs_quantized_commits_and_a_manifest_keeps_it() -> Non
     # off, the default: a manifest without the field (every run before it) reads as off and agrees
     plain = gm.DiLoCo(sync_every=20, fragments=1, commit_dtype="I2")
     assert "gap_projection" not in plain.to_dict() and gm.DiLoCo.from_dict(plain.to_dict()) == plain
+
+
+def test_the_frontier_preset_is_frugal_with_i2_commits_and_the_gap_projection() -> None:
+    cfg = gm.DiLoCo.frontier(sync_every=20, fragments=2)
+    assert (cfg.delta_dtype, cfg.error_feedback, cfg.commit_dtype, cfg.checkpoint_every, cfg.gap_projection) == (
+        "I2",
+        True,
+        "I2",
+        10,
+        True,
+    )
+    assert dataclasses.replace(cfg, commit_dtype="F4", gap_projection=False) == gm.DiLoCo.frugal(
+        sync_every=20, fragments=2
+    )
+    assert gm.DiLoCo.from_dict(cfg.to_dict()) == cfg
+    assert gm.DiLoCo.frontier(sync_every=20, commit_dtype="F4").commit_dtype == "F4"  # an option given wins
