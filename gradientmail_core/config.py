@@ -15,12 +15,12 @@ CHUNK_BLOCK = 32  # chunk sizes are multiples of the F4/I2 quantizer block (code
 DEFAULT_CHUNK_ELEMENTS = 1 << 24  # 16 Mi elements: 64 MiB of fp32, 8 MiB of F4 per chunk payload
 DEFAULT_VERIFY_WINDOW = 8  # rounds whose inputs GC keeps for verification (docs/security.md)
 # ``DiLoCo.frugal``: the fewest bytes measured at no quality cost (docs/options.md, "Presets";
-# bench/README.md, section 6, issue 29). I2 commits would move ~22% fewer bytes in all (~10% fewer
-# at the closer) at about 2% more held-out loss on textbook DiLoCo, so the change goes out in F4.
+# bench/README.md, section 6, issue 29): the change goes out in F4.
 FRUGAL: dict[str, Any] = dict(delta_dtype="I2", error_feedback=True, commit_dtype="F4", checkpoint_every=10)
 # ``DiLoCo.frontier``: the fewest bytes: the change goes out in I2 too, and the closer takes the
 # learners' pull back toward the master's 2-bit rounding out of each merged delta (``gap_projection``),
-# which brings I2 commits' cost on textbook DiLoCo from about 2% to under 0.5% (bench/README.md).
+# which brings I2 commits' cost on textbook DiLoCo from 2.2% to 0.4% (bench/README.md): ~22% fewer
+# bytes than ``frugal`` in all, ~10% fewer at the closer.
 FRONTIER: dict[str, Any] = {**FRUGAL, "commit_dtype": "I2", "gap_projection": True}
 
 
