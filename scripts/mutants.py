@@ -310,6 +310,16 @@ MUTATIONS: list[Mutation] = [
       "",
       ("tests/test_payload_stream.py::test_decoding_tensors_whole_in_large_parts_lets_each_part_go",),
       "issue 25: the reader keeps a part of bytes alive while the next arrives (a follower's join +0.07x)"),
+    M("gap-projection-also-pushes", "gradientmail_core/aggregators/outer.py",
+      "np.clip(np.divide(dots, sq, out=np.zeros_like(dots), where=sq > 0), -1.0, 0.0)",
+      "np.clip(np.divide(dots, sq, out=np.zeros_like(dots), where=sq > 0), -1.0, 1.0)",
+      ("tests/test_outer.py::test_drop_pullback_takes_out_what_pulls_back_along_the_gap_per_block",),
+      "issue 29: gap_projection also takes out a delta's push along the master's rounding", quick=True),
+    M("gap-projection-not-applied", "gradientmail_core/syncer/merging.py",
+      "        if cfg.gap_projection:\n",
+      "        if False:\n",
+      ("tests/test_chunk_closer.py::test_gap_projection_changes_the_commit_once_the_master_holds_rounding",),
+      "issue 29: the closer ignores gap_projection (a run asking for it commits plain I2)", quick=True),
 ]
 # fmt: on
 
