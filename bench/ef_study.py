@@ -24,6 +24,9 @@ Variants (``--variant``, comma-separated ``key=value``):
   it in place);
 - ``commit=keep`` (before issue 29): the closer's master keeps the whole rounding of the change;
   ``commit=decay:g``: ``g`` of it (``commit=decay:0``: the master is the published parameters);
+  ``proj=tensor`` / ``proj=B`` (with commit_dtype): the merged delta's projection on the newest
+  commit's gap, where negative (the learners pulling back toward the master), taken out before the
+  outer step, per tensor or per block of B elements;
   ``commit=grad``: the closer quantizes the merged outer gradient (I2, with a residual of its own;
   ``grad-noef``: without) and every node takes the outer step from it (the learners' parameters
   are the master); ``cd=F4``: commits in another dtype.
@@ -162,6 +165,8 @@ def patch(variant: dict[str, str], rec: Recorder) -> None:
 
         setattr(handles.FragmentIO, name, wrapped)
     g_commit = float(commit.split(":")[1]) if commit.startswith("decay:") else 1.0
+    proj = variant.get("proj")  # None, "tensor" or a block size
+    gaps: dict[str, np.ndarray] = {}  # each tensor's master - theta after the newest commit
     orig_commit = kernel.FragmentCloser.commit
 
     def commit_fn(self, op, put):
@@ -171,10 +176,40 @@ def patch(variant: dict[str, str], rec: Recorder) -> None:
             for n in st.master:
                 gap = np.subtract(st.master[n], st.theta[n], dtype=np.float32)
                 st.master[n][...] = st.theta[n] + np.float32(g_commit) * gap
+        if proj is not None and self.run.cfg.commit_dtype is not None:
+            for n in st.master:
+                gaps[n] = np.subtract(st.master[n], st.theta[n], dtype=np.float32).reshape(-1)
         rec.commit(op.round, flat(st.master).astype(np.float32), flat(st.theta).astype(np.float32))
         return made
 
     kernel.FragmentCloser.commit = commit_fn
+    if proj is not None:
+        # The part of the merged delta that pulls the learners back toward the master (its
+        # projection on the newest commit's gap, where negative: the learners recovering the
+        # rounding) is taken out before the outer step, which would apply it a second time. Per
+        # tensor, or per block of ``proj`` elements; the rest of the gap stays in the master.
+        from gradientmail_core.syncer import merging
+
+        block = 0 if proj == "tensor" else int(proj)
+        orig_outer = merging.outer_mod.outer_step_tensor
+
+        def projected(theta, momentum, delta, *, lr, beta, scale=None, out=None, name=""):
+            g = gaps.get(name)
+            if g is None:
+                return orig_outer(theta, momentum, delta, lr=lr, beta=beta, scale=scale, out=out, name=name)
+            assert g.size == np.size(theta), (name, g.size, np.size(theta))  # whole tensors, one piece
+            d = np.array(delta, np.float32).reshape(-1)  # a copy: ``delta`` may be ``out``'s memory
+            if scale is not None:
+                d *= scale
+            starts = np.arange(0, d.size, block or d.size)
+            dots = np.add.reduceat((d * g).astype(np.float64), starts)
+            sq = np.add.reduceat((g * g).astype(np.float64), starts)
+            c = np.clip(np.divide(dots, sq, out=np.zeros_like(dots), where=sq > 0), -1.0, 0.0)
+            d -= np.repeat(c, np.diff(np.append(starts, d.size))).astype(np.float32) * g
+            rec.out["proj_c"].append(float(np.mean(c)))
+            return orig_outer(theta, momentum, d.reshape(np.shape(delta)), lr=lr, beta=beta, out=out, name=name)
+
+        merging.outer_mod.outer_step_tensor = projected
     if commit.startswith("grad"):
         # The closer quantizes the merged outer gradient (I2, with its own residual unless
         # ``grad-noef``) and every node takes the same fp32 outer step from it: what the learners
