@@ -26,7 +26,8 @@ Variants (``--variant``, comma-separated ``key=value``):
   ``commit=decay:g``: ``g`` of it (``commit=decay:0``: the master is the published parameters);
   ``proj=tensor`` / ``proj=B`` (with commit_dtype): the merged delta's projection on the newest
   commit's gap, where negative (the learners pulling back toward the master), taken out before the
-  outer step, per tensor or per block of B elements;
+  outer step, per tensor or per block of B elements (``proj=32`` is the engine's
+  ``gap_projection`` since issue 29: run it on ``-frontier-noproj``, the ``-frontier`` arms have it);
   ``commit=grad``: the closer quantizes the merged outer gradient (I2, with a residual of its own;
   ``grad-noef``: without) and every node takes the outer step from it (the learners' parameters
   are the master); ``cd=F4``: commits in another dtype.
