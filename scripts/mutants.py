@@ -341,6 +341,7 @@ SIM_MUTANTS: list[tuple[str, bool]] = [
     ("rda_length_unweighted", False),
     ("nesterov_without_momentum", False),
     ("outer_lr_twice", True),
+    ("pullback_also_pushes", False),
 ]
 
 

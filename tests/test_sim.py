@@ -114,6 +114,9 @@ def test_the_sweep_mixes_checkpoints_error_feedback_and_chunks(sweep):
     # the 2-bit frontier: I2 deltas under F4 commits (gm.DiLoCo.frugal's pair) and I2 commits
     assert sum(c.delta_dtype == "I2" and c.commit_dtype == "F4" and c.error_feedback for c in draws) >= n // 40
     assert sum(c.commit_dtype == "I2" and c.checkpoint_every > 1 for c in draws) >= n // 40
+    # the closer's gap projection (gm.DiLoCo.frontier's), on I2 commits and others
+    assert sum(c.gap_projection and c.commit_dtype == "I2" for c in draws) >= n // 40
+    assert sum(c.gap_projection and c.commit_dtype != "I2" for c in draws) >= n // 20
     # chunked payloads (chunks that cut the wider model's tensors), with and without quantization
     assert sum(c.chunk_elements is not None for c in draws) >= n // 4
     assert sum(c.chunk_elements is not None and c.checkpoint_every > 1 for c in draws) >= n // 20

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..aggregators.merge import contribution_weight, merge
-from ..aggregators.outer import final_step, outer_step
+from ..aggregators.outer import drop_pullback, final_step, outer_step
 from ..config import RDA
 from ..errors import GradientMailError
 from ..mailbox import ForwardingMailbox, Mailbox
@@ -337,6 +337,10 @@ class Auditor(Captured):
             out.append(f"record final={rec.final}, participants final={finals}")
         # (1) bit-exact with the engine's pure functions, in learner order
         merged = merge(deltas, weights, cfg.merge)
+        if cfg.gap_projection:  # (the closer's step in ``merging.py``: on the merged delta, RDA scaled)
+            merged = {n: np.array(v, np.float32) for n, v in merged.items()}
+            for n, v in merged.items():
+                drop_pullback(v.reshape(-1), _flat32(master[n]), _flat32(theta[n]))
         if final:
             e_master, e_momentum = final_step(master, merged), dict(momentum)
         else:
@@ -376,6 +380,8 @@ class Auditor(Captured):
             rda=isinstance(cfg.merge, RDA),
             direct_pattern=cfg.merge.direct_pattern if isinstance(cfg.merge, RDA) else "",
         )
+        if cfg.gap_projection:
+            d64 = {n: ref.drop_pullback64(v, master[n], theta[n]) for n, v in d64.items()}
         if final:
             m64, mom64 = ref.final64(master, d64), {n: np.asarray(v, np.float64) for n, v in momentum.items()}
         else:
@@ -439,3 +445,7 @@ class AuditMailbox(ForwardingMailbox):
         self.auditor.delete(self.node, todo)
         self.inner.delete(todo)
         self.auditor.deleted(todo)
+
+
+def _flat32(a: np.ndarray) -> np.ndarray:
+    return np.asarray(a, np.float32).reshape(-1)

@@ -278,6 +278,21 @@ def outer_lr_twice() -> contextlib.AbstractContextManager[None]:
     return _outer_patches(step)
 
 
+def pullback_also_pushes() -> contextlib.AbstractContextManager[None]:
+    """``gap_projection`` takes out of the merged delta its push along the master's rounding too
+    (``c`` clipped to [-1, 1], not [-1, 0]): the learners' progress away from the master is lost."""
+
+    def drop(delta: np.ndarray, master: np.ndarray, theta: np.ndarray) -> None:
+        gap = np.subtract(master, theta, dtype=np.float32)
+        for lo in range(0, delta.size, 32):
+            g, d = gap[lo : lo + 32], delta[lo : lo + 32]
+            sq = float(g.astype(np.float64) @ g)
+            if sq > 0:
+                d -= np.float32(min(max(float(d.astype(np.float64) @ g) / sq, -1.0), 1.0)) * g
+
+    return _patched((outer, "drop_pullback", drop))
+
+
 MUTANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "skip_readback": skip_readback,
     "accept_stale": accept_stale,
@@ -294,6 +309,7 @@ MUTANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "rda_length_unweighted": rda_length_unweighted,
     "nesterov_without_momentum": nesterov_without_momentum,
     "outer_lr_twice": outer_lr_twice,
+    "pullback_also_pushes": pullback_also_pushes,
 }
 
 

@@ -64,6 +64,20 @@ def final64(master: Mapping[str, np.ndarray], delta: Mapping[str, np.ndarray]) -
     return {n: np.asarray(master[n], np.float64) - delta[n] for n in master}
 
 
+def drop_pullback64(delta: np.ndarray, master: np.ndarray, theta: np.ndarray) -> np.ndarray:
+    """``gap_projection`` in float64, written apart from ``outer.drop_pullback``: per block of 32
+    elements of the flat tensor, the component of ``delta`` along ``master - theta`` taken out
+    where it is negative, by at most the whole gap."""
+    d = np.asarray(delta, np.float64).reshape(-1).copy()
+    g = np.asarray(master, np.float64).reshape(-1) - np.asarray(theta, np.float64).reshape(-1)
+    for lo in range(0, d.size, 32):
+        gb, db = g[lo : lo + 32], d[lo : lo + 32]
+        sq = float(gb @ gb)
+        if sq > 0:
+            db -= min(max(float(db @ gb) / sq, -1.0), 0.0) * gb
+    return d.reshape(np.shape(delta))
+
+
 def close(a: np.ndarray, b: np.ndarray, *, scale: float) -> bool:
     """Equal up to float32 rounding of a few operations, relative to the fragment's scale."""
     return bool(

@@ -161,6 +161,9 @@ def draw_scenario(r: random.Random, nodes: int | None) -> _Draw:
         # deltas under half of the F4 commits (``gm.DiLoCo.frugal``'s pair). Derived from the draws
         # above (no draw of their own), so every other seed keeps its run.
         delta_dtype=_two_bit(commit, "F4", n + in_flight),
+        # The closer's projection of the pull back toward its rounding in half the quantized-commit
+        # seeds, derived like the deltas.
+        gap_projection=commit is not None and (n + H) % 2 == 0,
         error_feedback=commit is not None and (H // P) % 2 == 0,
         chunk_elements=chunk,
         # GC's verify window (none, a short one, the default), derived like the chunks: every other
