@@ -19,7 +19,7 @@ DEFAULT_VERIFY_WINDOW = 8  # rounds whose inputs GC keeps for verification (docs
 FRUGAL: dict[str, Any] = dict(delta_dtype="I2", error_feedback=True, commit_dtype="F4", checkpoint_every=10)
 # ``DiLoCo.frontier``: the fewest bytes: the change goes out in I2 too, and the closer takes the
 # learners' pull back toward the master's 2-bit rounding out of each merged delta (``gap_projection``),
-# which brings I2 commits' cost on textbook DiLoCo from 2.2% to 0.4% (bench/README.md): ~22% fewer
+# which brings I2 commits' cost on textbook DiLoCo from 2.2% to 0.4% (bench/README.md): ~20% fewer
 # bytes than ``frugal`` in all, ~10% fewer at the closer.
 FRONTIER: dict[str, Any] = {**FRUGAL, "commit_dtype": "I2", "gap_projection": True}
 
