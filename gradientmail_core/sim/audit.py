@@ -340,7 +340,7 @@ class Auditor(Captured):
         if cfg.gap_projection:  # (the closer's step in ``merging.py``: on the merged delta, RDA scaled)
             merged = {n: np.array(v, np.float32) for n, v in merged.items()}
             for n, v in merged.items():
-                drop_pullback(v.reshape(-1), _flat32(master[n]), _flat32(theta[n]))
+                drop_pullback(v.reshape(-1), *(np.asarray(x[n], np.float32).reshape(-1) for x in (master, theta)))
         if final:
             e_master, e_momentum = final_step(master, merged), dict(momentum)
         else:
@@ -445,7 +445,3 @@ class AuditMailbox(ForwardingMailbox):
         self.auditor.delete(self.node, todo)
         self.inner.delete(todo)
         self.auditor.deleted(todo)
-
-
-def _flat32(a: np.ndarray) -> np.ndarray:
-    return np.asarray(a, np.float32).reshape(-1)
