@@ -105,6 +105,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--poll-interval", type=float, default=0.5)
     p.add_argument("--lease-timeout", type=float, default=30.0)
     p.add_argument("--round-timeout", type=float, default=None)
+    p.add_argument(
+        "--close-timeout", type=float, default=None, help="how long leaving waits for a round to commit (seconds)"
+    )
     p.add_argument("--wait-for", type=int, default=1, help="learners to wait for before training")
     p.add_argument("--seed", type=int, default=0, help="model init seed (the run's creator decides)")
     p.add_argument("--data-seed", type=int, default=None)
@@ -155,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         poll_interval=args.poll_interval,
         lease_timeout=args.lease_timeout,
         round_timeout=args.round_timeout,
+        close_timeout=args.close_timeout,
         compression=args.compression,
         callbacks=callbacks,
     ) as session:

@@ -14,7 +14,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 LEARNER = ROOT / "examples" / "torch_learner.py"
 
-FAST = ["--poll-interval", "0.05", "--lease-timeout", "3", "--round-timeout", "1.5"]
+# Short timeouts keep takeovers quick; leaving waits up to 60 s for the last rounds (the default,
+# lease + 2 rounds = 6 s here, can run out on a loaded machine and leave a learner a commit behind),
+# as the sharded and role harnesses do.
+FAST = ["--poll-interval", "0.05", "--lease-timeout", "3", "--round-timeout", "1.5", "--close-timeout", "60"]
 
 
 class Node:
