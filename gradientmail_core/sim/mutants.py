@@ -282,13 +282,13 @@ def pullback_also_pushes() -> contextlib.AbstractContextManager[None]:
     """``gap_projection`` takes out of the merged delta its push along the master's rounding too
     (``c`` clipped to [-1, 1], not [-1, 0]): the learners' progress away from the master is lost."""
 
+    orig = outer.drop_pullback
+
     def drop(delta: np.ndarray, master: np.ndarray, theta: np.ndarray) -> None:
-        gap = np.subtract(master, theta, dtype=np.float32)
-        for lo in range(0, delta.size, 32):
-            g, d = gap[lo : lo + 32], delta[lo : lo + 32]
-            sq = float(g.astype(np.float64) @ g)
-            if sq > 0:
-                d -= np.float32(min(max(float(d.astype(np.float64) @ g) / sq, -1.0), 1.0)) * g
+        np.negative(delta, out=delta)  # the pushes, as pulls of the negated delta, taken out first
+        orig(delta, master, theta)
+        np.negative(delta, out=delta)
+        orig(delta, master, theta)
 
     return _patched((outer, "drop_pullback", drop))
 
