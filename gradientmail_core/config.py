@@ -184,6 +184,12 @@ class DiLoCo:
     # can recompute them (``gradientmail verify``; docs/security.md, "Verifying commits"). 0: keep
     # only what the run itself needs. A manifest from before the option reads as the default.
     verify_window: int = DEFAULT_VERIFY_WINDOW
+    # A fleet of any size (docs/protocol.md, "A fleet of any size"): each round merges at most this
+    # many contributions, drawn without bias (the lowest hashes of run, round and learner id among
+    # those that reported), and once the run has committed a round a node that closes nothing polls
+    # only the round records and the claimant's lease: no node's reads grow with the fleet. None:
+    # every contribution is merged and every node lists every lease and snapshot (as before).
+    max_contributions: int | None = None
 
     def __post_init__(self) -> None:
         def bad(what: str) -> ValueError:
@@ -262,6 +268,9 @@ class DiLoCo:
             raise bad(f"verify_window={w!r}: expected an integer >= 0 (rounds whose inputs the store keeps)")
         if not isinstance(self.error_feedback, bool):
             raise bad(f"error_feedback={self.error_feedback!r}: expected True or False")
+        k = self.max_contributions
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+            raise bad(f"max_contributions={k!r}: expected None or an integer >= 1 (contributions merged a round)")
         if not isinstance(self.gap_projection, bool):
             raise bad(f"gap_projection={self.gap_projection!r}: expected True or False")
         if self.gap_projection and self.commit_dtype is None:
@@ -283,6 +292,8 @@ class DiLoCo:
                 continue  # off, the default: manifests from before agree
             if f.name == "checkpoint_every" and v == 1:
                 continue  # the default: manifests from before the option keep their bytes and agree
+            if f.name == "max_contributions" and v is None:
+                continue  # every contribution merged: manifests from before the option agree
             if f.name == "chunk_elements" and v is None:
                 continue  # whole fragments: what a manifest from before the option means
             if f.name == "verify_window" and v == DEFAULT_VERIFY_WINDOW:

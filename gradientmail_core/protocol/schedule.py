@@ -8,6 +8,8 @@ order, so a fragment's version is simply the number of its rounds already commit
 
 from __future__ import annotations
 
+import hashlib
+
 
 def fragment_of(r: int, P: int) -> int:
     """The fragment round ``r`` syncs."""
@@ -86,3 +88,12 @@ def is_checkpoint(version: int, *, final: bool, every: int) -> bool:
     With ``every == 1`` every commit is one.
     """
     return version % every == 0 or final
+
+
+def draw(run_id: str, r: int, learner: str) -> int:
+    """Learner ``learner``'s place in round ``r``'s draw (``DiLoCo.max_contributions``): a 64-bit
+    number from a hash of the run, the round and the id, the same on every node, independent of a
+    learner's speed, hardware or data, and new every round. The round merges the reported
+    contributions with the lowest numbers; ties (never, in practice) go to the lower id."""
+    h = hashlib.sha256(f"gradientmail/draw\0{run_id}\0{r}\0{learner}".encode()).digest()
+    return int.from_bytes(h[:8], "big")
