@@ -105,6 +105,18 @@ class Link(ForwardingMailbox):
         self._cost("GET", len(data) if data is not None else 0, key=key)
         return data
 
+    def get_many(self, wanted: list[str]) -> list[bytes | None]:
+        """GETs issued together (``read_many``, as a store that runs reads at once serves them):
+        each is counted, the batch costs one round trip plus all its bytes over the bandwidth."""
+        found = [super(Link, self).get(k) for k in wanted]
+        for k, data in zip(wanted, found, strict=True):
+            self.tally.counts["GET"] += 1
+            self._move(len(data) if data is not None else 0, up=False, key=k)
+        if wanted:
+            self.tally.busy += self.latency
+            self.clock.sleep(self.latency)
+        return found
+
     def get_prefix(self, key: str, n: int) -> bytes | None:
         data = super().get_prefix(key, n)
         self._cost("GET", len(data) if data is not None else 0, key=key)
@@ -170,9 +182,12 @@ class Fleet:
         params: int = 8,
         width: int = 32,
         seed: int = 0,
+        max_contributions: int | None = None,
     ) -> None:
         self.n, self.step_seconds, self.poll = n, step_seconds, poll_interval
-        self.cfg = gm.DiLoCo(sync_every=sync_every, fragments=fragments, quorum_size=n)
+        self.cfg = gm.DiLoCo(
+            sync_every=sync_every, fragments=fragments, quorum_size=n, max_contributions=max_contributions
+        )
         self.store = gm.MemoryMailbox()
         self.T = 0.0
         self.queue: list[tuple[float, int, int, str]] = []
@@ -255,7 +270,7 @@ class Fleet:
         self.peak = 0
 
 
-def measure(n: int, rounds: int, *, warmup: int = 2, **kw: float) -> Result:
+def measure(n: int, rounds: int, *, warmup: int = 2, **kw: float | int | None) -> Result:
     wall = time.perf_counter()
     fleet = Fleet(n, **kw)  # type: ignore[arg-type]
     fleet.run_until(warmup)
@@ -369,6 +384,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="4 and 16 learners, 4 rounds")
     ap.add_argument("--latency", type=float, default=0.03, help="seconds per request (default 0.03)")
     ap.add_argument("--bandwidth", type=float, default=100e6, help="bytes per second per node (default 100e6)")
+    ap.add_argument(
+        "--max-contributions",
+        type=int,
+        default=None,
+        metavar="K",
+        help="DiLoCo(max_contributions=K): each round merges at most K contributions, drawn by hash",
+    )
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     ap.add_argument("--plot", metavar="FILE.png", help="also plot the results")
     ap.add_argument("--load", nargs="+", metavar="FILE", help="table (and plot) the results of earlier --json runs")
@@ -381,13 +403,21 @@ def main() -> None:
             plot(loaded, args.plot)
         return
     sizes, rounds = ([4, 16], 4) if args.quick else (args.learners, args.rounds)
+    cap = "" if args.max_contributions is None else f", max_contributions={args.max_contributions}"
     print(
-        f"DiLoCo(sync_every=20, fragments=4, quorum_size=N), 8 x 32x32 fp32 tensors, 1 step/s, poll 1 s, "
+        f"DiLoCo(sync_every=20, fragments=4, quorum_size=N{cap}), 8 x 32x32 fp32 tensors, 1 step/s, poll 1 s, "
         f"{args.latency * 1e3:.0f} ms + bytes at {args.bandwidth / 1e6:.0f} MB/s per request; {rounds} rounds"
     )
     results = []
     for n in sizes:
-        r = measure(n, rounds, warmup=args.warmup, latency=args.latency, bandwidth=args.bandwidth)
+        r = measure(
+            n,
+            rounds,
+            warmup=args.warmup,
+            latency=args.latency,
+            bandwidth=args.bandwidth,
+            max_contributions=args.max_contributions,
+        )
         results.append(r)
         print(f"  {n} learners: {r.wall_seconds:.0f} s wall", flush=True)
     print(table(results))

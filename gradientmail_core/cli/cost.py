@@ -4,7 +4,8 @@
         --delta-dtype I2 --step-seconds 1
 
 Requests by kind (PUT, GET, LIST, HEAD, DELETE), bytes uploaded, downloaded and stored, from the
-protocol's model (``protocol/bill.py``: idle polling included), and their price on AWS S3
+protocol's model (``protocol/bill.py``: idle polling included; ``--max-contributions K`` models the
+bounded protocol of ``DiLoCo.max_contributions``), and their price on AWS S3
 Standard, Cloudflare R2 Standard and Hugging Face Storage Buckets. Every price is a constant
 below, with the page it was read from and the date; where no price was published, it says so and
 a flag sets it. Nothing is read from a store: the run need not exist.
@@ -117,6 +118,12 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--commit-dtype", help="DiLoCo commit_dtype (the quantized change the followers read)")
     p.add_argument("--checkpoint-every", type=int, default=1, help="DiLoCo checkpoint_every (default 1)")
     p.add_argument("--verify-window", type=int, help="DiLoCo verify_window (default: DiLoCo's)")
+    p.add_argument(
+        "--max-contributions",
+        type=int,
+        help="DiLoCo max_contributions (K: the closer merges at most K a round, followers poll only the "
+        "round records and the claimant's lease; default none: every contribution, every listing)",
+    )
     p.add_argument("--param-dtype", default="BF16", help="the published parameters' dtype (default BF16)")
     p.add_argument("--poll-interval", type=float, default=1.0, help="seconds between polls (default 1)")
     p.add_argument("--lease-timeout", type=float, default=120.0, help="seconds (default 120)")
@@ -146,6 +153,8 @@ def shape_of(args: argparse.Namespace) -> bill.RunShape:
     if not 0.0 <= args.egress_share <= 1.0:
         raise ValueError(f"--egress-share {args.egress_share}: expected a share in [0, 1]")
     extra = {} if args.verify_window is None else {"verify_window": args.verify_window}
+    if args.max_contributions is not None:
+        extra["max_contributions"] = args.max_contributions
     cfg = DiLoCo(
         sync_every=args.sync_every,
         fragments=args.fragments,
@@ -182,6 +191,10 @@ def _b(x: float) -> str:
     return f"{x:.0f} B"
 
 
+def _cap(cfg: DiLoCo) -> str:
+    return "" if cfg.max_contributions is None else f", max_contributions={cfg.max_contributions}"
+
+
 def _requests(t: bill.Traffic) -> str:
     r = t.requests
     return (
@@ -198,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         out = {
             "rounds_per_day": d.rounds,
+            "max_contributions": shape.cfg.max_contributions,
             "requests": d.traffic.requests,
             "listings": d.traffic.list_calls,
             "bytes_up": d.traffic.up,
@@ -214,10 +228,12 @@ def run(args: argparse.Namespace) -> int:
         f"{shape.learners} learners, {_n(shape.params)} parameters ({shape.param_dtype}) in {cfg.fragments} fragments "
         f"of {shape.chunks} chunk(s), sync_every={cfg.sync_every}, delta {cfg.delta_dtype or shape.param_dtype}, "
         f"commit {cfg.commit_dtype or shape.param_dtype}, checkpoint_every={cfg.checkpoint_every}, "
-        f"verify_window={cfg.verify_window}; {shape.step_seconds:g} s steps, polls every {shape.poll_interval:g} s"
+        f"verify_window={cfg.verify_window}{_cap(cfg)}; {shape.step_seconds:g} s steps, "
+        f"polls every {shape.poll_interval:g} s"
     )
     print(f"a round every {shape.round_seconds:g} s: {d.rounds:.0f} rounds a day\n")
-    for who, t in (("one learner, per round", d.learner), ("the closer, per round", d.closer)):
+    one = "one follower, per round" if shape.capped else "one learner, per round"
+    for who, t in ((one, d.learner), ("the closer, per round", d.closer)):
         print(f"{who:<24} {_requests(t)}; up {_b(t.up)}, down {_b(t.down)}")
     t = d.traffic
     print(f"{'the fleet, per day':<24} {_requests(t)}; up {_b(t.up)}, down {_b(t.down)}")

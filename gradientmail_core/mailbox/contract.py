@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import builtins
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol, runtime_checkable
 
 # A chunk handed to ``put_stream`` or yielded by ``get_stream``: any contiguous byte buffer.
@@ -157,6 +158,27 @@ def read_stream(mailbox: Mailbox, key: str, *, part_size: int | None = None) -> 
     if data is None:
         return None
     return iter((data,) if data else ())
+
+
+def read_many(mailbox: Mailbox, keys: Sequence[str]) -> builtins.list[bytes | None]:
+    """What ``get`` returns for each of ``keys``, in order, fetched together where the backend can:
+    its own ``get_many`` if it has one (a benchmark's simulated store charges one round trip), a
+    pool of threads over ``get`` where it says its reads may run at once (``concurrent_reads``: S3
+    and the stores that speak its API), else one after the other (in-memory and directory stores,
+    and every wrapper that does not say so, whose faults and counts stay in order)."""
+    keys = list(keys)
+    get_many: Callable[[builtins.list[str]], builtins.list[bytes | None]] | None = getattr(mailbox, "get_many", None)
+    if get_many is not None:
+        return get_many(keys)
+    return read_each(mailbox.get, keys, int(getattr(mailbox, "concurrent_reads", 0) or 0))
+
+
+def read_each(get: Callable[[str], bytes | None], keys: Sequence[str], workers: int) -> builtins.list[bytes | None]:
+    """``get`` of each key, in order: on a pool of ``workers`` threads if more than one."""
+    if workers > 1 and len(keys) > 1:
+        with ThreadPoolExecutor(max_workers=min(workers, len(keys))) as pool:
+            return builtins.list(pool.map(get, keys))
+    return [get(k) for k in keys]
 
 
 def close_stream(stream: Iterable[Chunk]) -> None:

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from .contract import Chunk, Mailbox, close_stream
+from .contract import Chunk, Mailbox, close_stream, read_many
 from .forwarding import ForwardingMailbox
 
 
@@ -51,6 +51,14 @@ class CountingMailbox(ForwardingMailbox):
 
     def get_prefix(self, key: str, n: int) -> bytes | None:
         return self._counted_read(super().get_prefix, key, n)
+
+    def get_many(self, wanted: builtins.list[str]) -> builtins.list[bytes | None]:
+        """``read_many`` through this wrapper: a GET counted for each key, fetched as the wrapped
+        mailbox fetches several at once (its ``get_many``, or threads where it allows them)."""
+        found = read_many(self.inner, wanted)
+        for data in found:
+            self._count("GET", down=len(data) if data is not None else 0)
+        return found
 
     def put_stream(self, key: str, chunks: Iterable[Chunk], *, create_once: bool = False) -> bool:
         self._count("PUT")

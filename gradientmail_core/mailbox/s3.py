@@ -152,6 +152,7 @@ class S3Mailbox:
         self.clock: Clock = clock if clock is not None else SystemClock()
         self.checksums = request_checksums
         self.max_concurrency = max_concurrency
+        self.concurrent_reads = max_concurrency  # ``read_many``: GETs of several objects at once
         self.part_size = part_size
         self.multipart_threshold = threshold
         options: dict[str, Any] = {

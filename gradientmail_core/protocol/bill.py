@@ -29,6 +29,23 @@ collection and deletes in batches of 1,000 keys.
 The sizes of records (``*_RECORD``) were measured on ``bench/fleet.py``'s runs; a listing's answer
 is counted at ``LIST_BYTES_PER_KEY`` (an S3 ``ListObjectsV2`` entry: key, date, ETag, size, class).
 Not modelled: takeovers, retries, joins, ``verify``, authenticated runs' tags and signatures.
+
+**With** ``DiLoCo.max_contributions = K`` (``docs/protocol.md``, "A fleet of any size"), the same,
+except:
+
+- the closer still polls the open round's snapshot records (``N`` keys a listing, not the verify
+  window's) and lists the leases as above, but reads (record and chunks) only the ``K`` reported
+  contributions with the lowest draw: ``min(K, N - 1)`` others' a round;
+- the round record lists at most ``K`` participants (its size, and the tape's growth, bounded by
+  ``K``);
+- every other learner (a follower: the model's steady state, the run past its first commit) polls
+  with one LIST of ``rounds/`` after the head's record (``FOLLOWER_POLL_KEYS``: one page) and, at
+  the lease-listing cadence, lists only the claimant's leases (``CLAIMANT_LEASE_KEYS``) instead of
+  all of ``leases/``; it still lists the open round's claims, reads the claim, the round record and
+  the commit, writes its contribution and snapshot record and renews its lease.
+
+Every learner still writes its contribution each round, so the PUTs, the bytes up, what the store
+holds and the garbage collection (which lists every snapshot payload) do not change with ``K``.
 """
 
 from __future__ import annotations
@@ -53,6 +70,11 @@ LEASE_RECORD = 94
 ROUND_RECORD = 840  # without participants
 ROUND_RECORD_PER_PARTICIPANT = 157
 LIST_BYTES_PER_KEY = 250
+# With max_contributions, a follower's keys per listing: the round records after its head (at most
+# about one a round: one page whatever the poll rate) and the claimant's lease (the renewal writes
+# the new one before it deletes the old: 1-2 keys).
+FOLLOWER_POLL_KEYS = 1
+CLAIMANT_LEASE_KEYS = 2
 KINDS = ("PUT", "GET", "LIST", "HEAD", "DELETE")  # HEAD: the protocol sends none (the mailbox has no HEAD)
 
 
@@ -103,6 +125,28 @@ class RunShape:
             raise ValueError(f"RunShape(param_dtype={self.param_dtype!r}): expected F32, F16 or BF16")
 
     @property
+    def capped(self) -> bool:
+        """Whether the run merges at most ``max_contributions`` a round (the bounded protocol)."""
+        return self.cfg.max_contributions is not None
+
+    @property
+    def participants(self) -> int:
+        """Participants a round record lists: every learner, or at most ``max_contributions``."""
+        k = self.cfg.max_contributions
+        return self.learners if k is None else min(k, self.learners)
+
+    @property
+    def merged_others(self) -> int:
+        """Other learners' contributions the closer reads a round."""
+        k = self.cfg.max_contributions
+        return self.learners - 1 if k is None else min(k, self.learners - 1)
+
+    @property
+    def round_record(self) -> int:
+        """Bytes of a round record."""
+        return ROUND_RECORD + ROUND_RECORD_PER_PARTICIPANT * self.participants
+
+    @property
     def round_seconds(self) -> float:
         return self.cfg.sync_every / self.cfg.fragments * self.step_seconds
 
@@ -134,6 +178,7 @@ class Traffic:
     list_calls: float = 0.0  # LIST calls as the mailbox counts them (one per listing, all pages)
     up: float = 0.0
     down: float = 0.0
+    list_down: float = 0.0  # of ``down``, the bytes of listings' answers
 
     def add(self, kind: str, n: float, *, up: float = 0.0, down: float = 0.0) -> None:
         self.requests[kind] += n
@@ -141,16 +186,25 @@ class Traffic:
         self.down += down
 
     def scaled(self, k: float) -> Traffic:
-        return Traffic({kk: v * k for kk, v in self.requests.items()}, self.list_calls * k, self.up * k, self.down * k)
+        r = {kk: v * k for kk, v in self.requests.items()}
+        return Traffic(r, self.list_calls * k, self.up * k, self.down * k, self.list_down * k)
 
     def plus(self, other: Traffic) -> Traffic:
         r = {k: self.requests[k] + other.requests[k] for k in KINDS}
-        return Traffic(r, self.list_calls + other.list_calls, self.up + other.up, self.down + other.down)
+        return Traffic(
+            r,
+            self.list_calls + other.list_calls,
+            self.up + other.up,
+            self.down + other.down,
+            self.list_down + other.list_down,
+        )
 
 
 def _list(t: Traffic, calls: float, keys: float) -> None:
     t.list_calls += calls
-    t.add("LIST", calls * pages(keys), down=calls * max(keys, 1) * LIST_BYTES_PER_KEY)
+    answer = calls * max(keys, 1) * LIST_BYTES_PER_KEY
+    t.list_down += answer
+    t.add("LIST", calls * pages(keys), down=answer)
 
 
 def _objects(t: Traffic, kind: str, sizes: list[int], *, threshold: int, share: float = 1.0) -> None:
@@ -163,18 +217,25 @@ def _objects(t: Traffic, kind: str, sizes: list[int], *, threshold: int, share: 
 
 
 def learner_round(shape: RunShape) -> Traffic:
-    """What one learner that does not close asks per round."""
-    cfg, n, rs = shape.cfg, shape.learners, shape.round_seconds
+    """What one learner that does not close asks per round (with ``max_contributions``: a follower)."""
+    if shape.capped:
+        return _node_round(shape, FOLLOWER_POLL_KEYS, CLAIMANT_LEASE_KEYS)
+    return _node_round(shape, shape.learners * (shape.cfg.verify_window + 1), shape.learners)
+
+
+def _node_round(shape: RunShape, poll_keys: float, lease_keys: float) -> Traffic:
+    """A learner's round whose polls list ``poll_keys`` keys and whose lease listings ``lease_keys``."""
+    cfg, rs = shape.cfg, shape.round_seconds
     t = Traffic()
     polls = rs / shape.poll_interval + 1  # (+1: the poll woken by its ready contribution)
-    _list(t, polls, n * (cfg.verify_window + 1))
-    _list(t, rs / min(shape.lease_timeout / 4, 5 * shape.poll_interval), n)
+    _list(t, polls, poll_keys)
+    _list(t, rs / min(shape.lease_timeout / 4, 5 * shape.poll_interval), lease_keys)
     _list(t, 1, 1)  # the open round's claims
     delta = cfg.delta_dtype or shape.param_dtype
     _objects(t, "PUT", shape.chunk_bytes(delta), threshold=shape.multipart_threshold)
     t.add("PUT", 1, up=SNAPSHOT_RECORD)
     t.add("GET", 1, down=CLAIM_RECORD)
-    t.add("GET", 1, down=ROUND_RECORD + ROUND_RECORD_PER_PARTICIPANT * n)
+    t.add("GET", 1, down=shape.round_record)
     _objects(t, "GET", shape.chunk_bytes(cfg.commit_dtype or shape.param_dtype), threshold=0)
     renewals = rs / (shape.lease_timeout / 4)
     t.add("PUT", renewals, up=renewals * LEASE_RECORD)
@@ -184,16 +245,20 @@ def learner_round(shape: RunShape) -> Traffic:
 
 def closer_round(shape: RunShape) -> Traffic:
     """What the closer asks per round: a learner's round, less what it need not read (its own
-    commit, the claim), plus judging every other contribution, the commit and GC."""
+    commit, the claim), plus judging every other contribution (with ``max_contributions``: the
+    drawn ones), the commit and GC."""
     cfg, n, thr = shape.cfg, shape.learners, shape.multipart_threshold
-    t = learner_round(shape)
+    # With max_contributions the closer still polls the open round's snapshot records (not the
+    # verify window's) and lists every lease.
+    t = _node_round(shape, n, n) if shape.capped else learner_round(shape)
     t.add("GET", -1, down=-CLAIM_RECORD)
-    t.add("GET", -1, down=-(ROUND_RECORD + ROUND_RECORD_PER_PARTICIPANT * n))
+    t.add("GET", -1, down=-shape.round_record)
     commit = shape.chunk_bytes(cfg.commit_dtype or shape.param_dtype)
     t.add("GET", -sum(get_requests(s) for s in commit), down=-sum(commit))
     delta = shape.chunk_bytes(cfg.delta_dtype or shape.param_dtype)
-    t.add("GET", n - 1, down=(n - 1) * SNAPSHOT_RECORD)
-    _objects(t, "GET", delta, threshold=0, share=n - 1)
+    others = shape.merged_others
+    t.add("GET", others, down=others * SNAPSHOT_RECORD)
+    _objects(t, "GET", delta, threshold=0, share=others)
     every = cfg.checkpoint_every
     if cfg.commit_dtype is not None:
         _objects(t, "PUT", commit, threshold=thr)
@@ -201,7 +266,7 @@ def closer_round(shape: RunShape) -> Traffic:
     master = shape.param_dtype != "F32" or cfg.commit_dtype is not None
     outer = [s * (2 if master else 1) for s in shape.chunk_bytes("F32")]
     _objects(t, "PUT", outer, threshold=thr, share=1 / every)
-    t.add("PUT", 2, up=CLAIM_RECORD + ROUND_RECORD + ROUND_RECORD_PER_PARTICIPANT * n)
+    t.add("PUT", 2, up=CLAIM_RECORD + shape.round_record)
     kept = _kept_contribution_rounds(cfg)
     _list(t, 1, n * shape.chunks * kept)  # blobs/snapshots/
     _list(t, 1, 1)  # claims/
@@ -242,7 +307,7 @@ def day(shape: RunShape) -> Day:
     outer = sum(shape.chunk_bytes("F32")) * (2 if master else 1)
     change = sum(shape.chunk_bytes(cfg.commit_dtype)) if cfg.commit_dtype else 0
     every = cfg.checkpoint_every
-    record = ROUND_RECORD + ROUND_RECORD_PER_PARTICIPANT * n
+    record = shape.round_record
     stored = (
         n * contribution * _kept_contribution_rounds(cfg)
         + cfg.fragments * theta  # the initial parameters

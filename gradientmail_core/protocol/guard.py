@@ -29,7 +29,7 @@ import hmac
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
-from ..mailbox.contract import Chunk, Mailbox, close_stream, read_prefix, read_stream, write_stream
+from ..mailbox.contract import Chunk, Mailbox, close_stream, read_each, read_prefix, read_stream, write_stream
 from ..mailbox.forwarding import ForwardingMailbox
 from . import keys
 from .auth import Policy, Unauthenticated
@@ -102,6 +102,20 @@ class GuardedMailbox(ForwardingMailbox):
 
     def get(self, key: str) -> bytes | None:
         return self._read(self._physical(key), self._limit(key))
+
+    def get_many(self, wanted: builtins.list[str]) -> builtins.list[bytes | None]:
+        """``get`` of each key (``read_many``): through the store's own ``get_many`` where it has one
+        (each answer then cut at its cap), else on as many threads as the store says its reads may
+        use at once (``concurrent_reads``: each ``get`` checks its own object; nothing is shared)."""
+        inner_many = getattr(self.inner, "get_many", None)
+        if inner_many is None:
+            return read_each(self.get, wanted, int(getattr(self.inner, "concurrent_reads", 0) or 0))
+        found = inner_many([self._physical(k) for k in wanted])
+        out: builtins.list[bytes | None] = []
+        for k, data in zip(wanted, found, strict=True):
+            limit = self._limit(k)
+            out.append(data if data is None or limit < 0 or len(data) <= limit else bytes(data[:limit]))
+        return out
 
     def get_prefix(self, key: str, n: int) -> bytes | None:
         """The first ``n`` bytes of what ``get`` returns: never more than the cap plus one."""

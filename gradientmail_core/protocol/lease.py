@@ -130,6 +130,7 @@ class Liveness:
         self.seen: dict[str, _Seen] = {}
         self.roles: dict[str, str] = {}  # learner -> role, from its newest lease key
         self.listed_at = float("-inf")
+        self.looked: dict[str, float] = {}  # learner -> when its leases alone were last listed
 
     def observe(self, lease_keys: list[str]) -> None:
         now = self.clock.now()
@@ -151,6 +152,23 @@ class Liveness:
             del self.seen[gone]
             self.roles.pop(gone, None)
         self.listed_at = now
+
+    def observe_one(self, learner: str, lease_keys: list[str]) -> None:
+        """A listing of one node's leases (``leases/{learner}/``): what a follower of a fleet
+        (``DiLoCo.max_contributions``) watches instead of every lease, the open round's claimant.
+        The same rules as ``observe`` for that node; the others are left as they were."""
+        now = self.clock.now()
+        newest = [k for k in lease_keys if (p := keys.parse_lease_key(k)) is not None and p[0] == learner]
+        blind = now - self.looked.get(learner, float("-inf")) >= self.timeout
+        self.looked[learner] = now
+        if not newest:
+            self.seen.pop(learner, None)
+            self.roles.pop(learner, None)
+            return
+        prev = self.seen.get(learner)
+        if prev is None or prev.key != newest[-1] or blind:
+            self.seen[learner] = _Seen(newest[-1], now)
+        self.roles[learner] = keys.lease_role(newest[-1]) or "both"
 
     def is_live(self, learner: str) -> bool:
         if learner == self.me:

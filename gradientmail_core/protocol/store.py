@@ -26,7 +26,7 @@ from ..codec import chunked
 from ..codec.payload import sha256_hex
 from ..codec.stream import PayloadStream, decode_stream
 from ..errors import MailboxUnavailable, PayloadCorrupt, RecordInvalid
-from ..mailbox import Chunk, CreateOutcome, Mailbox, create_once, read_stream, write_stream
+from ..mailbox import Chunk, CreateOutcome, Mailbox, create_once, read_many, read_stream, write_stream
 from . import keys
 from .chunks import Piece, assemble, fragment_plan, is_one_whole_chunk
 from .records import PayloadRef, chunk_refs, decode, encode, join_refs
@@ -51,6 +51,9 @@ class RunStore:
         self.on_ignored = on_ignored or (lambda key, reason: None)
         self.bytes_up = 0
         self.bytes_down = 0
+        # Objects fetched together ahead of their reads (``prefetch``): key -> bytes, each taken by
+        # the first read of its key (``read_record``, a payload read), the rest by ``drop_prefetched``.
+        self.ahead: dict[str, bytes] = {}
 
     def limit_payloads(self, max_bytes: int) -> None:
         """Cap payload reads at the run's largest payload, once the run is known (with a guard
@@ -76,9 +79,27 @@ class RunStore:
             self.auth.verify(record, key)
         return record
 
+    def prefetch(self, wanted: Sequence[str]) -> None:
+        """Fetch these objects together (``read_many``: one round trip for all of them on a store
+        whose reads run at once) and keep them for the reads that follow. Missing ones are not kept:
+        their reads ask the store again, and find them missing or landed since."""
+        todo = [k for k in dict.fromkeys(wanted) if k not in self.ahead]
+        for k, data in zip(todo, read_many(self.mailbox, todo), strict=True):
+            if data is not None:
+                self.ahead[k] = data
+
+    def peek(self, key: str) -> bytes | None:
+        """The prefetched bytes of ``key`` (None if not fetched ahead), left for its read."""
+        return self.ahead.get(key)
+
+    def drop_prefetched(self) -> None:
+        self.ahead.clear()
+
     def read_record(self, key: str, cls: type[R]) -> R | None:
         """The record at ``key``; None if it is missing. Raises ``RecordInvalid`` if corrupt."""
-        data = self.mailbox.get(key)
+        data = self.ahead.pop(key, None)
+        if data is None:
+            data = self.mailbox.get(key)
         if data is None:
             return None
         self.bytes_down += len(data)
@@ -273,7 +294,8 @@ class RunStore:
             compression = keys.compression_of(ref.key)
         except ValueError as e:
             raise PayloadCorrupt(str(e)) from None
-        chunks = read_stream(self.mailbox, ref.key)
+        ahead = self.ahead.pop(ref.key, None)
+        chunks = iter((ahead,)) if ahead is not None else read_stream(self.mailbox, ref.key)
         if chunks is None:
             return None
         try:

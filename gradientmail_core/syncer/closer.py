@@ -139,9 +139,24 @@ class Collector:
         return j
 
     def update(
-        self, live: set[str], now: float, *, quorum_size: int, gap: int, in_flight: int, overlap_steps: int | None
+        self,
+        live: set[str],
+        now: float,
+        *,
+        quorum_size: int,
+        gap: int,
+        in_flight: int,
+        overlap_steps: int | None,
+        reported: set[str] | None = None,
     ) -> bool:
-        """Advance the quorum and grace state; True when the round should close now."""
+        """Advance the quorum and grace state; True when the round should close now. ``reported``:
+        with ``max_contributions``, the learners whose snapshot records are listed, which the
+        quorum counts before any is read (judged only once the round may close)."""
+        if reported is not None:
+            cap = self.run.cfg.max_contributions or quorum_size
+            return self._advance(
+                now, len(reported), live <= reported, min(quorum_size, cap), gap, in_flight, overlap_steps
+            )
         n_ok = len(self.accepted())
         all_reported = live <= set(self.judged)
         if all_reported and n_ok == 0:
@@ -150,6 +165,12 @@ class Collector:
             # damaged in transit, so judge those again on the next poll.
             for learner in [lr for lr, j in self.judged.items() if j.reason in ("corrupt", "missing")]:
                 del self.judged[learner]
+        return self._advance(now, n_ok, all_reported, quorum_size, gap, in_flight, overlap_steps)
+
+    def _advance(
+        self, now: float, n_ok: int, all_reported: bool, quorum_size: int, gap: int, in_flight: int,
+        overlap_steps: int | None,
+    ) -> bool:  # fmt: skip
         if self.quorum_at is None and (n_ok >= quorum_size or (all_reported and n_ok >= 1)):
             self.quorum_at = now
             self.grace = grace_seconds(

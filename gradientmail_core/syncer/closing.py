@@ -9,13 +9,17 @@ from .. import events as ev
 from ..errors import RecordInvalid
 from ..mailbox import CreateOutcome
 from ..protocol import keys
-from ..protocol.records import RoundRecord
-from ..protocol.schedule import fragment_of, gap
+from ..protocol.records import RoundRecord, Snapshot, chunk_refs
+from ..protocol.schedule import draw, fragment_of, gap
 from .closer import IGNORED, Collector, compute_commit
 from .following import Following
 from .fragment import FragmentState
 from .replay import recover
 from .timing import Estimates
+
+# The most payload bytes a closer fetches ahead at once for one batch of drawn contributions (the
+# rest are streamed as they are judged, as without a cap).
+PREFETCH_BYTES = 256 << 20
 
 
 class Closing(Following):
@@ -43,16 +47,18 @@ class Closing(Following):
         return recover(self.closer, self.store, self.run, f, self.newest.get(f), self.thetas.get(f))
 
     def _collect(self, c: Collector) -> bool:
-        """Judge the round's new snapshots and close it when due. True if this node committed it."""
-        for learner in sorted(self.snapshot_keys.get(c.round, set()) - set(c.judged)):
-            j = c.judge_snapshot(
-                self.store, learner, own=self.own_snapshots.get(c.round) if learner == self.me else None
-            )
-            if j.reason is not None and j.reason != IGNORED:
-                self.stats.rejected[j.reason] = self.stats.rejected.get(j.reason, 0) + 1
-                self.emit(ev.ContributionRejected(self.me, c.round, learner, j.reason))
-        live = self.liveness.live()
+        """Judge the round's new snapshots and close it when due. True if this node committed it.
+
+        With ``max_contributions`` (a fleet of any size) nothing is read as it arrives: the
+        quorum counts the snapshot records listed, and once the round may close the closer reads
+        only the drawn ones (``_judge_drawn``)."""
         cfg = self.run.cfg
+        cap = cfg.max_contributions
+        reported = self.snapshot_keys.get(c.round, set())
+        if cap is None:
+            for learner in sorted(reported - set(c.judged)):
+                self._judge(c, learner)
+        live = self.liveness.live()
         had_quorum = c.quorum_at is not None
         assert cfg.in_flight is not None
         close = c.update(
@@ -62,10 +68,68 @@ class Closing(Following):
             gap=gap(c.round, cfg.sync_every, self.run.P),
             in_flight=cfg.in_flight,
             overlap_steps=cfg.overlap_steps,
+            reported=None if cap is None else reported,
         )
         if not had_quorum and c.quorum_at is not None:
-            self.emit(ev.QuorumReached(self.me, c.round, len(c.accepted()), c.quorum_at - c.opened_at))
+            n = len(c.accepted()) if cap is None else len(reported)
+            self.emit(ev.QuorumReached(self.me, c.round, n, c.quorum_at - c.opened_at))
+        if close and cap is not None:
+            close = self._judge_drawn(c, cap, reported)
         return close and self._close(c, len(live))
+
+    def _judge(self, c: Collector, learner: str) -> None:
+        j = c.judge_snapshot(self.store, learner, own=self.own_snapshots.get(c.round) if learner == self.me else None)
+        if j.reason is not None and j.reason != IGNORED:
+            self.stats.rejected[j.reason] = self.stats.rejected.get(j.reason, 0) + 1
+            self.emit(ev.ContributionRejected(self.me, c.round, learner, j.reason))
+
+    def _judge_drawn(self, c: Collector, cap: int, reported: set[str]) -> bool:
+        """Judge the reported snapshots in the order of the round's draw (``schedule.draw``: a hash
+        of the run, the round and the learner, which no learner's speed or data sways) until
+        ``cap`` are accepted; each batch's records, then payloads, are fetched together. A rejected
+        one is replaced by the next in the draw, so only rejections make this node read more than
+        ``cap`` contributions. True if the round may close (at least one accepted)."""
+        run_id = self.run.manifest.run_id
+        order = sorted(reported, key=lambda lr: (draw(run_id, c.round, lr), lr))
+        try:
+            while (need := cap - len(c.accepted())) > 0:
+                todo = [lr for lr in order if lr not in c.judged][:need]
+                if not todo:
+                    break
+                self._prefetch_snapshots(c.round, todo)
+                for learner in todo:
+                    self._judge(c, learner)
+        finally:
+            self.store.drop_prefetched()
+        if c.accepted():
+            return True
+        # Nothing accepted: a payload rejected as corrupt or missing may only have been read back
+        # damaged in transit; judge those again on the next poll.
+        for learner in [lr for lr, j in c.judged.items() if j.reason in ("corrupt", "missing")]:
+            del c.judged[learner]
+        return False
+
+    def _prefetch_snapshots(self, r: int, learners: list[str]) -> None:
+        """Fetch these learners' snapshot records of round ``r`` together, then their payloads
+        (those the records place in the learner's own folder, up to ``PREFETCH_BYTES``), so that a
+        batch costs the store's round trip about twice, not twice per contribution. A sharded
+        node's ranks read their own chunks: only the records are fetched ahead there."""
+        own = r in self.own_snapshots
+        wanted = {lr: keys.snapshot_key(r, lr) for lr in learners if not (own and lr == self.me)}
+        self.store.prefetch(list(wanted.values()))
+        if self.bridge.closer is not None:
+            return
+        payloads, budget = [], PREFETCH_BYTES
+        for learner, key in wanted.items():
+            try:
+                snap = self.store.decode_record(self.store.peek(key), Snapshot, key)
+            except (RecordInvalid, ValueError):
+                continue  # (judged as it is read: corrupt, unsigned or missing)
+            for x in chunk_refs(snap.payload):
+                if keys.in_snapshot_folder(x.key, x.sha256, r, learner) and x.size <= budget:
+                    payloads.append(x.key)
+                    budget -= x.size
+        self.store.prefetch(payloads)
 
     def _close(self, c: Collector, live: int) -> bool:
         """Write the commit of ``c``'s round. True if ours is the record; False if another

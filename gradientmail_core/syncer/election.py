@@ -20,6 +20,7 @@ from ..errors import ProtocolError, RecordInvalid
 from ..mailbox import CreateOutcome
 from ..protocol import keys
 from ..protocol.records import Claim
+from ..protocol.schedule import gap
 from ..protocol.tape import newest_claim
 from .closing import Closing
 from .gc import GarbageCollection
@@ -76,10 +77,14 @@ class Election(Closing, GarbageCollection):
         fo = self.follow
         if fo is None or fo.round != r:
             fo = self.follow = Follow(r, now)
-        n_snaps = len(self.snapshot_keys.get(r, ()))
-        need = min(self.run.cfg.quorum_size, max(len(self.liveness.live()), 1))
-        if fo.timer_from is None and n_snaps >= need:
-            fo.timer_from = now
+        fleet = self.polls_fleet()
+        if fleet:
+            fo.timer_from = fo.opened_at  # (no snapshot is listed: the wait counts from the round's opening)
+        else:
+            n_snaps = len(self.snapshot_keys.get(r, ()))
+            need = min(self.run.cfg.quorum_size, max(len(self.liveness.live()), 1))
+            if fo.timer_from is None and n_snaps >= need:
+                fo.timer_from = now
         if fo.claim is None:
             fo.claims_listed_at = now
             fo.claim = self._list_claims(r)
@@ -92,7 +97,19 @@ class Election(Closing, GarbageCollection):
             self._become_closer(r)
             return
         reason = None
-        if self.liveness.listed_at > float("-inf") and (
+        if fleet:
+            looked = self.liveness.looked.get(claim.learner, float("-inf"))
+            if now - looked >= self.opts.lease_list_interval:
+                # Only the claimant's leases: a LIST of one or two keys, whatever the fleet's size.
+                self.liveness.observe_one(claim.learner, self.store.keys(keys.lease_prefix(claim.learner)))
+                looked = now
+            if looked >= fo.claim_seen_at and (
+                not self.liveness.is_live(claim.learner) or self.liveness.role_of(claim.learner) == "learner"
+            ):
+                reason = "lease_lost"
+            elif now - fo.opened_at >= self._round_timeout(training=True):
+                reason = "timeout"
+        elif self.liveness.listed_at > float("-inf") and (
             not self.liveness.is_live(claim.learner) or self.liveness.role_of(claim.learner) == "learner"
         ):
             if self.liveness.listed_at < fo.claim_seen_at:
@@ -112,12 +129,17 @@ class Election(Closing, GarbageCollection):
             return
         self._try_claim(r, claim.n + 1, previous=claim.learner, reason=reason)
 
-    def _round_timeout(self) -> float:
+    def _round_timeout(self, *, training: bool = False) -> float:
+        """How long a follower waits for a round's record: ``training``, from the round's opening
+        (a fleet follower sees no snapshot), which adds the steps the round's learners train."""
         rec = self.newest_of_head()
         # The longer of the grace realized and the one planned: a round that closed early (every
         # live learner reported) must not shorten the patience with one that waits its window.
         grace = 0.0 if rec is None else max(rec.grace_seconds, rec.grace_planned or 0.0)
         predicted = 0.0 if rec is None else (rec.x_sync or 0.0) + grace + (rec.x_quorum or 0.0)
+        if training and rec is not None:
+            cfg = self.run.cfg
+            predicted += gap(self.head + 1, cfg.sync_every, self.run.P) * (rec.x_step or 0.0)
         return max(self.opts.round_timeout, 4 * predicted)
 
     def _try_claim(self, r: int, n: int, *, previous: str | None, reason: str | None) -> bool:

@@ -84,6 +84,18 @@ class Node(Publishing, Election):
     def _tick(self) -> None:
         self._publish_pending()
         self.lease.renew(local_step=self.bridge.local_step, tokens=self.bridge.tokens)
+        if self.polls_fleet():
+            # A follower of a fleet (``max_contributions``): one LIST of the round records after the
+            # head, of a size that does not grow with the fleet; the claimant's lease is watched
+            # by ``election`` and the live count comes from the newest record.
+            self.snapshot_keys = {}
+            listing = self.store.keys(keys.ROUNDS, after=keys.round_key(self.head))
+            self.listing += 1
+            if self._advance(listing):
+                self._drive_round()
+            self._release_own_snapshots()
+            self._publish_view()
+            return
         if self.clock.now() - self.liveness.listed_at >= self.opts.lease_list_interval:
             self._list_leases()
         # One listing per poll: ``snapshots/`` sorts after ``rounds/``, so listing everything after
@@ -137,6 +149,8 @@ class Node(Publishing, Election):
         # or hostile) must not hurry every learner into contributing early.
         learners = self.liveness.live()
         live = len(learners)
+        if self.polls_fleet() and (rec := self.newest_of_head()) is not None:
+            live = rec.live  # (the closer's count; this node lists no leases but the claimant's)
         quorum = self.run.cfg.quorum_size
         need = quorum if quorum >= live else max(min(quorum, live) - 1, 1)
         others = frozenset(

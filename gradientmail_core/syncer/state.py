@@ -174,6 +174,18 @@ class NodeState:
             and not self.closer.holds_any()
         )
 
+    def polls_fleet(self) -> bool:
+        """Whether this poll is a fleet follower's (``DiLoCo.max_contributions``): the run has
+        committed a round, this node closes none now, and it may close one (a learner-only node
+        lists every lease, to tell whether any node that may close is live)."""
+        return (
+            self.run.cfg.max_contributions is not None
+            and self.head >= 0
+            and self.collector is None
+            and self.may_close
+            and self.bridge.follow is None
+        )
+
     @property
     def may_close(self) -> bool:
         """May this node claim and close rounds (roles "both" and "syncer")?"""
