@@ -35,7 +35,8 @@ except:
 
 - the closer still polls the open round's snapshot records (``N`` keys a listing, not the verify
   window's) and lists the leases as above, but reads (record and chunks) only the ``K`` reported
-  contributions with the lowest draw: ``min(K, N - 1)`` others' a round;
+  contributions with the lowest draw: ``min(K, N - 1)`` others' a round (an upper bound: when
+  the draw picks the closer's own, it reads ``K - 1``; ``K (N - 1) / N`` on average);
 - the round record lists at most ``K`` participants (its size, and the tape's growth, bounded by
   ``K``);
 - every other learner (a follower: the model's steady state, the run past its first commit) polls

@@ -7,8 +7,8 @@ recompute each commit independently:
 - at most one record per round, never deleted; the tape is contiguous; versions rise by one;
 - the closer of a round holds a claim for it; the payloads a record names were written first;
 - every participant is a snapshot written for that round, against the current version, weighted
-  ``tokens * tokens / steps``, counted once; no learner is both weighted and rejected; every
-  snapshot the closer listed before it committed is weighted or rejected (others are *late*);
+  ``tokens * tokens / steps``, counted once; no learner is both weighted and rejected; every snapshot
+  listed before the commit is weighted or rejected (others are *late*; with a cap, or past the draw);
 - the committed parameters and outer state equal the merge and Nesterov step of the listed
   contributions: bit-exactly with the engine's pure functions, and within float32 rounding
   with an independent float64 implementation (``reference.py``);
@@ -38,7 +38,7 @@ from ..protocol import keys
 from ..protocol.rebuild import cast, payload_digest, rebuild_theta, theta_digest
 from ..protocol.records import Claim, Manifest, RoundRecord, Snapshot, chunk_refs, decode, ref_digest
 from ..protocol.run import RunInfo
-from ..protocol.schedule import fragment_of, slot, version_before
+from ..protocol.schedule import draw, fragment_of, slot, version_before
 from . import reference as ref
 from .captured import Captured
 
@@ -313,13 +313,15 @@ class Auditor(Captured):
                 out.append(f"rejected {learner} for zero steps, but it trained {snap.steps}")
             self.stats[f"rejected/{reason}"] += 1
         listed_at = self.last_listing.get(node, 0)
+        # ``max_contributions``: judged in draw order until K accepted; only those past them unjudged
+        cap, order = run.cfg.max_contributions, lambda lr: (draw(run.manifest.run_id, r, lr), lr)
+        top = max(map(order, [*names, *rejected]), default=None)
+        full = cap is not None and len(names) + sum(x == "outlier" for x in rejected.values()) >= cap
         for learner, (seq, _) in snaps.items():
             if learner in rejected or learner in names:
                 continue
-            if seq < listed_at:
-                out.append(
-                    f"the snapshot of {learner} was listed before the close but is neither weighted nor rejected"
-                )
+            if seq < listed_at and not (full and top is not None and order(learner) > top):
+                out.append(f"the snapshot of {learner} was listed before the close, neither weighted nor rejected")
             else:
                 self.stats["late"] += 1
         if out:
