@@ -60,6 +60,34 @@ def test_the_model_matches_the_requests_a_small_fleet_makes(n):
     assert c["contribution_down"] == pytest.approx((n - 1) * contribution, rel=0.1)
 
 
+@pytest.mark.parametrize(("n", "k"), [(4, 2), (16, 4)])
+def test_the_capped_model_matches_the_requests_a_small_capped_fleet_makes(n, k):
+    fleet = _fleet()
+    rounds = 6
+    r = fleet.measure(n, rounds, latency=0.001, bandwidth=1e9, max_contributions=k)
+    shape = bill.RunShape(
+        cfg=gm.DiLoCo(sync_every=20, fragments=4, quorum_size=n, max_contributions=k),
+        params=8 * 32 * 32,
+        learners=n,
+        step_seconds=1.0,
+        param_dtype="F32",
+    )
+    learner, closer = bill.learner_round(shape), bill.closer_round(shape)
+    f, c = r.follower_mean, r.closer
+    # Followers: a page a poll and a lease listing, whatever N.
+    assert f["LIST"] == pytest.approx(learner.list_calls, rel=0.15)
+    assert f["LIST pages"] == pytest.approx(learner.requests["LIST"], rel=0.15)
+    assert f["GET"] == pytest.approx(learner.requests["GET"], abs=0.2)
+    assert f["PUT"] == pytest.approx(learner.requests["PUT"], abs=0.25)
+    assert c["PUT"] == pytest.approx(closer.requests["PUT"], abs=0.25)
+    # The closer reads min(K, N - 1) others' contributions at most (the model's figure); when the
+    # draw picks its own, K - 1: K (N - 1) / N on average (6 rounds: slack of one contribution).
+    assert c["GET"] <= closer.requests["GET"] + 0.2
+    assert c["GET"] >= closer.requests["GET"] - 2 * (k / n + 1)
+    contribution = bill.payload_bytes(8 * 32 * 32 // 4, "F32")
+    assert c["contribution_down"] <= k * contribution * 1.1
+
+
 def test_the_model_counts_what_grows_with_the_fleet():
     small, large = (
         bill.RunShape(
@@ -77,6 +105,69 @@ def test_the_model_counts_what_grows_with_the_fleet():
     # values are 4.7 MB: one GET each).
     ca, cb = bill.closer_round(small), bill.closer_round(large)
     assert cb.requests["GET"] - ca.requests["GET"] == pytest.approx(990 * (1 + large.chunks), rel=0.01)
+
+
+def _shape(n, k=None, **kw):
+    cfg = gm.DiLoCo(sync_every=100, fragments=8, delta_dtype="I2", max_contributions=k, **kw)
+    return bill.RunShape(cfg=cfg, params=10**9, learners=n, step_seconds=1.0)
+
+
+@pytest.mark.parametrize("k", [16, 32])
+def test_with_max_contributions_the_closer_reads_at_most_k_contributions_whatever_the_fleet(k):
+    contribution = sum(_shape(10).chunk_bytes("I2"))
+    closers = {n: bill.closer_round(_shape(n, k)) for n in (2 * k, 1000, 10_000)}
+    gets = {n: c.requests["GET"] for n, c in closers.items()}
+    # K records and K payloads (one GET per chunk), whatever N, against N - 1 of each uncapped.
+    assert gets[2 * k] == gets[1000] == gets[10_000] == pytest.approx(k * (1 + _shape(10).chunks))
+    uncapped = bill.closer_round(_shape(10_000))
+    assert uncapped.requests["GET"] == pytest.approx(9_999 * (1 + _shape(10).chunks))
+    # Its bytes read other than listings' answers: K contributions' worth and records, whatever N.
+    read = {n: c.down - c.list_down for n, c in closers.items()}
+    assert read[2 * k] == read[1000] == read[10_000]
+    assert k * contribution < read[1000] < k * (contribution + bill.SNAPSHOT_RECORD) + 1000
+    assert uncapped.down - uncapped.list_down > 9_999 * contribution
+    # What still grows with N are the listings' answers (LIST_BYTES_PER_KEY a key): the open round's
+    # snapshot records a poll, every lease, blobs/snapshots/ for GC. At 10,000 learners they are
+    # under half of the K contributions' worth.
+    assert closers[1000].list_down < closers[10_000].list_down < 0.5 * read[10_000]
+    # Fewer than K others when the fleet is smaller: min(K, N - 1).
+    small = bill.closer_round(_shape(5, k))
+    assert small.requests["GET"] == pytest.approx(4 * (1 + _shape(10).chunks))
+
+
+def test_with_max_contributions_a_followers_requests_do_not_grow_with_the_fleet():
+    a, b, c = (bill.learner_round(_shape(n, 16)) for n in (16, 1000, 100_000))
+    assert a.requests == b.requests == c.requests
+    assert a.list_calls == b.list_calls == c.list_calls
+    # Bytes too, once N >= K: the round record lists at most K participants.
+    assert a.down == b.down == c.down and a.up == b.up == c.up
+    # One page a poll and a lease listing, plus the claims: against N (W + 1) keys a poll uncapped.
+    polls = 100 / 8 + 1
+    assert b.requests["LIST"] == pytest.approx(polls + 12.5 / 5 + 1)
+    uncapped = bill.learner_round(_shape(100_000))
+    assert uncapped.requests["LIST"] > 500 * b.requests["LIST"]
+    # It still writes its contribution and record and renews its lease: the PUTs do not change.
+    assert b.requests["PUT"] == uncapped.requests["PUT"] and b.up == uncapped.up
+
+
+def test_with_max_contributions_the_round_record_and_the_tape_are_bounded_by_k():
+    capped, uncapped = bill.day(_shape(1000, 16)), bill.day(_shape(1000))
+    assert capped.tape_growth == pytest.approx(
+        capped.rounds * (bill.ROUND_RECORD + 16 * bill.ROUND_RECORD_PER_PARTICIPANT)
+    )
+    assert uncapped.tape_growth == pytest.approx(
+        uncapped.rounds * (bill.ROUND_RECORD + 1000 * bill.ROUND_RECORD_PER_PARTICIPANT)
+    )
+    # Every learner still uploads each round: what is stored differs by the tape alone.
+    assert uncapped.stored - capped.stored == pytest.approx((uncapped.tape_growth - capped.tape_growth) / 2)
+    assert capped.traffic.up == pytest.approx(uncapped.traffic.up - (uncapped.tape_growth - capped.tape_growth))
+
+
+def test_max_contributions_at_or_above_the_fleet_still_merges_every_contribution():
+    # K >= N: the closer reads all N - 1 others, as uncapped; only the listings differ.
+    capped, uncapped = bill.closer_round(_shape(16, 64)), bill.closer_round(_shape(16))
+    assert capped.requests["GET"] == uncapped.requests["GET"]
+    assert capped.requests["PUT"] == uncapped.requests["PUT"]
 
 
 def test_multipart_and_ranged_reads_are_counted_per_part():
@@ -149,6 +240,42 @@ def test_cost_json_for_a_thousand_learners_of_a_7b_model():
     # Every learner reads each round's I2 change (7e9 / 8 values at 9 bits per 32): a floor on egress.
     change = math.ceil(7e9 / 8) * 9 / 32
     assert got["bytes_down"] > 999 * change * 6912
+
+
+def test_cost_max_contributions_bounds_what_the_closer_reads():
+    def run(*extra):
+        out = subprocess.run(
+            [sys.executable, "-m", "gradientmail_core.cli", "cost", *BILL_7B, *extra, "--json"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=ROOT,
+        )
+        return json.loads(out.stdout)
+
+    full, k16, k32 = run(), run("--max-contributions", "16"), run("--max-contributions", "32")
+    assert full["max_contributions"] is None and k16["max_contributions"] == 16
+    # The same uploads and storage less the tape; fewer requests and bytes read, more so with a lower K.
+    assert full["bytes_up"] > k32["bytes_up"] > k16["bytes_up"]
+    assert full["requests"]["GET"] > k32["requests"]["GET"] > k16["requests"]["GET"]
+    # Listings do not depend on K: the followers list a page or two, the closer as uncapped.
+    assert full["requests"]["LIST"] > 5 * k32["requests"]["LIST"] and k32["requests"]["LIST"] == k16["requests"]["LIST"]
+    assert full["requests"]["PUT"] == k16["requests"]["PUT"]
+    assert full["bytes_down"] > k32["bytes_down"] > k16["bytes_down"]
+    for store in ("AWS S3 Standard", "Cloudflare R2"):
+        assert (
+            full["usd_per_day"][store]["total"]
+            > k32["usd_per_day"][store]["total"]
+            > k16["usd_per_day"][store]["total"]
+        )
+
+
+def test_cost_prints_the_cap_and_refuses_a_bad_one(capsys):
+    assert main(["cost", *BILL_7B, "--max-contributions", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "max_contributions=16" in out and "one follower, per round" in out
+    assert main(["cost", *BILL_7B, "--max-contributions", "0"]) == 2
+    assert "max_contributions" in capsys.readouterr().err
 
 
 def test_cost_refuses_a_config_a_run_would_refuse(capsys):
