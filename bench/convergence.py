@@ -24,8 +24,10 @@ Arms:
   Each set has ``-F32``, ``-F4``, ``-F4-EF``, ``-I2``, ``-I2-EF`` (deltas in that dtype, ``-EF``
   with error feedback), ``-frontier``: ``gm.DiLoCo.frontier`` (I2 deltas and commits, error
   feedback, ``checkpoint_every=10``, ``gap_projection``: the bytes of ``traffic.py --goal``),
-  ``-frontier-noproj``: the same without ``gap_projection``, and ``-frugal``: F4 commits
-  (``gm.DiLoCo.frugal``),
+  ``-frontier-noproj``: the same without ``gap_projection``, ``-frugal``: F4 commits
+  (``gm.DiLoCo.frugal``), and ``-cap2`` / ``-cap2-carry``: F32 deltas with ``max_contributions=2``
+  (each round merges the 2 of the 4 learners its draw picks; the others' steps are dropped, or kept
+  with ``gm.Carry()``),
 - ``decoupled-hetero``: Decoupled DiLoCo (4 fragments, H=20, quorum 3, RDA, no waiting) with
   learner 3 taking three times as long per step as the others; its fast learners go on to
   1.5 x ``steps`` (at the schedule's floor after ``steps``) to find when it reaches the target,
@@ -72,6 +74,8 @@ QUANTIZED = {
     "frontier": "<= 1.015",
     "frontier-noproj": "",
     "frugal": "<= 1.015",
+    "cap2": "",
+    "cap2-carry": "",
 }
 # ``-frontier``: what ``gm.DiLoCo.frontier`` sets (the bytes of ``traffic.py --goal``: I2 deltas
 # and commits, with ``gap_projection``); ``-frontier-noproj``: the same without the projection (the
@@ -111,6 +115,9 @@ def arm_configs(args: argparse.Namespace) -> list[tuple[str, gm.DiLoCo, list[int
             (f"{s}-frontier", replace(base, **FRONTIER), lockstep),
             (f"{s}-frontier-noproj", replace(base, **{**FRONTIER, "gap_projection": False}), lockstep),
             (f"{s}-frugal", replace(base, **FRUGAL), lockstep),
+            # a fleet's cap (``max_contributions``): each round merges the 2 drawn of the 4
+            (f"{s}-cap2", replace(base, max_contributions=2), lockstep),
+            (f"{s}-cap2-carry", replace(base, max_contributions=2, alignment=gm.Carry()), lockstep),
         ]
     hetero = gm.DiLoCo(sync_every=20, fragments=4, quorum_size=3, **outer)
     arms += [

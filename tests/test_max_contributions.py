@@ -11,6 +11,7 @@ from test_engine_rounds import assert_identical, assert_tape_contiguous, finish,
 from test_engine_takeover import took_over
 
 import gradientmail_core as gm
+from gradientmail_core import events as ev
 from gradientmail_core.mailbox import CountingMailbox, ForwardingMailbox, read_many
 from gradientmail_core.mailbox.memory import MemoryMailbox
 from gradientmail_core.protocol import keys
@@ -67,6 +68,7 @@ def test_each_round_merges_the_k_lowest_draws_of_the_reported_and_learners_stay_
         assert rec.rejected == [] and rec.live == 8
     # the draw changes with the round: over the rounds, everyone is merged at some point
     assert {p.learner for r in recs for p in r.participants} == set(NAMES)
+    assert not took_over(c)  # the followers' timeout counts the round's training: no false alarm
     assert_identical(list(c.members.values()))
 
 
@@ -182,3 +184,34 @@ def test_read_many_fetches_through_get_many_threads_or_one_by_one_and_the_guard_
     assert batched.batches == [want]  # one batch, through the counting wrapper
     guard = GuardedMailbox(Threaded(box))
     assert read_many(guard, ["k4"]) == [b"\x04" * 5]
+
+
+def test_a_stalled_closer_is_taken_over_by_timeout_counted_from_the_followers_own_contribution():
+    from gradientmail_core.syncer.node import NodeOptions
+
+    c = Cluster(gm.DiLoCo(sync_every=4, fragments=1, quorum_size=2, max_contributions=1), audit=True)
+    c.options = NodeOptions(poll_interval=0.1, lease_timeout=5.0, round_timeout=0.5)
+    a, b = c.join_all("ab")
+    c.run(8)
+    c.settle(4)
+    head = c.head()
+    assert head >= 0 and b.node.polls_fleet()
+    for _ in range(30):  # nobody trains: no contribution, no timer, no takeover (only lease loss would)
+        b.node.tick()
+        c.clock.advance(0.05)
+    assert not b.of(ev.TookOver) and c.head() == head
+    for _ in range(4):  # b contributes; a (SIGSTOP) does not poll again within the lease timeout
+        b.train()
+    for _ in range(30):  # 1.5 s: past round_timeout, well within lease_timeout
+        b.node.tick()
+        b.learner.drain()
+        c.clock.advance(0.05)
+    assert c.head() == head + 1
+    tk = b.of(ev.TookOver)
+    assert tk and tk[0].reason == "timeout" and tk[0].previous == "a"
+    a.node.tick()  # a resumes: it finds the record and steps down
+    assert a.of(ev.Superseded)
+    c.run(8)
+    finish(c)
+    assert_tape_contiguous(c)
+    assert_identical([a, b])

@@ -68,7 +68,9 @@ class Closing(Following):
             gap=gap(c.round, cfg.sync_every, self.run.P),
             in_flight=cfg.in_flight,
             overlap_steps=cfg.overlap_steps,
-            reported=None if cap is None else reported,
+            # (with a cap only live learners' names count: objects under names nobody holds a lease
+            # for must not hurry the round closed; a drawn one of them is judged like any other)
+            reported=None if cap is None else reported & live,
         )
         if not had_quorum and c.quorum_at is not None:
             n = len(c.accepted()) if cap is None else len(reported)

@@ -20,7 +20,6 @@ from ..errors import ProtocolError, RecordInvalid
 from ..mailbox import CreateOutcome
 from ..protocol import keys
 from ..protocol.records import Claim
-from ..protocol.schedule import gap
 from ..protocol.tape import newest_claim
 from .closing import Closing
 from .gc import GarbageCollection
@@ -79,7 +78,10 @@ class Election(Closing, GarbageCollection):
             fo = self.follow = Follow(r, now)
         fleet = self.polls_fleet()
         if fleet:
-            fo.timer_from = fo.opened_at  # (no snapshot is listed: the wait counts from the round's opening)
+            # No snapshot is listed: the wait counts from this node's own contribution to the round
+            # (a node that trains nothing now, or a syncer, takes over on lease loss only).
+            if fo.timer_from is None and self.contributed >= r:
+                fo.timer_from = now
         else:
             n_snaps = len(self.snapshot_keys.get(r, ()))
             need = min(self.run.cfg.quorum_size, max(len(self.liveness.live()), 1))
@@ -107,7 +109,7 @@ class Election(Closing, GarbageCollection):
                 not self.liveness.is_live(claim.learner) or self.liveness.role_of(claim.learner) == "learner"
             ):
                 reason = "lease_lost"
-            elif now - fo.opened_at >= self._round_timeout(training=True):
+            elif fo.timer_from is not None and now - max(fo.timer_from, fo.claim_seen_at) >= self._round_timeout():
                 reason = "timeout"
         elif self.liveness.listed_at > float("-inf") and (
             not self.liveness.is_live(claim.learner) or self.liveness.role_of(claim.learner) == "learner"
@@ -129,17 +131,12 @@ class Election(Closing, GarbageCollection):
             return
         self._try_claim(r, claim.n + 1, previous=claim.learner, reason=reason)
 
-    def _round_timeout(self, *, training: bool = False) -> float:
-        """How long a follower waits for a round's record: ``training``, from the round's opening
-        (a fleet follower sees no snapshot), which adds the steps the round's learners train."""
+    def _round_timeout(self) -> float:
         rec = self.newest_of_head()
         # The longer of the grace realized and the one planned: a round that closed early (every
         # live learner reported) must not shorten the patience with one that waits its window.
         grace = 0.0 if rec is None else max(rec.grace_seconds, rec.grace_planned or 0.0)
         predicted = 0.0 if rec is None else (rec.x_sync or 0.0) + grace + (rec.x_quorum or 0.0)
-        if training and rec is not None:
-            cfg = self.run.cfg
-            predicted += gap(self.head + 1, cfg.sync_every, self.run.P) * (rec.x_step or 0.0)
         return max(self.opts.round_timeout, 4 * predicted)
 
     def _try_claim(self, r: int, n: int, *, previous: str | None, reason: str | None) -> bool:

@@ -79,6 +79,7 @@ class Publishing(NodeState):
         if outcome is CreateOutcome.CREATED and kept:  # not a retry's read-back
             self.own_snapshots[pub.round] = snap
         self.snapshot_keys.setdefault(pub.round, set()).add(self.me)
+        self.contributed = max(self.contributed, pub.round)
         self.emit(ev.Published(self.me, pub.round, pub.fragment, pub.steps, pub.tokens, ref_size(ref), pub.final))
 
     def _put_chunks(

@@ -140,6 +140,7 @@ class NodeState:
         # the round, instead of being read back from the store.
         self.own_snapshots: dict[int, Snapshot] = {}
         self.rounds_seen = 0
+        self.contributed = -1  # the newest round this node wrote a snapshot for
         # Who this node has seen (``View.sightings``): learner -> number of the newest listing.
         self.listing = 0
         self.sightings: dict[str, int] = {}
