@@ -117,7 +117,7 @@ def arm_configs(args: argparse.Namespace) -> list[tuple[str, gm.DiLoCo, list[int
             (f"{s}-frugal", replace(base, **FRUGAL), lockstep),
             # a fleet's cap (``max_contributions``): each round merges the 2 drawn of the 4
             (f"{s}-cap2", replace(base, max_contributions=2), lockstep),
-            (f"{s}-cap2-carry", replace(base, max_contributions=2, alignment=gm.Carry()), lockstep),
+            (f"{s}-cap2-carry", replace(base, max_contributions=2, mixing=0.0, alignment=gm.Carry()), lockstep),
         ]
     hetero = gm.DiLoCo(sync_every=20, fragments=4, quorum_size=3, **outer)
     arms += [

@@ -346,7 +346,7 @@ def table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[Result], path: str) -> None:
+def plot(results: list[Result], path: str, title: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -371,7 +371,7 @@ def plot(results: list[Result], path: str) -> None:
     ax.plot(n, [r.closer_cpu_per_round for r in results], "s-", label="closer CPU s / round")
     ax.set(xscale="log", yscale="log", xlabel="learners", ylabel="seconds", title="time")
     ax.legend()
-    fig.suptitle("bench/fleet.py: per committed round, current engine")
+    fig.suptitle(f"bench/fleet.py: per committed round{title}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -393,6 +393,7 @@ def main() -> None:
     )
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     ap.add_argument("--plot", metavar="FILE.png", help="also plot the results")
+    ap.add_argument("--title", default="", help="with --load: added to the plot's title")
     ap.add_argument("--load", nargs="+", metavar="FILE", help="table (and plot) the results of earlier --json runs")
     args = ap.parse_args()
     if args.load:
@@ -400,7 +401,7 @@ def main() -> None:
         loaded.sort(key=lambda r: r.learners)
         print(table(loaded))
         if args.plot:
-            plot(loaded, args.plot)
+            plot(loaded, args.plot, args.title)
         return
     sizes, rounds = ([4, 16], 4) if args.quick else (args.learners, args.rounds)
     cap = "" if args.max_contributions is None else f", max_contributions={args.max_contributions}"
@@ -424,7 +425,7 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps([r.__dict__ for r in results], indent=1))
     if args.plot:
-        plot(results, args.plot)
+        plot(results, args.plot, cap)
 
 
 if __name__ == "__main__":
