@@ -215,3 +215,38 @@ def test_a_stalled_closer_is_taken_over_by_timeout_counted_from_the_followers_ow
     finish(c)
     assert_tape_contiguous(c)
     assert_identical([a, b])
+
+
+def test_over_a_real_s3_endpoint_the_drawn_are_fetched_on_the_connection_pool(s3_server, s3_bucket, monkeypatch):
+    import threading
+
+    from gradientmail_core.mailbox.s3 import S3Mailbox
+
+    threads: set[int] = set()
+    real_get, real_prefix = S3Mailbox.get, S3Mailbox.get_prefix
+
+    def get(self, key):
+        threads.add(threading.get_ident())
+        return real_get(self, key)
+
+    def get_prefix(self, key, n):  # (what the guard's capped reads use)
+        threads.add(threading.get_ident())
+        return real_prefix(self, key, n)
+
+    monkeypatch.setattr(S3Mailbox, "get", get)
+    monkeypatch.setattr(S3Mailbox, "get_prefix", get_prefix)
+    box = S3Mailbox(s3_bucket, "runs/fleet", endpoint_url=s3_server)
+    guarded = GuardedMailbox(box)
+    for i in range(6):
+        box.put_if_absent(f"snapshots/0000000000/k{i}.json", b"x" * (i + 1))
+    got = read_many(guarded, [f"snapshots/0000000000/k{i}.json" for i in range(6)] + ["snapshots/0000000000/no.json"])
+    assert got == [b"x" * (i + 1) for i in range(6)] + [None]
+    assert len(threads) > 1  # run at once on the pool, not one after the other
+
+    c = Cluster(gm.DiLoCo(sync_every=4, fragments=2, quorum_size=4, max_contributions=2), mailbox=box)
+    c.join_all([f"s{i}" for i in range(4)])
+    c.run(12)
+    finish(c)
+    recs = assert_tape_contiguous(c)
+    assert len(recs) >= 4 and all(len(r.participants) == 2 for r in recs)
+    assert_identical(list(c.members.values()))
