@@ -62,6 +62,7 @@ class Tally:
     down: int = 0
     contribution_down: int = 0  # bytes of other learners' snapshot payloads read
     busy: float = 0.0  # simulated seconds spent in requests
+    election: int = 0  # requests about claims (LIST and PUT under claims/) and single leases
 
 
 class Link(ForwardingMailbox):
@@ -93,6 +94,7 @@ class Link(ForwardingMailbox):
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         self._cost("PUT", len(data), up=True)
+        self.tally.election += key.startswith(keys.CLAIMS)
         if key.startswith(keys.SNAPSHOT_BLOBS):
             self.fleet.contribution_sizes.append(len(data))
         created = super().put_if_absent(key, data)
@@ -143,6 +145,9 @@ class Link(ForwardingMailbox):
     def list(self, prefix: str, after: str = "") -> list[str]:
         found = super().list(prefix, after)
         self._cost("LIST", sum(len(k) for k in found))
+        self.tally.election += prefix.startswith(keys.CLAIMS) or (
+            prefix.startswith(keys.LEASES) and prefix != keys.LEASES
+        )
         self.tally.counts["LIST pages"] += max(1, math.ceil(len(found) / LIST_PAGE))
         return found
 
@@ -183,6 +188,7 @@ class Fleet:
         width: int = 32,
         seed: int = 0,
         max_contributions: int | None = None,
+        keep_events: bool = False,
     ) -> None:
         self.n, self.step_seconds, self.poll = n, step_seconds, poll_interval
         self.cfg = gm.DiLoCo(
@@ -207,7 +213,18 @@ class Fleet:
                 f"w{j}": np.random.default_rng(j).standard_normal((width, width)).astype(np.float32)
                 for j in range(params)
             }
-            self.members.append(join(f"n{i:04d}", model, cfg=self.cfg, mailbox=link, clock=clock, options=opts, seed=i))
+            self.members.append(
+                join(
+                    f"n{i:04d}",
+                    model,
+                    cfg=self.cfg,
+                    mailbox=link,
+                    clock=clock,
+                    options=opts,
+                    seed=i,
+                    keep_events=keep_events,
+                )
+            )
             self.links.append(link)
             self.params.append(model)
         for m in self.members:
@@ -219,6 +236,7 @@ class Fleet:
         self.cpu = [0.0] * n
         self.peak = 0
         self.watch_memory = 0  # the node whose polls tracemalloc watches (the creator closes the rounds)
+        self.dead: set[int] = set()
 
     def _push(self, at: float, i: int, kind: str) -> None:
         self.seq += 1
@@ -236,6 +254,8 @@ class Fleet:
         """Run until ``rounds`` rounds have committed in all."""
         while len(self.committed) < rounds:
             at, _, i, kind = heapq.heappop(self.queue)
+            if i in self.dead:
+                continue  # killed (SIGKILL): no more steps or polls; its lease stays behind
             self.T = at
             m = self.members[i]
             clock = m.node.clock
@@ -308,6 +328,29 @@ def measure(n: int, rounds: int, *, warmup: int = 2, **kw: float | int | None) -
         _record_bytes(fleet.store),
         time.perf_counter() - wall,
     )
+
+
+def takeover(n: int, **kw: float | int | None) -> dict:
+    """Kill the closer after 2 committed rounds; what the next commit (by a follower that takes the
+    round over) costs each of the others in election requests (claims listed and written, single
+    leases listed), and how long it took in simulated seconds."""
+    fleet = Fleet(n, keep_events=True, **kw)  # type: ignore[arg-type]
+    fleet.run_until(2)
+    closer = max(range(n), key=lambda i: fleet.members[i].node.stats.committed)
+    fleet.dead.add(closer)
+    fleet.reset()
+    t0, start = fleet.T, len(fleet.committed)
+    fleet.run_until(start + 1)
+    events = [e for i, m in enumerate(fleet.members) if i != closer for e in m.events if type(e).__name__ == "TookOver"]
+    per = [link.tally.election for i, link in enumerate(fleet.links) if i != closer]
+    return {
+        "learners": n,
+        "seconds": fleet.T - t0,
+        "took_over": [(e.learner, e.reason) for e in events],
+        "election_mean": sum(per) / len(per),
+        "election_max": max(per),
+        "requests_max": max(sum(t.tally.counts[k] for k in ("LIST", "GET", "PUT", "DELETE")) for t in fleet.links),
+    }
 
 
 def _record_bytes(store: gm.MemoryMailbox) -> dict:
@@ -393,6 +436,9 @@ def main() -> None:
     )
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     ap.add_argument("--plot", metavar="FILE.png", help="also plot the results")
+    ap.add_argument(
+        "--takeover", action="store_true", help="kill the closer after 2 rounds and count the takeover's requests"
+    )
     ap.add_argument("--title", default="", help="with --load: added to the plot's title")
     ap.add_argument("--load", nargs="+", metavar="FILE", help="table (and plot) the results of earlier --json runs")
     args = ap.parse_args()
@@ -409,6 +455,16 @@ def main() -> None:
         f"DiLoCo(sync_every=20, fragments=4, quorum_size=N{cap}), 8 x 32x32 fp32 tensors, 1 step/s, poll 1 s, "
         f"{args.latency * 1e3:.0f} ms + bytes at {args.bandwidth / 1e6:.0f} MB/s per request; {rounds} rounds"
     )
+    if args.takeover:
+        for n in sizes:
+            t = takeover(n, latency=args.latency, bandwidth=args.bandwidth, max_contributions=args.max_contributions)
+            print(
+                f"  {n} learners: the round after the kill committed {t['seconds']:.0f} s later, taken over by "
+                f"{t['took_over']}; election requests per surviving node: mean {t['election_mean']:.1f}, "
+                f"max {t['election_max']}; most requests of any node in that time {t['requests_max']}",
+                flush=True,
+            )
+        return
     results = []
     for n in sizes:
         r = measure(
