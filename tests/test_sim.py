@@ -2,7 +2,9 @@
 hold every invariant, every fault kind and critical path is reached, and a seed replays exactly.
 
 ``GM_SIM_SEEDS`` (default 200, the fewest the coverage test accepts) and ``GM_SIM_ROUNDS`` (default 50) size the sweep;
-``GM_SIM_SOAK=N`` adds a soak of N seeds from a random start (see docs/reliability.md).
+``GM_SIM_SOAK=N`` adds a soak of N seeds from a random start (see docs/reliability.md);
+``GM_SIM_FLEET_SEEDS`` (default 6) and ``GM_SIM_FLEET_ROUNDS`` (default 12) size the sweep of fleets of
+64..96 learners (``--fleet``), most of them with ``max_contributions``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from gradientmail_core.sim import SimResult, run_many, run_seed
 
 SEEDS = int(os.environ.get("GM_SIM_SEEDS", "200"))
 ROUNDS = int(os.environ.get("GM_SIM_ROUNDS", "50"))
+FLEET_SEEDS = int(os.environ.get("GM_SIM_FLEET_SEEDS", "6"))
+FLEET_ROUNDS = int(os.environ.get("GM_SIM_FLEET_ROUNDS", "12"))
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -121,6 +125,25 @@ def test_the_sweep_mixes_checkpoints_error_feedback_and_chunks(sweep):
     assert sum(c.chunk_elements is not None for c in draws) >= n // 4
     assert sum(c.chunk_elements is not None and c.checkpoint_every > 1 for c in draws) >= n // 20
     assert sum(c.chunk_elements is not None and c.delta_dtype is None for c in draws) >= n // 10
+    # max_contributions: below the learners (most snapshots past the draw unjudged) and at or above
+    caps = [(r.algorithm.max_contributions, r.nodes) for r in sweep if r.algorithm is not None]
+    assert sum(k is not None and k < nodes for k, nodes in caps) >= n // 10
+    assert sum(k is not None and k >= nodes for k, nodes in caps) >= n // 40
+
+
+def test_fleets_of_64_and_more_learners_hold_every_invariant_with_and_without_a_cap():
+    # Fleets (64..96 learners, fewer rounds) under the same faults, crashes and takeovers: every
+    # commit recomputed by the auditor (with a cap: the drawn ones judged in draw order), every
+    # surviving learner bit-identical to the newest commit at the end.
+    fleet = list(run_many(range(FLEET_SEEDS), FLEET_ROUNDS, fleet=True))
+    failed = [r for r in fleet if not r.ok]
+    assert not failed, "\n".join(r.summary() for r in failed[:10])
+    assert all(r.rounds >= FLEET_ROUNDS and 64 <= r.nodes <= 96 and r.stats["survivors"] > 1 for r in fleet)
+    caps = [(r.algorithm.max_contributions, r.nodes) for r in fleet if r.algorithm is not None]
+    if FLEET_SEEDS >= 6:
+        assert any(k is None for k, _ in caps) and any(k is not None and k < n for k, n in caps)
+        assert any(k is not None and k >= n for k, n in caps)
+    assert all(r.losses[1] < 0.5 * r.losses[0] for r in fleet), [r.config.seed for r in fleet]
 
 
 def test_the_loss_falls_in_every_run(sweep):

@@ -4,6 +4,7 @@ python -m gradientmail_core.sim --seed 123 --rounds 50 -v     # replay one seed,
 python -m gradientmail_core.sim --seeds 0:1000                 # a range, summary at the end
 python -m gradientmail_core.sim --soak 100000                  # a long soak from a random start
 python -m gradientmail_core.sim --seeds 0:300 --mutant accept_stale   # is this mutant caught?
+python -m gradientmail_core.sim --seeds 0:8 --fleet --rounds 12  # fleets of 64..96 learners
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--soak", type=int, metavar="N", help="run N seeds starting at a random seed")
     p.add_argument("--rounds", type=int, default=50)
     p.add_argument("--nodes", type=int, default=None, help="number of nodes (default: 3..6 from the seed)")
+    p.add_argument("--fleet", action="store_true", help="fleets of 64..96 learners, most with max_contributions")
     p.add_argument("--no-faults", action="store_true", help="no faults, no chaos: a healthy run")
     p.add_argument("--mutant", default=None, choices=sorted(MUTANTS), help="run a deliberately broken engine")
     p.add_argument("--workers", type=int, default=None, help="processes (default: every CPU)")
@@ -39,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.seed is not None:
         if a.verbose:
             logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")
-        r = run_seed(a.seed, a.rounds, faults=not a.no_faults, nodes=a.nodes, verbose=a.verbose, mutant=a.mutant)
+        r = run_seed(
+            a.seed, a.rounds, faults=not a.no_faults, nodes=a.nodes, verbose=a.verbose, mutant=a.mutant, fleet=a.fleet
+        )
         print(r.summary())
         print("stats:", dict(sorted(r.stats.items())))
         print("faults:", dict(sorted((k, v) for k, v in r.faults.items() if k.count("/") <= 1)))
@@ -60,7 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     n = 0
     for n, r in enumerate(
         run_many(
-            range(start, stop), a.rounds, faults=not a.no_faults, nodes=a.nodes, mutant=a.mutant, workers=a.workers
+            range(start, stop),
+            a.rounds,
+            faults=not a.no_faults,
+            nodes=a.nodes,
+            mutant=a.mutant,
+            workers=a.workers,
+            fleet=a.fleet,
         ),
         1,
     ):

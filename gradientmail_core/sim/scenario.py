@@ -1,6 +1,8 @@
 """What a simulation run is asked to do (``SimConfig``), what it reports (``SimResult``), and
 everything its seed decides about the run's shape (``draw_scenario``): the number of nodes,
-the DiLoCo configuration, the node options and the fault rates.
+the DiLoCo configuration, the node options and the fault rates. A *fleet* (``SimConfig.fleet``,
+``--fleet``) draws 64..96 nodes, and a cap (``DiLoCo.max_contributions``) in two thirds of them; other
+seeds draw a cap in three in ten (``_cap``, from a side rng: seeds without a cap keep their runs).
 
 Also the tiny model every node trains (``SHAPES``: a few tensors, ``SIZE`` floats in all; a run
 with chunked payloads trains ``WIDE_SHAPES``, whose larger tensors its small chunks cut) and the
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -64,12 +66,14 @@ class SimConfig:
     seed: int
     rounds: int = 50
     faults: bool = True
-    nodes: int | None = None  # None: 3..6, drawn from the seed
+    nodes: int | None = None  # None: 3..6, drawn from the seed (64..96 in a fleet)
     verbose: bool = False
     mutant: str | None = None  # only recorded here; the caller enters the mutant's context
+    fleet: bool = False  # a fleet of 64..96 learners, most often with a cap (``max_contributions``)
 
     def command(self) -> str:
         extra = "" if self.faults else " --no-faults"
+        extra += " --fleet" if self.fleet else ""
         extra += f" --nodes {self.nodes}" if self.nodes else ""
         extra += f" --mutant {self.mutant}" if self.mutant else ""
         return f"python -m gradientmail_core.sim --seed {self.seed} --rounds {self.rounds}{extra} -v"
@@ -87,6 +91,7 @@ class SimResult:
     rounds: int
     losses: tuple[float, float] = (0.0, 0.0)  # loss of the initial and of the final parameters
     algorithm: DiLoCo | None = None  # the run's config as its manifest says (None: no run was created)
+    nodes: int = 0  # the simulated processes (learners)
 
     @property
     def ok(self) -> bool:
@@ -132,10 +137,21 @@ def _two_bit(dtype: str | None, which: str, parity: int) -> str | None:
     return "I2" if dtype == which and parity % 2 == 0 else dtype
 
 
-def draw_scenario(r: random.Random, nodes: int | None) -> _Draw:
+def _cap(side: random.Random, n: int, fleet: bool) -> int | None:
+    """``max_contributions`` for ``n`` learners: none in most seeds (a third of the fleets), else
+    below the learners (a few in a fleet, so most snapshots go unjudged), else at least as many."""
+    u = side.random()
+    if u < (1 / 3 if fleet else 0.7):
+        return None
+    if u < (5 / 6 if fleet else 0.9):
+        return side.randint(1, min(n - 1, 8)) if fleet else side.randint(1, n - 1)
+    return side.randint(n, n + 2)
+
+
+def draw_scenario(r: random.Random, nodes: int | None, fleet: bool = False) -> _Draw:
     """The run's shape, drawn from ``r`` (the simulation's rng, right after seeding it);
-    ``nodes`` fixes the number of nodes instead of drawing it."""
-    n = nodes or r.choice([3, 3, 3, 4, 4, 5, 6])
+    ``nodes`` fixes the number of nodes instead of drawing it; ``fleet`` draws 64..96 of them."""
+    n = nodes or (r.randint(64, 96) if fleet else r.choice([3, 3, 3, 4, 4, 5, 6]))
     P = r.choice([1, 2, 2, 3])
     H = P * r.choice([2, 3, 4])
     in_flight = r.randint(1, P)
@@ -171,20 +187,27 @@ def draw_scenario(r: random.Random, nodes: int | None) -> _Draw:
         verify_window=(0, 3, 8)[(n + P + in_flight) % 3],
     )
     opts = NodeOptions(poll_interval=0.5, lease_timeout=3.0, round_timeout=2.0)
+    faults = [r.uniform(0.0, 0.04), r.uniform(0.0, 0.03), r.uniform(0.0, 0.05), r.uniform(0.0, 0.1)]
+    faults += [r.uniform(0.0, 0.08), r.uniform(2.5, 6.0), r.uniform(0.0, 0.03), r.uniform(0.05, 0.5)]
+    faults += [r.uniform(0.0, 0.0015), r.uniform(0.0, 0.06)]
+    # ``max_contributions`` from a side rng seeded by the fault draws above (no draw of ``r``'s own,
+    # so every seed without a cap keeps its run).
+    cfg = replace(cfg, max_contributions=_cap(random.Random(f"cap/{faults}"), n, fleet))
+    p_error, p_lost_ack, p_retry, p_latency, p_flip, chaos_every, p_preempt, p_contested, p_pause, p_pc = faults
     return _Draw(
         nodes=n,
         cfg=cfg,
         options=opts,
         fault_share=0.6,
-        p_error=r.uniform(0.0, 0.04),
-        p_lost_ack=r.uniform(0.0, 0.03),
-        p_retry=r.uniform(0.0, 0.05),
-        p_latency=r.uniform(0.0, 0.1),
-        p_flip=r.uniform(0.0, 0.08),
-        chaos_every=r.uniform(2.5, 6.0),
-        p_preempt=r.uniform(0.0, 0.03),
-        p_preempt_contested=r.uniform(0.05, 0.5),
-        p_pause=r.uniform(0.0, 0.0015),
-        p_pause_contested=r.uniform(0.0, 0.06),
+        p_error=p_error,
+        p_lost_ack=p_lost_ack,
+        p_retry=p_retry,
+        p_latency=p_latency,
+        p_flip=p_flip,
+        chaos_every=chaos_every,
+        p_preempt=p_preempt,
+        p_preempt_contested=p_contested,
+        p_pause=p_pause,
+        p_pause_contested=p_pc,
         shapes=dict(WIDE_SHAPES if chunk is not None else SHAPES),
     )

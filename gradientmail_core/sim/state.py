@@ -69,7 +69,7 @@ class SimState:
     def __init__(self, config: SimConfig) -> None:
         self.config = config
         self.rng = random.Random(config.seed)
-        self.draw = draw_scenario(self.rng, config.nodes)
+        self.draw = draw_scenario(self.rng, config.nodes, config.fleet)
         self.store = MemoryMailbox()
         self.auditor = Auditor(self.store)
         # learner -> when its newest lease key changed: (auditor seq, the key or None, {observer: its clock})

@@ -106,6 +106,7 @@ class Simulation(Chaos):
             self.auditor.head + 1,
             losses,
             self.auditor.run.cfg if self.auditor.run is not None else None,
+            d.nodes,
         )
 
     def _loop(self) -> None:
@@ -200,9 +201,13 @@ def run_seed(
     nodes: int | None = None,
     verbose: bool = False,
     mutant: str | None = None,
+    fleet: bool = False,
 ) -> SimResult:
-    """Run one seed (inside ``mutants.active(mutant)`` when a mutant is named)."""
-    config = SimConfig(seed=seed, rounds=rounds, faults=faults, nodes=nodes, verbose=verbose, mutant=mutant)
+    """Run one seed (inside ``mutants.active(mutant)`` when a mutant is named); ``fleet``: of
+    64..96 learners."""
+    config = SimConfig(
+        seed=seed, rounds=rounds, faults=faults, nodes=nodes, verbose=verbose, mutant=mutant, fleet=fleet
+    )
     if mutant is None:
         return Simulation(config).run()
     from .mutants import active
@@ -211,9 +216,9 @@ def run_seed(
         return Simulation(config).run()
 
 
-def _run_one(args: tuple[int, int, bool, int | None, str | None]) -> SimResult:
-    seed, rounds, faults, nodes, mutant = args
-    return run_seed(seed, rounds, faults=faults, nodes=nodes, mutant=mutant)
+def _run_one(args: tuple[int, int, bool, int | None, str | None, bool]) -> SimResult:
+    seed, rounds, faults, nodes, mutant, fleet = args
+    return run_seed(seed, rounds, faults=faults, nodes=nodes, mutant=mutant, fleet=fleet)
 
 
 def run_many(
@@ -224,10 +229,11 @@ def run_many(
     nodes: int | None = None,
     mutant: str | None = None,
     workers: int | None = None,
+    fleet: bool = False,
 ) -> Iterator[SimResult]:
     """Run seeds in ``workers`` processes (default: the CPUs this process may use), yielding
     results in seed order as they complete."""
-    jobs = [(s, rounds, faults, nodes, mutant) for s in seeds]
+    jobs = [(s, rounds, faults, nodes, mutant, fleet) for s in seeds]
     if workers is None:
         workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if workers <= 1 or len(jobs) <= 1:
