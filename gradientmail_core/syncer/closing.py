@@ -90,19 +90,40 @@ class Closing(Following):
         of the run, the round and the learner, which no learner's speed or data sways) until
         ``cap`` are accepted; each batch's records, then payloads, are fetched together. A rejected
         one is replaced by the next in the draw, so only rejections make this node read more than
-        ``cap`` contributions. True if the round may close (at least one accepted)."""
+        ``cap`` contributions. The draw is taken again at every attempt (a commit that failed is
+        retried on a later poll, when lower draws may have been listed): judgements past the
+        ``cap``-th accepted are dropped. True if the round may close (at least one accepted)."""
         run_id = self.run.manifest.run_id
-        order = sorted(reported, key=lambda lr: (draw(run_id, c.round, lr), lr))
-        try:
-            while (need := cap - len(c.accepted())) > 0:
-                todo = [lr for lr in order if lr not in c.judged][:need]
-                if not todo:
+        order = sorted(reported | set(c.judged), key=lambda lr: (draw(run_id, c.round, lr), lr))
+
+        def unjudged_in_reach() -> list[str]:
+            accepted, todo = 0, list[str]()
+            for lr in order:
+                if accepted + len(todo) >= cap:
                     break
+                j = c.judged.get(lr)
+                if j is None:
+                    todo.append(lr)
+                elif j.reason is None:
+                    accepted += 1
+            return todo
+
+        try:
+            while todo := unjudged_in_reach():
                 self._prefetch_snapshots(c.round, todo)
                 for learner in todo:
                     self._judge(c, learner)
         finally:
             self.store.drop_prefetched()
+        accepted, past = 0, []
+        for lr in order:
+            if accepted >= cap:
+                past.append(lr)
+            elif (j := c.judged.get(lr)) is not None and j.reason is None:
+                accepted += 1
+        for lr in past:
+            if (j := c.judged.pop(lr, None)) is not None and j.snapshot is not None:
+                c.forget(j.snapshot)
         if c.accepted():
             return True
         # Nothing accepted: a payload rejected as corrupt or missing may only have been read back
