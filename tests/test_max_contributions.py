@@ -250,3 +250,42 @@ def test_over_a_real_s3_endpoint_the_drawn_are_fetched_on_the_connection_pool(s3
     recs = assert_tape_contiguous(c)
     assert len(recs) >= 4 and all(len(r.participants) == 2 for r in recs)
     assert_identical(list(c.members.values()))
+
+
+def test_a_commit_retried_after_a_failure_takes_the_draw_again():
+    from gradientmail_core.errors import MailboxUnavailable
+
+    c = Cluster(gm.DiLoCo(sync_every=4, fragments=1, quorum_size=1, max_contributions=1), audit=True)
+    down = {"once": False}
+
+    class Flaky(ForwardingMailbox):  # the round record's PUT fails once (the store answers 503)
+        def put_if_absent(self, key, data):
+            if down["once"] and key.startswith(keys.ROUNDS):
+                down["once"] = False
+                raise MailboxUnavailable("503 Slow Down")
+            return super().put_if_absent(key, data)
+
+    a = c.join("a", mailbox=Flaky(c.path("a")))
+    run_id = a.node.run.manifest.run_id
+    pool = sorted((f"p{i}" for i in range(12)), key=lambda lr: draw(run_id, 0, lr))
+    late = pool[0] if draw(run_id, 0, pool[0]) < draw(run_id, 0, "a") else None
+    assert late is not None, "the run id drew 'a' first: pick another pool"
+    early, late = c.join(pool[1]), c.join(late)
+    for m in c.live():
+        m.node._list_leases()
+    for _ in range(4):
+        a.train()
+        early.train()
+    early.node.tick()  # early's snapshot of round 0 lands
+    down["once"] = True
+    with pytest.raises(MailboxUnavailable):
+        a.node.tick()  # a judges the draw among a and early, and its commit fails
+    assert c.head() == -1
+    for _ in range(4):
+        late.train()
+    late.node.tick()  # a lower draw is listed before the retry
+    a.node.tick()
+    rec = records(c)[0]
+    assert [p.learner for p in rec.participants] == [late.name]
+    c.run(8)
+    finish(c)

@@ -73,7 +73,7 @@ class Closing(Following):
             reported=None if cap is None else reported & live,
         )
         if not had_quorum and c.quorum_at is not None:
-            n = len(c.accepted()) if cap is None else len(reported)
+            n = len(c.accepted()) if cap is None else len(reported & live)
             self.emit(ev.QuorumReached(self.me, c.round, n, c.quorum_at - c.opened_at))
         if close and cap is not None:
             close = self._judge_drawn(c, cap, reported)
