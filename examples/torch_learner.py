@@ -99,6 +99,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="block once a round published this many steps ago has not committed",
     )
+    p.add_argument(
+        "--max-contributions", type=int, default=None, help="each round merges at most this many, drawn by hash"
+    )
     p.add_argument("--delta-dtype", default=None)
     p.add_argument("--commit-dtype", default=None)
     p.add_argument("--compression", default="off")
@@ -137,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         overlap_steps=args.overlap_steps,
         delta_dtype=args.delta_dtype,
         commit_dtype=args.commit_dtype,
+        max_contributions=args.max_contributions,
     )
     callbacks: list = [gm.log_events]
     if args.events:

@@ -176,6 +176,35 @@ def _claim_holder(mailbox: gm.Mailbox) -> str | None:
     return None if newest is None else newest[2]
 
 
+def test_a_capped_fleet_over_s3_loses_its_closer_and_goes_on(tmp_path, s3_server):
+    """``max_contributions=2`` with four learner processes on moto's S3 over HTTP (every live
+    learner's quorum): the followers poll only the round records and the claimant's lease; the
+    closer is SIGKILLed, one of them takes over, every round after merges the 2 its draw picks, the
+    survivors end bit-identical."""
+    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket="capped")
+    url = "s3://capped/runs/r1"
+    mb = gm.open_mailbox(url, endpoint_url=s3_server)
+    steps = 240
+    args = ["--steps", str(steps), "--sync-every", "20", "--fragments", "2", "--overlap-steps", "10", "--quorum", "4"]
+    args += ["--max-contributions", "2", "--wait-for", "4", "--step-sleep", "0.01"]
+    nodes = {name: Node(tmp_path, name, url, *args, endpoint=s3_server) for name in "abcd"}
+    wait_until(lambda: len(mb.list(keys.ROUNDS)) >= 3, timeout=180, what="three commits")
+    holder = _claim_holder(mb)
+    victim = nodes[holder]
+    victim.kill(signal.SIGKILL)
+    victim.wait()
+    head_at_kill = len(mb.list(keys.ROUNDS))
+    assert head_at_kill < steps // 20 * 2, "the run ended before the kill; nothing to take over"
+    survivors = [n for name, n in nodes.items() if name != holder]
+    for n in survivors:
+        assert n.wait() == 0, (tmp_path / f"log-{n.learner}.txt").read_text()[-3000:]
+    recs = tape(mb)
+    assert len(recs) == steps // 20 * 2
+    assert all(1 <= len(r.participants) <= 2 for r in recs)
+    assert holder not in {r.closer for r in recs if r.round >= head_at_kill}
+    assert (diff := same_params(survivors)) is None, diff
+
+
 def test_closer_killed_over_s3_is_taken_over_and_the_run_goes_on(tmp_path, s3_server):
     """Three learner processes on moto's S3 over HTTP: the node holding the current claim is
     SIGKILLed; another takes over, the run commits every remaining round, the survivors end
