@@ -184,7 +184,7 @@ def test_a_capped_fleet_over_s3_loses_its_closer_and_goes_on(tmp_path, s3_server
     boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket="capped")
     url = "s3://capped/runs/r1"
     mb = gm.open_mailbox(url, endpoint_url=s3_server)
-    steps = 240
+    steps = 160
     args = ["--steps", str(steps), "--sync-every", "20", "--fragments", "2", "--overlap-steps", "10", "--quorum", "4"]
     args += ["--max-contributions", "2", "--wait-for", "4", "--step-sleep", "0.01"]
     nodes = {name: Node(tmp_path, name, url, *args, endpoint=s3_server) for name in "abcd"}
