@@ -144,10 +144,7 @@ class Liveness:
         # starting over) may be back at the very key we saw last. Start watching afresh.
         blind = now - self.listed_at >= self.timeout
         for learner, k in newest.items():
-            prev = self.seen.get(learner)
-            if prev is None or prev.key != k or blind:
-                self.seen[learner] = _Seen(k, now)
-            self.roles[learner] = keys.lease_role(k) or "both"
+            self._note(learner, k, now, blind)
         for gone in set(self.seen) - set(newest):
             del self.seen[gone]
             self.roles.pop(gone, None)
@@ -161,14 +158,19 @@ class Liveness:
         newest = [k for k in lease_keys if (p := keys.parse_lease_key(k)) is not None and p[0] == learner]
         blind = now - self.looked.get(learner, float("-inf")) >= self.timeout
         self.looked[learner] = now
-        if not newest:
+        if newest:
+            self._note(learner, newest[-1], now, blind)
+        else:
             self.seen.pop(learner, None)
             self.roles.pop(learner, None)
-            return
+
+    def _note(self, learner: str, key: str, now: float, blind: bool) -> None:
+        """``learner``'s newest lease key as listed now: watched afresh when it changed (or when
+        this node was blind for a whole timeout), its role from the key."""
         prev = self.seen.get(learner)
-        if prev is None or prev.key != newest[-1] or blind:
-            self.seen[learner] = _Seen(newest[-1], now)
-        self.roles[learner] = keys.lease_role(newest[-1]) or "both"
+        if prev is None or prev.key != key or blind:
+            self.seen[learner] = _Seen(key, now)
+        self.roles[learner] = keys.lease_role(key) or "both"
 
     def is_live(self, learner: str) -> bool:
         if learner == self.me:

@@ -134,6 +134,13 @@ class Collector:
                 if j.snapshot is not None:
                     self.forget(j.snapshot)
 
+    def retry_unreadable(self) -> None:
+        """Judge the snapshots rejected as corrupt or missing again on the next poll: with none
+        accepted nothing else can close the round, and they may only have been read back damaged
+        in transit."""
+        for learner in [lr for lr, j in self.judged.items() if j.reason in ("corrupt", "missing")]:
+            del self.judged[learner]
+
     def _record(self, j: Judged) -> Judged:
         self.judged[j.learner] = j
         return j
@@ -160,11 +167,7 @@ class Collector:
         n_ok = len(self.accepted())
         all_reported = live <= set(self.judged)
         if all_reported and n_ok == 0:
-            # Every live learner reported and none was accepted: nothing else can close the
-            # round. A payload rejected as corrupt or missing may only have been read back
-            # damaged in transit, so judge those again on the next poll.
-            for learner in [lr for lr, j in self.judged.items() if j.reason in ("corrupt", "missing")]:
-                del self.judged[learner]
+            self.retry_unreadable()  # every live learner reported, none accepted: nothing else can close it
         return self._advance(now, n_ok, all_reported, quorum_size, gap, in_flight, overlap_steps)
 
     def _advance(

@@ -59,6 +59,9 @@ class Closing(Following):
             for learner in sorted(reported - set(c.judged)):
                 self._judge(c, learner)
         live = self.liveness.live()
+        # (with a cap only live learners' names count: objects under names nobody holds a lease
+        # for must not hurry the round closed; a drawn one of them is judged like any other)
+        counted = None if cap is None else reported & live
         had_quorum = c.quorum_at is not None
         assert cfg.in_flight is not None
         close = c.update(
@@ -68,12 +71,10 @@ class Closing(Following):
             gap=gap(c.round, cfg.sync_every, self.run.P),
             in_flight=cfg.in_flight,
             overlap_steps=cfg.overlap_steps,
-            # (with a cap only live learners' names count: objects under names nobody holds a lease
-            # for must not hurry the round closed; a drawn one of them is judged like any other)
-            reported=None if cap is None else reported & live,
+            reported=counted,
         )
         if not had_quorum and c.quorum_at is not None:
-            n = len(c.accepted()) if cap is None else len(reported & live)
+            n = len(c.accepted()) if counted is None else len(counted)
             self.emit(ev.QuorumReached(self.me, c.round, n, c.quorum_at - c.opened_at))
         if close and cap is not None:
             close = self._judge_drawn(c, cap, reported)
@@ -126,10 +127,7 @@ class Closing(Following):
                 c.forget(j.snapshot)
         if c.accepted():
             return True
-        # Nothing accepted: a payload rejected as corrupt or missing may only have been read back
-        # damaged in transit; judge those again on the next poll.
-        for learner in [lr for lr, j in c.judged.items() if j.reason in ("corrupt", "missing")]:
-            del c.judged[learner]
+        c.retry_unreadable()
         return False
 
     def _prefetch_snapshots(self, r: int, learners: list[str]) -> None:

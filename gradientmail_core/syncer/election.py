@@ -105,23 +105,21 @@ class Election(Closing, GarbageCollection):
                 # Only the claimant's leases: a LIST of one or two keys, whatever the fleet's size.
                 self.liveness.observe_one(claim.learner, self.store.keys(keys.lease_prefix(claim.learner)))
                 looked = now
-            if looked >= fo.claim_seen_at and (
-                not self.liveness.is_live(claim.learner) or self.liveness.role_of(claim.learner) == "learner"
-            ):
+            if looked >= fo.claim_seen_at and self._will_not_close(claim.learner):
                 reason = "lease_lost"
-            elif fo.timer_from is not None and now - max(fo.timer_from, fo.claim_seen_at) >= self._round_timeout():
-                reason = "timeout"
-        elif self.liveness.listed_at > float("-inf") and (
-            not self.liveness.is_live(claim.learner) or self.liveness.role_of(claim.learner) == "learner"
-        ):
+        elif self.liveness.listed_at > float("-inf") and self._will_not_close(claim.learner):
             if self.liveness.listed_at < fo.claim_seen_at:
                 # The leases were listed before this claim was seen: its holder may have joined
                 # since (two nodes starting together: the one that created the run would take
                 # round 0 over from the one that claimed it first). Judge on a newer listing.
                 self._list_leases()
                 return
-            reason = "lease_lost"  # (or its holder came back as a learner-only node: it will not close)
-        elif fo.timer_from is not None and now - max(fo.timer_from, fo.claim_seen_at) >= self._round_timeout():
+            reason = "lease_lost"
+        if (
+            reason is None
+            and fo.timer_from is not None
+            and now - max(fo.timer_from, fo.claim_seen_at) >= self._round_timeout()
+        ):
             reason = "timeout"
         if reason is None:
             return
@@ -130,6 +128,11 @@ class Election(Closing, GarbageCollection):
             fo.claim, fo.claim_seen_at = latest, now
             return
         self._try_claim(r, claim.n + 1, previous=claim.learner, reason=reason)
+
+    def _will_not_close(self, holder: str) -> bool:
+        """The claim's holder will not close the round: its lease lapsed, or it came back as a
+        learner-only node."""
+        return not self.liveness.is_live(holder) or self.liveness.role_of(holder) == "learner"
 
     def _round_timeout(self) -> float:
         rec = self.newest_of_head()

@@ -89,20 +89,24 @@ class Node(Publishing, Election):
             # head, of a size that does not grow with the fleet; the claimant's lease is watched
             # by ``election`` and the live count comes from the newest record.
             self.snapshot_keys = {}
-            listing = self.store.keys(keys.ROUNDS, after=keys.round_key(self.head))
+            round_keys = self.store.keys(keys.ROUNDS, after=keys.round_key(self.head))
             self.listing += 1
-            if self._advance(listing):
-                self._drive_round()
-            self._release_own_snapshots()
-            self._publish_view()
-            return
+        else:
+            round_keys = self._list_open_rounds()
+        if self._advance(round_keys):
+            self._drive_round()  # never for a round the listing shows committed but we could not read yet
+        self._release_own_snapshots()
+        self._publish_view()
+
+    def _list_open_rounds(self) -> list[str]:
+        """The poll's listing of the new round records and the open rounds' snapshots (which
+        ``snapshot_keys`` takes), with the leases when due; returns the round records' keys."""
         if self.clock.now() - self.liveness.listed_at >= self.opts.lease_list_interval:
             self._list_leases()
         # One listing per poll: ``snapshots/`` sorts after ``rounds/``, so listing everything after
         # the head's record returns the new records and the open rounds' snapshots together.
         after = keys.round_key(self.head) if self.head >= 0 else keys.ROUNDS
         listing = self.store.keys("", after=after)
-        round_keys = [k for k in listing if k.startswith(keys.ROUNDS)]
         before, self.snapshot_keys = self.snapshot_keys, {}
         for k in listing:
             parsed = keys.parse_snapshot_key(k)
@@ -121,10 +125,7 @@ class Node(Publishing, Election):
             # leases now, so a round this node closes waits for it as the quorum says (at most one
             # extra LIST a poll, and only when an unknown learner's snapshot appears).
             self._list_leases()
-        if self._advance(round_keys):
-            self._drive_round()  # never for a round the listing shows committed but we could not read yet
-        self._release_own_snapshots()
-        self._publish_view()
+        return [k for k in listing if k.startswith(keys.ROUNDS)]
 
     def _release_own_snapshots(self) -> None:
         """Keep this node's snapshots (and their chunks in the spool) only for the rounds it may
