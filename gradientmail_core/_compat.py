@@ -33,7 +33,7 @@ MOVED = {
     "faults": "protocol.faults",
     "mailbox.faults": "protocol.faults",
     "node": "syncer.node",
-    "closer": "syncer.closer",
+    "closer": "syncer.collector",
     "learner": "syncer.learner",
     "bridge": "syncer.bridge",
     "timing": "syncer.timing",

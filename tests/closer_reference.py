@@ -1,7 +1,7 @@
 """An independent reference for a commit: what a closer must commit for a round, computed over
 whole tensors in memory with the definitions (``aggregators/merge.merge_with_cosine``, whose fused
 pass is a code path of its own, ``outer.outer_step_tensor``, ``rebuild.cast``/``rebuild_theta``,
-``codec.chunked.fragment_streams``). The engine's closer (``syncer/kernel.py``) merges chunk by
+``codec.chunked.fragment_streams``). The engine's merger (``syncer/merger.py``) merges chunk by
 chunk and range by range; tests hold its payloads, digests, cosine and state to this, bit for bit.
 """
 

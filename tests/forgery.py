@@ -2,7 +2,7 @@
 its recorded contributions, and a record consistent with them.
 
 ``forge(closer, when)`` adds ``eps`` to every element of the new fp32 master the merge and outer
-step made (``merging.merge_and_step``), before the closer casts the parameters and writes the
+step made (``passes.merge_and_step``), before the merger casts the parameters and writes the
 payloads: the theta, outer state, change, ``theta_digest`` and ``outer_digest`` all describe the
 perturbed commit, and the participants and weights are the honest ones. Only that closer's commits
 of rounds where ``when(round)`` forge; any other closer in the process (a verifier's) is untouched.
@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from gradientmail_core.syncer import kernel
+from gradientmail_core.syncer import merger as merger_mod
 
 _FORGING: list[float] = []  # the perturbation of the commit being made, while a forging closer commits
-_honest = kernel.merge_and_step
+_honest = merger_mod.merge_and_step
 
 
 def _merge_and_step(*args: Any, **kwargs: Any) -> Any:
@@ -30,10 +30,10 @@ def _merge_and_step(*args: Any, **kwargs: Any) -> Any:
     return master, momentum, cosine
 
 
-def forge(closer: kernel.FragmentCloser, when: Callable[[int], bool], eps: float = 1e-3) -> None:
-    """Make ``closer`` forge its commits of the rounds ``when`` names."""
-    kernel.merge_and_step = _merge_and_step  # type: ignore[assignment]
-    honest_commit = closer.commit
+def forge(merger: merger_mod.FragmentMerger, when: Callable[[int], bool], eps: float = 1e-3) -> None:
+    """Make ``merger`` (a closer's) forge its commits of the rounds ``when`` names."""
+    merger_mod.merge_and_step = _merge_and_step  # type: ignore[assignment]
+    honest_commit = merger.commit
 
     def commit(op: Any, put: Any) -> Any:
         if not when(op.round):
@@ -44,4 +44,4 @@ def forge(closer: kernel.FragmentCloser, when: Callable[[int], bool], eps: float
         finally:
             _FORGING.pop()
 
-    closer.commit = commit  # type: ignore[method-assign]
+    merger.commit = commit  # type: ignore[method-assign]

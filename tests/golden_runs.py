@@ -23,7 +23,7 @@ What a golden file (``tests/golden/runs/<case>.json``) pins, taken from what the
 The test (``tests/test_golden.py``) runs every case again and compares.
 
 Recorded from the engine before its closers became one (the whole-fragment closer, the chunk
-closer and the sharded closer, 6432b87); the one closer (``syncer/kernel.py``) commits these bytes.
+closer and the sharded closer, 6432b87); the one merger (``syncer/merger.py``) commits these bytes.
 Not run here: a sharded node's ranks (torch.distributed; ``tests/test_sharded_closer.py`` holds
 their commits to a one-process closer's).
 

@@ -28,8 +28,8 @@ from gradientmail_core.protocol.store import RunStore
 from gradientmail_core.protocol.tape import fetch_theta, load_newest
 from gradientmail_core.syncer import replay
 from gradientmail_core.syncer.bridge import Bridge
-from gradientmail_core.syncer.kernel import FragmentCloser
 from gradientmail_core.syncer.learner import Learner
+from gradientmail_core.syncer.merger import FragmentMerger
 from gradientmail_core.syncer.node import Node
 
 K = 3
@@ -338,5 +338,5 @@ def test_a_recovery_racing_gc_on_an_old_chain_waits_for_the_newer_records():
 
 
 def _closer(node):
-    """A one-process closer of ``node``'s run, holding nothing yet."""
-    return FragmentCloser.one_process(node.run, node.store)
+    """A one-process merger of ``node``'s run, holding nothing yet."""
+    return FragmentMerger.one_process(node.run, node.store)

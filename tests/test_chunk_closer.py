@@ -1,4 +1,4 @@
-"""The closer (``syncer/kernel.py``; docs/protocol.md section 10): every commit is the one an
+"""The merger (``syncer/merger.py``; docs/protocol.md section 10): every commit is the one an
 independent whole-tensor reference computes (``closer_reference.py``), bit for bit, for every merge
 option, dtype and payload form, with fragments of many chunks (spooled on disk) and of one chunk
 (held decoded in memory); the streamed norms equal ``fused._dot`` bit for bit; memory bounded by
@@ -27,13 +27,14 @@ from gradientmail_core.aggregators import fused, leaves
 from gradientmail_core.errors import MailboxUnavailable
 from gradientmail_core.mailbox.memory import MemoryMailbox
 from gradientmail_core.protocol import keys
-from gradientmail_core.protocol.records import Snapshot, TensorSpec, chunk_refs
+from gradientmail_core.protocol.records import RoundRecord, Snapshot, TensorSpec, chunk_refs
 from gradientmail_core.protocol.run import RunInfo, open_run
 from gradientmail_core.protocol.schedule import version_before
 from gradientmail_core.protocol.store import RunStore
-from gradientmail_core.syncer import kernel
-from gradientmail_core.syncer.closer import Collector, Commit, compute_commit
-from gradientmail_core.syncer.fragment import FragmentState
+from gradientmail_core.syncer import merger as merger_mod
+from gradientmail_core.syncer.collector import Collector
+from gradientmail_core.syncer.commit import Commit, FragmentState
+from gradientmail_core.syncer.merger import FragmentMerger
 from gradientmail_core.syncer.spool import Spool
 from gradientmail_core.syncer.timing import Estimates
 
@@ -61,6 +62,7 @@ class Closed:
     record: bytes
     written: list[tuple[str, bytes]]
     commits: list[Commit]
+    records: list[RoundRecord]
 
 
 def _deltas(rng: np.random.Generator, shapes: dict[str, tuple[int, ...]], n: int, special: str) -> list[dict]:
@@ -94,7 +96,7 @@ def close_rounds(
     spool_root: Path | None = None,
 ) -> Closed:
     """Close ``rounds`` consecutive rounds of a one-fragment run with ``n`` snapshots each, through
-    ``Collector`` and ``compute_commit``: the payloads written (in order) and each record. Each
+    ``Collector`` and ``merge_commit`` on one merger: the payloads written (in order) and each record. Each
     commit is checked against the whole-tensor reference, bit for bit."""
     rng = np.random.default_rng(7)
     params = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
@@ -103,10 +105,9 @@ def close_rounds(
     run, _ = open_run(
         store, adapter.schema(), adapter.read, cfg, learner="c", compression=compression, rng=random.Random(0)
     )
-    theta = store.get_payload(run.manifest.init[0], run.shapes[0], chunk_elements=run.chunk_elements)
-    assert theta is not None
-    state = FragmentState.initial(theta)
-    records, written, commits = [], [], []
+    merger = FragmentMerger.one_process(run, store, Spool(spool_root) if spool_root is not None else None)
+    state = merger.load(0, 0, run.manifest.init[0], None)
+    records, written, commits, recs = [], [], [], []
     for r in range(rounds):
         for i, delta in enumerate(_deltas(rng, shapes, n, special)):
             learner = f"l{i}"
@@ -133,8 +134,7 @@ def close_rounds(
                 nonce="0123abcd",
             )
             store.put_record(keys.snapshot_key(r, learner), snap)
-        spool = Spool(spool_root) if spool_root is not None else None
-        c = Collector(r, run, state, 0.0, Estimates(), spool=spool)
+        c = Collector(r, run, state, 0.0, Estimates(), merger)
         for i in reversed(range(n)):
             c.judge_snapshot(store, f"l{i}")
         c.update({f"l{i}" for i in range(n)}, 1.0, quorum_size=n, gap=1, in_flight=1, overlap_steps=None)
@@ -144,19 +144,26 @@ def close_rounds(
             mine.append((key, data if isinstance(data, bytes) else data.read()))
 
         before = state
-        commit = compute_commit(c, closer="c", live=n, compression=compression, sync_seconds=0.5, now=2.0, write=write)
-        _check(store, run, commit, mine, before, compression)
+        commit = c.commit(compression=compression, write=write)
+        rec = c.record(commit, closer="c", live=n, now=2.0, sync_seconds=0.5)
+        merger.landed(0, rec.version)
+        merger.spool.drop_through(r)
+        _check(store, run, commit, rec, mine, before, compression)
         written += mine
-        records.append(store.encode_record(commit.record))
+        records.append(store.encode_record(rec))
         commits.append(commit)
+        recs.append(rec)
         state = commit.state
-    return Closed(b"\n".join(records), written, commits)
+    merger.close()
+    return Closed(b"\n".join(records), written, commits, recs)
 
 
-def _check(store: RunStore, run: RunInfo, commit: Commit, written: list, before: FragmentState, compression: str):
+def _check(
+    store: RunStore, run: RunInfo, commit: Commit, rec: RoundRecord, written: list, before: FragmentState,
+    compression: str,
+) -> None:  # fmt: skip
     """``commit`` is the reference's: payloads (keys, bytes, order), digests, cosine, new state."""
-    ref = reference_commit(store, run, commit.record, before.theta, before.master, before.momentum, compression)
-    rec = commit.record
+    ref = reference_commit(store, run, rec, before.theta, before.master, before.momentum, compression)
     assert [k for k, _ in written] == list(ref.payloads), rec.round
     assert all(data == ref.payloads[k] for k, data in written), rec.round
     assert (rec.theta_digest, rec.outer_digest, rec.cosine) == (ref.theta_digest, ref.outer_digest, ref.cosine)
@@ -215,7 +222,7 @@ def test_every_commit_is_the_whole_tensor_references_bytes(name: str, chunks: in
     if name == "rda-outliers":
         assert b'"outlier"' in closed.record
     if name == "rda-checkpoints-f8":
-        assert closed.commits[0].record.checkpoint == 0 and closed.commits[2].record.checkpoint is None
+        assert closed.records[0].checkpoint == 0 and closed.records[2].checkpoint is None
 
 
 @pytest.mark.parametrize(
@@ -272,8 +279,8 @@ def test_threaded_reads_and_payload_encoding_commit_the_same_bytes(monkeypatch: 
     several = {"a": (300, 200), "b": (5000,), "c": (64, 64), "d": (7,), "e": (1000, 3)}
     rda = cfg_of(WHOLE, clip_norm=2.0)
     inline_several = close_rounds(rda, shapes=several, n=4)
-    assert all(c.record.cosine is not None for c in inline_several.commits)
-    monkeypatch.setattr(kernel, "THREADED_BYTES", 0)
+    assert all(rec.cosine is not None for rec in inline_several.records)
+    monkeypatch.setattr(merger_mod, "THREADED_BYTES", 0)
     assert_same(inline, close_rounds(cfg))
     assert_same(inline_whole, close_rounds(whole, shapes=shapes, special="large", rounds=1))
     assert_same(inline_several, close_rounds(rda, shapes=several, n=4))
@@ -372,8 +379,9 @@ def _round_peak(by_chunks: bool, tmp_path: Path) -> tuple[int, int]:
                         step_seconds=0.1, schema_digest=run.digest, payload=ref, final=False, nonce="0123abcd")  # fmt: skip
         store.put_record(keys.snapshot_key(0, f"l{i}"), snap)
         del delta
-    c = Collector(0, run, FragmentState.initial(params), 0.0, Estimates(), spool=Spool(tmp_path))
-    c.closer_for(store).reserve(0)  # the new master and momentum: state, allocated before quorum either way
+    merger = FragmentMerger.one_process(run, store, Spool(tmp_path))
+    c = Collector(0, run, merger.load(0, 0, run.manifest.init[0], None, params), 0.0, Estimates(), merger)
+    merger.reserve(0)  # the new master and momentum: state, allocated before quorum either way
 
     def write(key: str, data) -> None:
         for _ in data.chunks():  # sent, not kept
@@ -389,11 +397,12 @@ def _round_peak(by_chunks: bool, tmp_path: Path) -> tuple[int, int]:
         for i in range(3):
             c.judge_snapshot(store, f"l{i}")
         c.update({"l0", "l1", "l2"}, 1.0, quorum_size=3, gap=1, in_flight=1, overlap_steps=None)
-        commit = compute_commit(c, closer="c", live=3, compression="", sync_seconds=None, now=2.0, write=write)
+        commit = c.commit(compression="", write=write)
+        rec = c.record(commit, closer="c", live=3, now=2.0, sync_seconds=None)
         peak = tracemalloc.get_traced_memory()[1] - base
     finally:
         tracemalloc.stop()
-    assert len(commit.record.participants) == 3
+    assert len(rec.participants) == 3
     return peak, run.fragment_bytes(0)
 
 
@@ -429,7 +438,7 @@ def test_a_damaged_spool_file_is_read_again_from_the_store(tmp_path: Path, monke
     cfg = gm.DiLoCo(sync_every=4, fragments=1, chunk_elements=C, delta_dtype="F4", commit_dtype="I2")
     expected = close_rounds(cfg, rounds=1)
     flipped: list[Path] = []
-    orig = kernel.FragmentCloser.commit
+    orig = FragmentMerger.commit
 
     def flip_then_commit(self, op, put):
         assert self.spool.entries
@@ -441,7 +450,7 @@ def test_a_damaged_spool_file_is_read_again_from_the_store(tmp_path: Path, monke
             flipped.append(path)
         return orig(self, op, put)
 
-    monkeypatch.setattr(kernel.FragmentCloser, "commit", flip_then_commit)
+    monkeypatch.setattr(FragmentMerger, "commit", flip_then_commit)
     got = close_rounds(cfg, rounds=1, spool_root=tmp_path)
     assert flipped
     assert_same(expected, got)
@@ -472,28 +481,29 @@ def test_a_damaged_spool_file_whose_store_copy_is_gone_rejects_the_contribution(
         store.put_record(keys.snapshot_key(0, learner), snap)
 
     def collector(learners: list[str]) -> Collector:
-        c = Collector(0, run, FragmentState.initial(params), 0.0, Estimates(), spool=Spool(tmp_path))
+        merger = FragmentMerger.one_process(run, store, Spool(tmp_path))
+        c = Collector(0, run, merger.load(0, 0, run.manifest.init[0], None, params), 0.0, Estimates(), merger)
         for lr in learners:
             c.judge_snapshot(store, lr)
         c.update(set(learners), 1.0, quorum_size=len(learners), gap=1, in_flight=1, overlap_steps=None)
         return c
 
     c = collector(["l0", "l1", "l2"])
-    assert c.closer is not None
-    spool = c.closer.spool
+    spool = c.merger.spool
     victim = chunk_refs(refs["l1"])[2]
     path = spool.path(victim.sha256)
     path.write_bytes(b"\0" + path.read_bytes()[1:])
     store.delete([victim.key])  # GC'd, or the store lost it
     with pytest.raises(MailboxUnavailable):
-        compute_commit(c, closer="c", live=3, compression="", sync_seconds=None, now=2.0)
+        c.commit(compression="")
     assert c.judged["l1"].reason == "missing" and not spool.has(victim.sha256)
     # the next attempt commits without it: the parameters of a round that never had it
-    commit = compute_commit(c, closer="c", live=3, compression="", sync_seconds=None, now=2.0)
-    assert [p.learner for p in commit.record.participants] == ["l0", "l2"]
-    assert [(x.learner, x.reason) for x in commit.record.rejected] == [("l1", "missing")]
-    clean = compute_commit(collector(["l0", "l2"]), closer="c", live=3, compression="", sync_seconds=None, now=2.0)
-    assert commit.record.theta_digest == clean.record.theta_digest and commit.payloads == clean.payloads
+    commit = c.commit(compression="")
+    rec = c.record(commit, closer="c", live=3, now=2.0, sync_seconds=None)
+    assert [p.learner for p in rec.participants] == ["l0", "l2"]
+    assert [(x.learner, x.reason) for x in rec.rejected] == [("l1", "missing")]
+    clean = collector(["l0", "l2"]).commit(compression="")
+    assert commit.theta_digest == clean.theta_digest and commit.payloads == clean.payloads
 
 
 def _spool_files(spool: Spool) -> set[str]:
@@ -646,7 +656,7 @@ def test_a_chunked_run_stores_the_same_objects_whatever_the_spool_and_threads(
     # no room in the spool (every pass reads the store again) and every read and encoding threaded
     orig = Spool.__init__
     monkeypatch.setattr(Spool, "__init__", lambda self, root=None, **kw: orig(self, root, max_bytes=0))
-    monkeypatch.setattr(kernel, "THREADED_BYTES", 0)
+    monkeypatch.setattr(merger_mod, "THREADED_BYTES", 0)
     unspooled = run()
     assert sorted(spooled) == sorted(unspooled)
     assert [k for k in spooled if spooled[k] != unspooled[k]] == []
@@ -668,9 +678,10 @@ def test_a_fragment_of_one_chunk_is_held_decoded_and_a_larger_one_spooled() -> N
         snap = Snapshot(learner="l0", round=0, local_step=4, steps=4, tokens=16, base_version=0, step_seconds=0.1,
                         schema_digest=run.digest, payload=ref, final=False, nonce="0123abcd")  # fmt: skip
         store.put_record(keys.snapshot_key(0, "l0"), snap)
-        c = Collector(0, run, FragmentState.initial(params), 0.0, Estimates())
-        assert c.judge_snapshot(store, "l0").reason is None and c.closer is not None
-        spool = c.closer.spool
+        merger = FragmentMerger.one_process(run, store)
+        c = Collector(0, run, merger.load(0, 0, run.manifest.init[0], None, params), 0.0, Estimates(), merger)
+        assert c.judge_snapshot(store, "l0").reason is None
+        spool = merger.spool
         assert (len(spool.held), len(spool.entries)) == ((1, 0) if held else (0, len(chunk_refs(ref))))
         spool.close()
 
@@ -680,7 +691,7 @@ def test_gap_projection_changes_the_commit_once_the_master_holds_rounding() -> N
     plain = close_rounds(cfg_of(C, **base), rounds=2)
     projected = close_rounds(cfg_of(C, **base, gap_projection=True), rounds=2)
     # round 0 starts from the initial parameters (no rounding yet): the same commit
-    assert projected.commits[0].record.theta_digest == plain.commits[0].record.theta_digest
+    assert projected.records[0].theta_digest == plain.records[0].theta_digest
     # round 1's master held the I2 rounding of round 0's change: the projection moved the step
     first = projected.commits[1].state.master
     assert any(not np.array_equal(first[n], plain.commits[1].state.master[n]) for n in first)

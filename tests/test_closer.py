@@ -16,9 +16,9 @@ from gradientmail_core.protocol import keys
 from gradientmail_core.protocol.records import Snapshot
 from gradientmail_core.protocol.run import open_run
 from gradientmail_core.protocol.store import RunStore
-from gradientmail_core.syncer import kernel
-from gradientmail_core.syncer.closer import Collector, compute_commit
-from gradientmail_core.syncer.fragment import FragmentState
+from gradientmail_core.syncer import merger as merger_mod
+from gradientmail_core.syncer.collector import Collector
+from gradientmail_core.syncer.merger import FragmentMerger
 from gradientmail_core.syncer.timing import Estimates
 
 SHAPES = {"embed.weight": (40, 16), "h.0.w": (64, 33), "h.0.b": (33,)}
@@ -51,7 +51,8 @@ def collected(cfg: DiLoCo, n: int, *, stale: int | None = None) -> tuple[Collect
             nonce="0123abcd",
         )
         store.put_record(keys.snapshot_key(0, learner), snap)
-    c = Collector(0, run, FragmentState.initial(params), 0.0, Estimates())
+    merger = FragmentMerger.one_process(run, store)
+    c = Collector(0, run, merger.load(0, 0, run.manifest.init[0], None, params), 0.0, Estimates(), merger)
     for i in reversed(range(n)):
         c.judge_snapshot(store, f"l{i}")
     c.update({f"l{i}" for i in range(n)}, 1.0, quorum_size=n, gap=1, in_flight=1, overlap_steps=None)
@@ -67,9 +68,9 @@ def commit_bytes(cfg: DiLoCo, n: int, compression: str = "") -> tuple[bytes, dic
         written.append(key)
         payloads[key] = data.read()
 
-    commit = compute_commit(c, closer="c", live=n, compression=compression, sync_seconds=None, now=1.0, write=write)
-    assert list(commit.payloads) == written
-    return store.encode_record(commit.record), payloads, written
+    commit = c.commit(compression=compression, write=write)
+    assert list(commit.sizes) == written and commit.payloads == {}
+    return store.encode_record(c.record(commit, closer="c", live=n, now=1.0, sync_seconds=None)), payloads, written
 
 
 def test_an_accepted_snapshot_carries_its_tensor_norms_and_a_rejected_one_none() -> None:
@@ -97,7 +98,7 @@ def test_payloads_are_written_in_a_fixed_order_before_the_record_exists(compress
 def test_hashing_on_threads_commits_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = DiLoCo(sync_every=4, fragments=1)
     inline = commit_bytes(cfg, 3)
-    monkeypatch.setattr(kernel, "THREADED_BYTES", 0)
+    monkeypatch.setattr(merger_mod, "THREADED_BYTES", 0)
     assert commit_bytes(cfg, 3) == inline
 
 
@@ -110,29 +111,31 @@ def test_a_failed_write_stops_the_commit_before_the_next_payload() -> None:
         raise ConnectionError("store down")
 
     with pytest.raises(ConnectionError):
-        compute_commit(c, closer="c", live=2, compression="", sync_seconds=None, now=1.0, write=write)
+        c.commit(compression="", write=write)
     assert len(written) == 1
     # The next attempt (the node retries on its next poll) commits what a fresh closer would.
-    again = compute_commit(c, closer="c", live=2, compression="", sync_seconds=None, now=1.0)
+    again = c.commit(compression="")
     fresh, _ = collected(DiLoCo(sync_every=4, fragments=1), 2)
-    expected = compute_commit(fresh, closer="c", live=2, compression="", sync_seconds=None, now=1.0)
-    assert again.record == expected.record and again.payloads == expected.payloads
+    expected = fresh.commit(compression="")
+    record = c.record(again, closer="c", live=2, now=1.0, sync_seconds=None)
+    assert record == fresh.record(expected, closer="c", live=2, now=1.0, sync_seconds=None)
+    assert again.payloads == expected.payloads and again.sizes == expected.sizes
 
 
 def test_the_commit_writes_its_new_state_into_the_arrays_reserved_before_quorum() -> None:
     c, _ = collected(DiLoCo(sync_every=4, fragments=1), 2)
-    assert isinstance(c.closer, kernel.FragmentCloser) and 0 in c.closer.reserved
-    master, momentum = c.closer.reserved[0]
-    commit = compute_commit(c, closer="c", live=2, compression="", sync_seconds=None, now=1.0)
-    assert 0 not in c.closer.reserved
+    assert 0 in c.merger.reserved
+    master, momentum = c.merger.reserved[0]
+    commit = c.commit(compression="")
+    assert 0 not in c.merger.reserved
     assert all(commit.state.master[n] is master[n] and commit.state.momentum[n] is momentum[n] for n in SHAPES)
 
 
 @pytest.mark.parametrize("commit_dtype", [None, "BF16"])
 def test_the_outer_payload_holds_the_master_only_when_theta_is_not_the_master(commit_dtype: str | None) -> None:
     c, _ = collected(DiLoCo(sync_every=4, fragments=1, commit_dtype=commit_dtype), 3)
-    commit = compute_commit(c, closer="c", live=3, compression="", sync_seconds=None, now=1.0)
-    run, rec = c.run, commit.record
+    commit = c.commit(compression="")
+    run, rec = c.run, c.record(commit, closer="c", live=3, now=1.0, sync_seconds=None)
     assert rec.outer is not None and rec.theta is not None
     outer = decode_payload(commit.payloads[rec.outer.key], run.outer_shapes(0))
     theta = decode_payload(commit.payloads[rec.theta.key], run.shapes[0])

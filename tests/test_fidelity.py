@@ -29,10 +29,10 @@ from gradientmail_core.protocol.lease import LeaseWriter
 from gradientmail_core.protocol.records import Claim, Lease, RoundRecord, Snapshot, decode, encode
 from gradientmail_core.protocol.run import open_run, read_manifest
 from gradientmail_core.protocol.store import RunStore
-from gradientmail_core.syncer.closer import Collector, Judged, compute_commit
-from gradientmail_core.syncer.fragment import FragmentState
+from gradientmail_core.syncer.collector import Collector, Judged
 from gradientmail_core.syncer.join import join_run
 from gradientmail_core.syncer.marker import RestartMarker
+from gradientmail_core.syncer.merger import FragmentMerger
 from gradientmail_core.syncer.node import NodeOptions
 from gradientmail_core.syncer.process_host import ProcessHost
 from gradientmail_core.syncer.timing import Estimates
@@ -129,7 +129,9 @@ def test_round_record_grace_is_the_realized_window_with_the_plan_beside_it() -> 
         schema_digest=run.digest, payload=ref, nonce="0123abcd",
     )  # fmt: skip
     store.put_record(keys.snapshot_key(0, "a"), snap)
-    col = Collector(0, run, FragmentState.initial(params), 0.0, Estimates(x_step=1.0, x_quorum=0.5, x_sync=0.5))
+    merger = FragmentMerger.one_process(run, store)
+    state = merger.load(0, 0, run.manifest.init[0], None, params)
+    col = Collector(0, run, state, 0.0, Estimates(x_step=1.0, x_quorum=0.5, x_sync=0.5), merger)
     col.judge_snapshot(store, "a")
     # Quorum at t=2 with a planned window; everyone live reported at t=3, so it closes then.
     assert not col.update({"a", "b"}, 2.0, quorum_size=1, gap=4, in_flight=2, overlap_steps=None)
@@ -137,7 +139,7 @@ def test_round_record_grace_is_the_realized_window_with_the_plan_beside_it() -> 
     assert planned > 1.0
     col.judged["b"] = Judged("b", "stale")
     assert col.update({"a", "b"}, 3.0, quorum_size=1, gap=4, in_flight=2, overlap_steps=None)
-    rec = compute_commit(col, closer="c", live=2, compression="", sync_seconds=None, now=3.0).record
+    rec = col.record(col.commit(compression=""), closer="c", live=2, now=3.0, sync_seconds=None)
     assert rec.grace_seconds == 1.0  # quorum to close
     assert rec.grace_planned == round(planned, 6)
     # The new field round-trips, and a record without it (an older node's) still decodes.
@@ -326,7 +328,8 @@ def test_a_delta_of_another_layout_or_dtype_is_rejected_as_schema(make, reason) 
         schema_digest=run.digest, payload=ref, nonce="0123abcd",
     )  # fmt: skip
     store.put_record(keys.snapshot_key(0, "z"), snap)
-    col = Collector(0, run, FragmentState.initial(params), 0.0, Estimates())
+    merger = FragmentMerger.one_process(run, store)
+    col = Collector(0, run, merger.load(0, 0, run.manifest.init[0], None, params), 0.0, Estimates(), merger)
     assert col.judge_snapshot(store, "z").reason == reason
 
 

@@ -18,7 +18,7 @@ from gradientmail_core import events as ev
 from gradientmail_core.mailbox import Mailbox
 from gradientmail_core.protocol import keys
 from gradientmail_core.syncer import following
-from gradientmail_core.syncer.closer import Collector, Judged
+from gradientmail_core.syncer.collector import Collector, Judged
 from gradientmail_core.syncer.node import NodeOptions
 from gradientmail_core.syncer.timing import Estimates
 
@@ -136,7 +136,7 @@ def test_a_follower_takes_over_a_stalled_closer_after_4x_the_predicted_round(pre
 def _collector() -> Collector:
     # update() reads only the judged snapshots and the estimates.
     est = Estimates(x_step=1.0, x_quorum=0.1, x_sync=0.1)
-    return Collector(round=0, run=None, state=None, opened_at=0.0, estimates=est)  # type: ignore[arg-type]
+    return Collector(round=0, run=None, state=None, opened_at=0.0, estimates=est, merger=None)  # type: ignore[arg-type]
 
 
 def _accept(c: Collector, learner: str) -> None:

@@ -150,7 +150,7 @@ LAYERS = (
     ("sharded", "sim", "cli"),
     ("session",),
 )
-MAX_LINES = 450
+MAX_LINES = 900  # one concept per module, whatever its length (STYLE.md): the 450 cap is lifted
 
 
 def _layer(module: str) -> int:
@@ -198,7 +198,7 @@ def test_the_core_has_no_import_circle():
     assert not circles, circles[:5]
 
 
-def test_no_module_is_over_450_lines():
+def test_no_module_is_over_900_lines():
     long = [
         f"{p.relative_to(ROOT)}: {n} lines"
         for pkg in ("gradientmail_core", "gradientmail_lightning")

@@ -225,10 +225,10 @@ def test_node_that_stops_closing_releases_the_outer_state():
 
 def test_a_new_closer_recovers_from_the_parameters_it_already_holds():
     from gradientmail_core.syncer import replay
-    from gradientmail_core.syncer.kernel import FragmentCloser
+    from gradientmail_core.syncer.merger import FragmentMerger
 
     def recover(*args):  # with a closer of its own, holding nothing yet
-        return replay.recover(FragmentCloser.one_process(b.node.run, b.node.store), b.node.store, b.node.run, *args)
+        return replay.recover(FragmentMerger.one_process(b.node.run, b.node.store), b.node.store, b.node.run, *args)
 
     # Carry: the learner keeps its anchors, which the node's parameters share (a learner that
     # consumes them gets them lent: the node then holds none and downloads them when elected).

@@ -1,5 +1,5 @@
 """A sharded node that closes rounds (issue 13): every rank judges, merges and steps the part of
-each fragment it holds (``gradientmail_core/syncer/kernel.py`` over its ranges), and the commits are the bytes a
+each fragment it holds (``gradientmail_core/syncer/merger.py`` over its ranges), and the commits are the bytes a
 one-process closer writes. Real processes: a 2-rank FSDP2 node under ``torchrun`` (gloo, CPU) and
 a plain node that only learns (``role="learner"``), so the sharded node closes every round; the
 two end bit-identical, so the sharded closer's parameters are the ones a plain closer would have
@@ -19,16 +19,14 @@ from gradientmail_core.protocol import keys
 from gradientmail_core.protocol.records import RoundRecord, Snapshot, chunk_refs
 from gradientmail_core.protocol.run import RunInfo, read_manifest
 from gradientmail_core.protocol.store import RunStore
-from gradientmail_core.syncer.closer import Collector, Judged, compute_commit
-from gradientmail_core.syncer.kernel import FragmentCloser
-from gradientmail_core.syncer.replay import recover
-from gradientmail_core.syncer.timing import Estimates
+from gradientmail_core.syncer.merger import FragmentMerger
+from gradientmail_core.syncer.replay import recompute, recover
 
 torch = pytest.importorskip("torch")
 
 
 def recompute_every_round(mailbox: Path) -> list[str]:
-    """Commit every round of the run again with the one-process closer (from the state its previous
+    """Commit every round of the run again with a one-process merger (from the state its previous
     record names and the contributions its record lists) and check the stored commit is the one
     it writes, byte for byte: the parameters and outer state (their chunks' sha256s, the theta
     digest), the change and the cosine. Returns each round's closer."""
@@ -41,21 +39,17 @@ def recompute_every_round(mailbox: Path) -> list[str]:
     r = 0
     while (rec := store.try_record(keys.round_key(r), RoundRecord)) is not None:
         f = rec.fragment
-        closer = FragmentCloser.one_process(run, store)
-        state = recover(closer, store, run, f, newest.get(f))
-        c = Collector(r, run, state, opened_at=0.0, estimates=Estimates(), quorum_at=0.0, closer=closer)
+        merger = FragmentMerger.one_process(run, store)
+        state = recover(merger, store, run, f, newest.get(f))
+        refs = []
         for p in rec.participants:
             snap = store.read_record(keys.snapshot_key(r, p.learner), Snapshot)
-            verdict = closer.judge(f, r, snap.payload)
-            assert verdict.status == "ok" and verdict.norms is not None, (r, p.learner)
-            c.judged[p.learner] = Judged(p.learner, None, snap, p.weight, verdict.norms)
-        compression = keys.compression_of(chunk_refs(rec.theta)[0].key) if rec.theta else ""
-        mine = compute_commit(
-            c, closer=rec.closer, live=rec.live, compression=compression, sync_seconds=None, now=0.0, outliers=False
-        ).record
-        closer.close()
+            assert snap is not None, (r, p.learner)
+            refs.append(snap.payload)
+        mine = recompute(merger, store, run, state, rec, refs)
+        merger.close()
         for field in ("theta", "outer", "change"):
-            ours, theirs = getattr(mine, field), getattr(rec, field)
+            ours, theirs = mine.refs.get(field), getattr(rec, field)
             assert (ours is None) == (theirs is None), (r, field)
             if ours is not None:
                 assert [x.sha256 for x in chunk_refs(ours)] == [x.sha256 for x in chunk_refs(theirs)], (r, field)

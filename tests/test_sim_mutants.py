@@ -68,13 +68,13 @@ def _patch_points() -> tuple:
     from gradientmail_core.aggregators import fused, merge, outer
     from gradientmail_core.protocol import store
     from gradientmail_core.protocol.lease import LeaseWriter
-    from gradientmail_core.syncer import closer, kernel, node, replay
+    from gradientmail_core.syncer import collector, merger, node, replay
 
     return (
         mailbox.create_once,
         store.create_once,
-        closer.version_before,
-        kernel.merge_and_step,
+        collector.version_before,
+        merger.merge_and_step,
         fused.rda_radius,
         node.Node._collect_garbage,
         node.Node._try_claim,

@@ -1,6 +1,6 @@
 """The other ranks' part of a closing sharded node: rank 0's closer announces each op
 (``pooling.GlooRanks.begin``), and each rank > 0 runs it on its closer thread (``CloserThread``,
-``run_op``) while rank 0 runs it on its node thread: every rank's ``syncer.kernel.FragmentCloser``
+``run_op``) while rank 0 runs it on its node thread: every rank's ``syncer.merger.FragmentMerger``
 does its part over the ranges its shards hold, the ranks meeting in ``GlooRanks``' phases."""
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import MailboxUnavailable
-from ..syncer.fragment import Lost, discard
-from ..syncer.kernel import FragmentCloser
+from ..syncer.commit import Lost, discard
+from ..syncer.merger import FragmentMerger
 from .pooling import OpFailed
 from .wire import unwire
 
 _log = logging.getLogger(__name__)
 
 
-def run_op(kernel: FragmentCloser, message: Mapping[str, Any]) -> Any:
+def run_op(kernel: FragmentMerger, message: Mapping[str, Any]) -> Any:
     """Run one op rank 0 announced on this rank's closer."""
     args = {k: unwire(v) for k, v in message["args"].items()}
     if message["op"] == "commit":
@@ -36,11 +36,11 @@ class CloserThread:
 
     def __init__(self, name: str) -> None:
         self.ops: queue.Queue[Mapping[str, Any] | None] = queue.Queue()
-        self.kernel: FragmentCloser | None = None
+        self.kernel: FragmentMerger | None = None
         self.thread: threading.Thread | None = None
         self.name = name
 
-    def start(self, kernel: FragmentCloser) -> None:
+    def start(self, kernel: FragmentMerger) -> None:
         self.kernel = kernel
         self.thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
         self.thread.start()

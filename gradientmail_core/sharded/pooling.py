@@ -1,4 +1,4 @@
-"""The ranks of a closing sharded node as the closer's ``Ranks`` (``syncer/ranks.py``): rank 0
+"""The ranks of a closing sharded node as the merger's ``Ranks`` (``syncer/ranges.py``): rank 0
 announces each op (``begin``, to ``leading.run_op`` on the other ranks); a phase pools every
 rank's result on every rank, so a failure fails the op everywhere at the same point, raising what
 a one-process closer would; pieces move with ``gather_chunks``/``scatter_chunks``. Everything
@@ -19,8 +19,8 @@ from ..adapters.torch_sharded import ShardedParams
 from ..adapters.torch_transfer import gather_chunks, scatter_chunks
 from ..errors import MailboxUnavailable, SessionFailed
 from ..protocol.chunks import Layout
-from ..syncer.fragment import Lost
-from ..syncer.ranks import Local, Owned, Shapes, flat
+from ..syncer.commit import Lost
+from ..syncer.ranges import Local, Owned, Shapes, flat
 from .wire import pack, unpack, wire
 
 _log = logging.getLogger(__name__)

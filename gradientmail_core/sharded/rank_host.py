@@ -28,7 +28,7 @@ from ..protocol.records import PayloadRef, join_refs
 from ..protocol.run import RunInfo
 from ..protocol.store import RunStore
 from ..syncer.host import HostSetup
-from ..syncer.kernel import FragmentCloser
+from ..syncer.merger import FragmentMerger
 from ..syncer.spool import Spool
 from .handles import ShardContribution, Together
 from .pooling import GlooRanks
@@ -55,7 +55,7 @@ class RankHost:
         self.up: Channel | None = None
         self.down: Channel | None = None
         self.closing: Any = None  # the gloo group of the closer's ops (``pooling.GlooRanks``)
-        self.ranker: FragmentCloser | None = None  # this rank's part of closing rounds
+        self.ranker: FragmentMerger | None = None  # this rank's part of closing rounds
         self.io: RankIO | None = None
         self.steps = 0
         self.tokens = 0
@@ -158,7 +158,7 @@ class RankHost:
             anchors=self.anchors,
         )
 
-    def _ranker(self, run: RunInfo, store: RunStore, *, relay: bool = False) -> FragmentCloser:
+    def _ranker(self, run: RunInfo, store: RunStore, *, relay: bool = False) -> FragmentMerger:
         """This rank's closer; rank 0's (``relay``) announces each op to the other ranks."""
 
         def send(message: dict[str, Any]) -> None:
@@ -167,7 +167,7 @@ class RankHost:
 
         stopping = self.io.stopping if self.io is not None else None
         ranks = GlooRanks(self.closing, self.rank, self.world, send if relay else None, stopping)
-        return FragmentCloser(run, store, ranks, self.sharded.layout, spool=Spool(), keep_theta=False)
+        return FragmentMerger(run, store, ranks, self.sharded.layout, spool=Spool(), keep_theta=False)
 
     def _execute(self, actions: Sequence[Mapping[str, Any]], handles: Sequence[ShardContribution | None]) -> None:
         """Every rank, in the same order: what rank 0's learner did (``lead_rank.py`` records it)."""

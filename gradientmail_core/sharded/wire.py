@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..protocol.records import PayloadRef, chunk_refs, join_refs
-from ..syncer.fragment import Accepted, CommitOp
+from ..syncer.commit import Accepted, CommitOp
 
 # The exchange waits as long as rank 0's learner waits (lockstep: for the other nodes' rounds, a
 # lease timeout, a slow closer): far longer than a collective of the training ever takes.

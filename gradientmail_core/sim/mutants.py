@@ -22,7 +22,7 @@ from ..mailbox import CreateOutcome
 from ..protocol import keys, store
 from ..protocol.lease import LeaseWriter
 from ..protocol.records import Lease
-from ..syncer import closer, kernel, merging, node, replay  # noqa: F401
+from ..syncer import collector, merger, node, passes, replay
 
 
 @contextlib.contextmanager
@@ -64,7 +64,7 @@ class _AnyVersion(int):
 
 def accept_stale() -> contextlib.AbstractContextManager[None]:
     """The closer accepts snapshots whose delta is relative to an older version of the fragment."""
-    return _patched((closer, "version_before", lambda r, P: _AnyVersion(r // P)))
+    return _patched((collector, "version_before", lambda r, P: _AnyVersion(r // P)))
 
 
 def sweep_newest() -> contextlib.AbstractContextManager[None]:
@@ -171,16 +171,16 @@ def skip_sha_check() -> contextlib.AbstractContextManager[None]:
 
 def count_twice() -> contextlib.AbstractContextManager[None]:
     """The merge weighs the first accepted contribution twice."""
-    orig = kernel.merge_and_step
+    orig = merger.merge_and_step
 
     def merge(cfg: Any, ranks: Any, span: Any, source: Any, op: Any, *rest: Any) -> Any:
         if len(op.accepted) > 1:
             read = source.chunk
-            source = merging.Source(lambda i, k: read(max(i - 1, 0), k), in_memory=source.in_memory, threaded=False)
+            source = passes.Source(lambda i, k: read(max(i - 1, 0), k), in_memory=source.in_memory, threaded=False)
             op = dataclasses.replace(op, accepted=(op.accepted[0], *op.accepted))
         return orig(cfg, ranks, span, source, op, *rest)
 
-    return _patched((kernel, "merge_and_step", merge))
+    return _patched((merger, "merge_and_step", merge))
 
 
 def stale_view_is_fatal() -> contextlib.AbstractContextManager[None]:

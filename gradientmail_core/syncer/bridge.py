@@ -19,7 +19,7 @@ from ..adapters.handles import Contribution, Incoming, Stage
 from ..protocol.records import RoundRecord
 
 if TYPE_CHECKING:
-    from .kernel import FragmentCloser
+    from .merger import FragmentMerger
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ class Bridge:
         self.follow: Callable[[int, RoundRecord | None], Incoming] | None = None
         # A sharded node that closes rounds: rank 0's closer, whose ops every rank runs with it over
         # its ranges (``sharded/pooling.GlooRanks``); None: the node's own one-process closer.
-        self.closer: FragmentCloser | None = None
+        self.closer: FragmentMerger | None = None
 
     def publish(self, p: Publish) -> None:
         with self.lock:

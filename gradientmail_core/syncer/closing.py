@@ -11,9 +11,9 @@ from ..mailbox import CreateOutcome
 from ..protocol import keys
 from ..protocol.records import RoundRecord, Snapshot, chunk_refs
 from ..protocol.schedule import draw, fragment_of, gap
-from .closer import IGNORED, Collector, compute_commit
+from .collector import IGNORED, Collector
+from .commit import FragmentState
 from .following import Following
-from .fragment import FragmentState
 from .replay import recover
 from .timing import Estimates
 
@@ -34,7 +34,7 @@ class Closing(Following):
             return
         state = self._fragment_state(fragment_of(r, self.run.P))
         self.collector = Collector(
-            r, self.run, state, self.clock.now(), Estimates.from_record(self.newest_of_head()), closer=self.closer
+            r, self.run, state, self.clock.now(), Estimates.from_record(self.newest_of_head()), merger=self.closer
         )
         self.follow = None
 
@@ -157,17 +157,9 @@ class Closing(Following):
         closer's record was there first (then we follow theirs)."""
         t0 = self.clock.now()
         # The payloads are written as they are hashed (the next one hashes during this write).
-        commit = compute_commit(
-            c,
-            closer=self.me,
-            live=live,
-            compression=self.opts.compression,
-            sync_seconds=self._last_sync,
-            now=t0,
-            write=self.store.put_blob,
-        )
-        written = sum(len(data) for data in commit.payloads.values())
-        rec = commit.record
+        commit = c.commit(compression=self.opts.compression, write=self.store.put_blob)
+        written = sum(commit.sizes.values())
+        rec = c.record(commit, closer=self.me, live=live, now=t0, sync_seconds=self._last_sync)
         self.next_claimed = c.round + 1 if self._claim_next(c.round + 1) else None
         outcome, existing = self.store.put_record(keys.round_key(c.round), rec)
         self._last_sync = self.clock.now() - t0

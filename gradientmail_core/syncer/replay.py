@@ -1,11 +1,11 @@
-"""Recovering a fragment's closer state (``FragmentState``) from the store, checkpoints included.
+"""Recovering a fragment's merger state (``FragmentState``) from the store, checkpoints included.
 
 A checkpoint record names the parameters and the fp32 outer state; with ``checkpoint_every > 1``
 the records between checkpoints name only the quantized change. Their outer step is a
 deterministic function of the state before and the contributions the record lists (payload,
 weight, steps, tokens, final), so a node that becomes closer starts from the checkpoint (or the
 initial parameters, or a state it still holds from a commit of its own after the checkpoint) and
-commits every later round again with ``compute_commit`` itself, through the same closer: the same
+commits every later round again with ``commit.merge_commit`` itself, on the same merger: the same
 merge, in the same order, with the recorded weights and no outlier judgement (the record lists the
 participants after it). Each replayed round must give the record's change payload,
 ``theta_digest`` and ``outer_digest`` bit for bit, or ``ProtocolError``: never a silently
@@ -22,18 +22,15 @@ import numpy as np
 from ..errors import MailboxUnavailable, PayloadCorrupt, ProtocolError
 from ..protocol import keys
 from ..protocol.rebuild import chain_records, checkpoint_record
-from ..protocol.records import PayloadRef, RoundRecord, Snapshot, chunk_refs, ref_digest
+from ..protocol.records import PayloadRef, RoundRecord, chunk_refs, ref_digest
 from ..protocol.run import RunInfo
-from ..protocol.schedule import version_before
 from ..protocol.store import RunStore
-from .closer import Collector, Commit, Judged, compute_commit
-from .fragment import FragmentState, discard
-from .kernel import FragmentCloser
-from .timing import Estimates
+from .commit import Accepted, Commit, FragmentState, discard, merge_commit
+from .merger import FragmentMerger
 
 
 def recover(
-    closer: FragmentCloser,
+    merger: FragmentMerger,
     store: RunStore,
     run: RunInfo,
     f: int,
@@ -41,9 +38,9 @@ def recover(
     theta: tuple[int, dict[str, np.ndarray] | None] | None = None,
 ) -> FragmentState:
     """Fragment ``f``'s state at ``rec`` (its newest record; None: the initial parameters), held by
-    ``closer`` afterwards.
+    ``merger`` afterwards.
 
-    A state ``closer`` holds (a commit of this node's own) is used when it is ``rec``'s version, or,
+    A state ``merger`` holds (a commit of this node's own) is used when it is ``rec``'s version, or,
     between checkpoints, when replaying from it is shorter than from the checkpoint. ``theta``:
     ``(version, parameters)`` this node holds already (``NodeState.thetas``: read and verified, or
     committed by itself), used instead of downloading them again at that version (a fragment less
@@ -52,90 +49,83 @@ def recover(
     (newer commits exist: GC collected what this node's stale view needs; it catches up on the
     next poll)."""
     version = rec.version if rec else 0
-    held = closer.held(f)
+    held = merger.held(f)
     if held is not None and held.version == version:
         return held
     known = theta[1] if theta is not None and theta[0] == version else None
     if rec is None or rec.is_checkpoint:
-        return _load(closer, run, f, rec, known)
+        return _load(merger, run, f, rec, known)
     assert rec.checkpoint is not None
     if held is not None and rec.checkpoint <= held.version < version and held.checkpoint == rec.checkpoint:
         state = held
     else:
-        state = _load(closer, run, f, checkpoint_record(store, run, f, rec.checkpoint))
+        state = _load(merger, run, f, checkpoint_record(store, run, f, rec.checkpoint))
     for link in chain_records(store, run, rec, state.version):
-        state = replay_round(closer, store, run, state, link)
+        state = replay_round(merger, store, run, state, link)
     return state
 
 
 def _load(
-    closer: FragmentCloser, run: RunInfo, f: int, rec: RoundRecord | None, known: dict[str, np.ndarray] | None = None
+    merger: FragmentMerger, run: RunInfo, f: int, rec: RoundRecord | None, known: dict[str, np.ndarray] | None = None
 ) -> FragmentState:
     if rec is None:
-        return closer.load(f, 0, run.manifest.init[f], None, known)
+        return merger.load(f, 0, run.manifest.init[f], None, known)
     assert rec.theta is not None and rec.outer is not None
-    return closer.load(f, rec.version, rec.theta, rec.outer, known)
+    return merger.load(f, rec.version, rec.theta, rec.outer, known)
 
 
 def replay_round(
-    closer: FragmentCloser, store: RunStore, run: RunInfo, state: FragmentState, rec: RoundRecord
+    merger: FragmentMerger, store: RunStore, run: RunInfo, state: FragmentState, rec: RoundRecord
 ) -> FragmentState:
-    """Commit ``rec``'s round again from ``state`` (the version before, held by ``closer``) and its
+    """Commit ``rec``'s round again from ``state`` (the version before, held by ``merger``) and its
     recorded contributions; ``ProtocolError`` unless the result is the record's, bit for bit."""
     f, r = rec.fragment, rec.round
     assert rec.change is not None and rec.contributions is not None
-    commit = recompute(closer, store, run, state, rec, rec.contributions)
-    if not _same(commit.record, rec):
-        closer.forget(f, unless=state.version)
+    commit = recompute(merger, store, run, state, rec, rec.contributions)
+    if not _same(commit, rec):
+        merger.forget(f, unless=state.version)
         raise ProtocolError(
             f"{keys.round_key(r)}: replaying fragment {f} version {rec.version} from its contributions does not give "
             "the committed change, parameters and outer state; refusing to close with a different state"
         )
-    closer.landed(f, rec.version)
+    merger.landed(f, rec.version)
     return commit.state
 
 
 def recompute(
-    closer: FragmentCloser,
+    merger: FragmentMerger,
     store: RunStore,
     run: RunInfo,
     state: FragmentState,
     rec: RoundRecord,
     refs: Sequence[PayloadRef],
 ) -> Commit:
-    """``rec``'s round committed again, through ``closer``, from ``state`` (the version before,
-    which ``closer`` holds) and ``refs`` (each participant's payload, in the record's order): the
+    """``rec``'s round committed again, through ``merger``, from ``state`` (the version before,
+    which ``merger`` holds) and ``refs`` (each participant's payload, in the record's order): the
     same merge, in the same order, with the recorded weights, no outlier judgement, the payloads
-    hashed and not kept. The new state is pending in ``closer`` (``landed`` keeps it). What
+    hashed and not kept. The new state is pending in ``merger`` (``landed`` keeps it). What
     ``replay_round`` checks, and ``verify.py`` compares field by field. A payload gone is
     ``MailboxUnavailable``, one that reads back damaged ``PayloadCorrupt``, one that is not the
     participant's ``ProtocolError``."""
     r = rec.round
     assert state.version == rec.version - 1 and len(refs) == len(rec.participants)
-    c = Collector(r, run, state, opened_at=0.0, estimates=Estimates(), quorum_at=0.0, closer=closer)
     try:
-        for j in _contributions(closer, run, rec, refs):
-            c.judged[j.learner] = j
+        contributions = _contributions(merger, run, rec, refs)
         # (every payload of a commit is written with one compression: the change's, or the theta's)
         written = rec.change if rec.change is not None else rec.theta
         assert written is not None
-        return compute_commit(
-            c,
-            closer=rec.closer,
-            live=rec.live,
-            compression=keys.compression_of(written.key),
-            sync_seconds=None,
-            now=0.0,
-            outliers=False,
-            write=discard,  # only the record is compared: keep no payload
-        )
+        compression = keys.compression_of(written.key)
+        # only the record is compared: keep no payload
+        return merge_commit(merger, state, contributions, round=r, compression=compression, write=discard)
     finally:
-        closer.spool.drop_through(r)  # (the round this node collects comes after every replayed one)
+        merger.spool.drop_through(r)  # (the round this node collects comes after every replayed one)
 
 
-def _contributions(closer: FragmentCloser, run: RunInfo, rec: RoundRecord, refs: Sequence[PayloadRef]) -> list[Judged]:
+def _contributions(
+    merger: FragmentMerger, run: RunInfo, rec: RoundRecord, refs: Sequence[PayloadRef]
+) -> list[Accepted]:
     """Each participant of ``rec`` as the merge takes it: its payload (``refs``, in order) read and
-    verified (its own blob folder, the sha256 the record names) into the closer's spool, its
+    verified (its own blob folder, the sha256 the record names) into the merger's spool, its
     recorded weight, each tensor's squared norm; a payload gone is ``MailboxUnavailable``."""
     f, r = rec.fragment, rec.round
     out = []
@@ -146,7 +136,7 @@ def _contributions(closer: FragmentCloser, run: RunInfo, rec: RoundRecord, refs:
             raise ProtocolError(
                 f"{keys.round_key(r)}: contribution {ref.key} is not {p.learner}'s payload of round {r}"
             )
-        verdict = closer.judge(f, r, ref)
+        verdict = merger.judge(f, r, ref)
         if verdict.status in ("corrupt", "schema"):
             raise PayloadCorrupt(f"{ref.key}: a chunk of {p.learner}'s contribution to round {r} reads back bad")
         if verdict.norms is None:
@@ -155,29 +145,18 @@ def _contributions(closer: FragmentCloser, run: RunInfo, rec: RoundRecord, refs:
                 f"{rec.version} again, is gone; newer commits exist (or the store lost it: then restore it, the "
                 "fragment cannot be rebuilt without it)"
             )
-        snap = Snapshot(
-            learner=p.learner,
-            round=r,
-            local_step=0,
-            steps=p.steps,
-            tokens=p.tokens,
-            base_version=version_before(r, run.P),
-            step_seconds=0.0,
-            schema_digest=run.digest,
-            payload=ref,
-            final=p.final,
-        )
-        out.append(Judged(p.learner, None, snap, p.weight, verdict.norms))
+        out.append(Accepted(tuple(chunk_refs(ref)), p.weight, verdict.norms, p.final))
     return out
 
 
-def _same(mine: RoundRecord, rec: RoundRecord) -> bool:
+def _same(mine: Commit, rec: RoundRecord) -> bool:
     """The replayed commit is the recorded one: the same change payload, parameters (their digest)
     and outer state (its digest), building on the same checkpoint."""
+    change = mine.refs.get("change")
     return (
-        mine.change is not None
+        change is not None
         and rec.change is not None
-        and [c.sha256 for c in chunk_refs(mine.change)] == [c.sha256 for c in chunk_refs(rec.change)]
+        and [c.sha256 for c in chunk_refs(change)] == [c.sha256 for c in chunk_refs(rec.change)]
         and mine.theta_digest == rec.theta_digest
         and mine.outer_digest == rec.outer_digest
         and (mine.checkpoint, mine.final) == (rec.checkpoint, rec.final)

@@ -19,8 +19,8 @@ from ..protocol.run import RunInfo
 from ..protocol.schedule import fragment_of
 from ..protocol.store import RunStore
 from .bridge import Bridge
-from .closer import Collector
-from .kernel import FragmentCloser
+from .collector import Collector
+from .merger import FragmentMerger
 from .verify import RoundVerifier
 
 _COMPRESSION = {"off": "", "none": "", "": "", "zstd": "zstd"}  # user-facing name -> payload suffix
@@ -130,7 +130,7 @@ class NodeState:
         self.thetas: dict[int, tuple[int, dict[str, np.ndarray] | None]] = {}
         # The closer: a one-process one, or a sharded node's ranks (``Bridge.closer``). It holds the
         # outer state of the fragments this node closed, and the spool of the rounds it closes.
-        self.closer: FragmentCloser = self.bridge.closer or FragmentCloser.one_process(run, store)
+        self.closer: FragmentMerger = self.bridge.closer or FragmentMerger.one_process(run, store)
         self.spool = self.closer.spool
         self.collector: Collector | None = None
         self.follow: Follow | None = None

@@ -12,7 +12,8 @@ for the newest ``verify_window`` rounds (``gc.py``), so any reader recomputes it
   the participant's own snapshot record, which must name the same payload digest, steps, tokens and
   ``final`` (and carry its learner's signature in a members-only run); each weight must be
   ``tokens * tokens / steps``;
-- **the merge**: ``replay.recompute``, the one closer (the same code, order and weights).
+- **the merge**: ``replay.recompute``, the one merge (``commit.merge_commit``: the same code, order
+  and weights).
 
 It is ``verified`` when the theta, outer-state and change payloads (every chunk's sha256, size and
 key), ``theta_digest``, ``outer_digest``, the cosine, ``final`` and ``checkpoint`` are the record's;
@@ -38,8 +39,8 @@ from ..protocol.run import RunInfo
 from ..protocol.schedule import round_of, slot, version_before
 from ..protocol.store import RunStore
 from ..protocol.tape import schedule_problem
-from .fragment import FragmentState
-from .kernel import FragmentCloser
+from .commit import Commit, FragmentState
+from .merger import FragmentMerger
 from .replay import recompute, recover
 
 VERIFIED, MISMATCH, UNVERIFIABLE = "verified", "mismatch", "unverifiable"
@@ -82,34 +83,35 @@ class _Found(Exception):
         self.status, self.reason = status, reason
 
 
-def differences(mine: RoundRecord, rec: RoundRecord) -> list[str]:
-    """The fields of ``COMPARED`` in which a recomputed record ``mine`` is not ``rec``."""
+def differences(mine: Commit, rec: RoundRecord) -> list[str]:
+    """The fields of ``COMPARED`` in which a recomputed commit ``mine`` is not ``rec``'s."""
 
     def chunks(ref: PayloadRef | None) -> list[tuple[str, str, int]] | None:
         return None if ref is None else [(c.key, c.sha256, c.size) for c in chunk_refs(ref)]
 
     out = []
     for name in COMPARED:
-        a, b = getattr(mine, name), getattr(rec, name)
         if name in ("theta", "outer", "change"):
-            a, b = chunks(a), chunks(b)
+            a, b = chunks(mine.refs.get(name)), chunks(getattr(rec, name))
+        else:
+            a, b = getattr(mine, name), getattr(rec, name)
         if a != b:
             out.append(name)
     return out
 
 
 class RoundVerifier:
-    """Recomputes rounds of ``run`` read from ``store`` (module docstring), on a one-process closer
+    """Recomputes rounds of ``run`` read from ``store`` (module docstring), on a one-process merger
     of its own. ``keep``: hold each verified fragment's state for the next round of it (a closer's
     memory: parameters, master and momentum of every fragment verified); without, each round loads
     the state it starts from."""
 
     def __init__(self, store: RunStore, run: RunInfo, *, keep: bool = True) -> None:
         self.store, self.run, self.keep = store, run, keep
-        self.closer = FragmentCloser.one_process(run, store)
+        self.merger = FragmentMerger.one_process(run, store)
 
     def close(self) -> None:
-        self.closer.close()
+        self.merger.close()
 
     def check_round(self, r: int, *, head: int | None = None) -> RoundCheck:
         """Read round ``r``'s record (authenticated as the run is) and ``check`` it. ``head``: the
@@ -141,24 +143,24 @@ class RoundVerifier:
         try:
             refs = self._inputs(rec)
             state = self._state_before(rec, theta)
-            commit = recompute(self.closer, self.store, self.run, state, rec, refs)
-            diff = differences(commit.record, rec)
+            commit = recompute(self.merger, self.store, self.run, state, rec, refs)
+            diff = differences(commit, rec)
             if diff:
-                self.closer.forget(f)
+                self.merger.forget(f)
                 raise _Found(MISMATCH, f"recomputing the merge gives another {', '.join(diff)}")
-            self.closer.landed(f, v)
+            self.merger.landed(f, v)
             theta_out = commit.theta
             if not self.keep:
-                self.closer.forget(f)
+                self.merger.forget(f)
             status, reason = VERIFIED, ""
         except _Found as e:
-            self.closer.forget(f)
+            self.merger.forget(f)
             status, reason = e.status, e.reason
         except (MailboxUnavailable, PayloadCorrupt) as e:
-            self.closer.forget(f)
+            self.merger.forget(f)
             status, reason = UNVERIFIABLE, " ".join(str(e).split())
         except ProtocolError as e:  # a contribution that is not its participant's (replay._contributions)
-            self.closer.forget(f)
+            self.merger.forget(f)
             status, reason = MISMATCH, " ".join(str(e).split())
         if status == UNVERIFIABLE and outside is not None:
             w = self.run.cfg.verify_window
@@ -220,9 +222,9 @@ class RoundVerifier:
         return snap
 
     def _state_before(self, rec: RoundRecord, theta: tuple[int, dict[str, np.ndarray] | None] | None) -> FragmentState:
-        """The fragment's state at the version before ``rec``, held by the closer."""
+        """The fragment's state at the version before ``rec``, held by the merger."""
         f, v = rec.fragment, rec.version
-        held = self.closer.held(f)
+        held = self.merger.held(f)
         if held is not None and held.version == v - 1:
             return held
         prev = None
@@ -236,7 +238,7 @@ class RoundVerifier:
             if prev is None or problem is not None:
                 raise _Found(UNVERIFIABLE, f"the record it builds on is not a commit: {problem or 'missing'}")
         try:
-            return recover(self.closer, self.store, self.run, f, prev, theta)
+            return recover(self.merger, self.store, self.run, f, prev, theta)
         except ProtocolError as e:  # a round between checkpoints before it does not replay
             raise _Found(UNVERIFIABLE, f"the state it starts from cannot be rebuilt: {e}") from None
 

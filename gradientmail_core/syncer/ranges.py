@@ -1,6 +1,9 @@
-"""The ranks a closer runs on, behind the collectives its work needs (``Ranks``). A closer holds one
-contiguous flat range of each tensor (``Layout``): all of it in one process (``OneProcess``), its
-FSDP shard's on a rank of a sharded node (``sharded/pooling.GlooRanks``).
+"""What one process holds of a fragment and how the processes of a node meet over it. A merger
+holds one contiguous flat range of each tensor (``Layout``): all of it in one process
+(``OneProcess``), its FSDP shard's on a rank of a sharded node (``sharded/pooling.GlooRanks``);
+``visits`` says which chunks of a payload, and which part of each piece, lie in its ranges.
+
+The collectives its work needs (``Ranks``):
 
 - ``begin``: an op starts on every rank (the leading rank announces it);
 - ``phase(fn)``: ``fn`` run on every rank, the results pooled (a rank that fails fails the phase on
@@ -16,12 +19,14 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
+from ..codec.chunked import ChunkSpec
 from ..protocol.chunks import Layout, Piece, fragment_plan, numel
 
 T = TypeVar("T")
 Owned = dict[int, list[tuple[Piece, np.ndarray]]]  # chunk -> its pieces' values, at the chunk's owner
 Shapes = Mapping[str, Sequence[int]]
 Local = Mapping[str, np.ndarray]  # tensor -> this process's flat range of it
+Visit = tuple[int, list[tuple[Piece, int, int]]]  # chunk k; each piece's part in range, and its slice of the piece
 
 
 class Ranks(Protocol):
@@ -79,3 +84,25 @@ def alloc(ranges: Mapping[str, tuple[int, int]], shapes: Shapes) -> dict[str, np
 def whole_layout(shapes: Mapping[str, Sequence[int]]) -> Layout:
     """One process holding every tensor whole."""
     return Layout(1, {n: (0, numel(s)) for n, s in shapes.items()})
+
+
+def tensor_of(name: str) -> str:
+    """The fragment tensor a payload's tensor name stands for (``momentum/x`` -> ``x``)."""
+    head, _, rest = name.partition("/")
+    return rest if head in ("momentum", "master") and rest else name
+
+
+def visits(specs: Sequence[ChunkSpec], ranges: Mapping[str, tuple[int, int]], rank: int) -> list[Visit]:
+    """The chunks whose pieces overlap ``ranges``, each piece clipped to its range (a chunk of empty
+    pieces only is read by rank 0, so that every chunk is verified)."""
+    out: list[Visit] = []
+    for s in specs:
+        clipped = []
+        for pc in s.pieces:
+            lo, hi = ranges[pc.name]
+            a, b = max(pc.start, lo), min(pc.stop, hi)
+            if a < b:
+                clipped.append((Piece(pc.name, a, b), a - pc.start, b - pc.start))
+        if clipped or (rank == 0 and all(pc.size == 0 for pc in s.pieces)):
+            out.append((s.k, clipped))
+    return out

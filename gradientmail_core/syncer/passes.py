@@ -1,4 +1,4 @@
-"""The merge and the outer step of a commit over the ranges this process holds: each quantity
+"""The passes of a commit over the ranges this process holds, the merge and the outer step: each quantity
 ``aggregators/merge.py`` defines, with ``fused.py``'s float operations in the same order, visited
 a chunk (or a block) and a range at a time, so one process and the ranks of a sharded node write
 the same bytes (``docs/protocol.md`` section 10; ``docs/sharding.md`` section 5).
@@ -29,9 +29,8 @@ from ..ahead import ordered
 from ..codec.chunked import ChunkSpec
 from ..config import DiLoCo
 from ..protocol.chunks import numel
-from .fragment import CommitOp, FragmentState
-from .ranks import Ranks, flat
-from .reading import Visit
+from .commit import CommitOp, FragmentState
+from .ranges import Ranks, Visit, flat
 
 T = TypeVar("T")
 BLOCK = 1 << 20  # elements of one tensor merged at once from contributions held in memory

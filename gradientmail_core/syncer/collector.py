@@ -1,14 +1,13 @@
-"""A round this node closes: its view of the round (``Collector``: the snapshots judged, SPEC 3.6;
-quorum, then the grace window; outliers) and its commit (``compute_commit``: the accepted
-contributions handed to the closer, ``kernel.FragmentCloser``, and the round record built from
-what it made). Contributions are merged in learner-id order, so a closer that recomputes a round
-after a crash writes the same bytes; a version that is no checkpoint (``checkpoint_every``) writes
-the change only, its record carrying the digests and contributions ``replay.py`` replays it from."""
+"""A round this node closes, as its closer sees it (``Collector``): the snapshots judged (SPEC 3.6),
+quorum, then the grace window; outliers; the commit of the accepted contributions
+(``commit.merge_commit`` on this node's ``merger.FragmentMerger``) and the round record built from
+it. Contributions are merged in learner-id order, so a closer that recomputes a round after a
+crash writes the same bytes; a version that is no checkpoint (``checkpoint_every``) writes the
+change only, its record carrying the digests and contributions ``replay.py`` replays it from."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -22,11 +21,9 @@ from ..protocol.records import Participant, Rejection, RoundRecord, Snapshot, ch
 from ..protocol.run import RunInfo
 from ..protocol.schedule import fragment_of, nominal_step, version_before
 from ..protocol.store import RunStore
-from .fragment import Accepted, CommitOp, FragmentState, Lost, Made
-from .kernel import FragmentCloser
-from .spool import Spool
+from .commit import Accepted, Commit, FragmentState, Lost, Put, merge_commit
+from .merger import FragmentMerger
 from .timing import Estimates, ema, grace_seconds
-from .writing import Put
 
 IGNORED = "ignored"  # a snapshot no member signed: judged once, in no record
 
@@ -44,29 +41,22 @@ class Judged:
 
 @dataclass
 class Collector:
-    """The closer's view of one open round. ``closer``: the node's; None, a one-process closer of
-    this collector's own, made on first use over ``spool`` and holding ``state``."""
+    """The closer's view of one open round, judged and committed on ``merger`` (the node's, which
+    holds ``state``: the fragment at the version before)."""
 
     round: int
     run: RunInfo
     state: FragmentState
     opened_at: float
     estimates: Estimates
+    merger: FragmentMerger
     judged: dict[str, Judged] = field(default_factory=dict)
     quorum_at: float | None = None
     grace: float = 0.0
-    closer: FragmentCloser | None = None
-    spool: Spool | None = None
 
     @property
     def fragment(self) -> int:
         return fragment_of(self.round, self.run.P)
-
-    def closer_for(self, store: RunStore) -> FragmentCloser:
-        if self.closer is None:
-            self.closer = FragmentCloser.one_process(self.run, store, self.spool)
-            self.closer.states[self.fragment] = self.state
-        return self.closer
 
     def accepted(self) -> list[Judged]:
         return [j for j in self.judged.values() if j.reason is None]
@@ -96,7 +86,7 @@ class Collector:
             if not all(keys.in_snapshot_folder(x.key, x.sha256, self.round, learner) for x in chunk_refs(snap.payload)):
                 status = "corrupt"  # checked before any read: the ref may name any object
             else:
-                verdict = self.closer_for(store).judge(self.fragment, self.round, snap.payload)
+                verdict = self.merger.judge(self.fragment, self.round, snap.payload)
                 status, finite, norms = verdict.status, verdict.finite, verdict.norms
         ok = status == "ok" and norms is not None
         reason = judge(snap.steps, schema_ok, snap.base_version, base, {} if ok else None, status)
@@ -108,14 +98,12 @@ class Collector:
         if reason is not None or not ok:
             self.forget(snap)
             return self._record(Judged(learner, reason, snap, weight))
-        self.closer_for(store).reserve(self.fragment)
+        self.merger.reserve(self.fragment)
         return self._record(Judged(learner, reason, snap, weight, norms))
 
     def forget(self, snap: Snapshot) -> None:
         """Drop a rejected snapshot's chunks from the spool (those no accepted one shares)."""
-        spool = self.closer.spool if self.closer is not None else self.spool
-        if spool is None:
-            return
+        spool = self.merger.spool
         keep = {r.sha256 for j in self.accepted() if j.snapshot is not None for r in chunk_refs(j.snapshot.payload)}
         for r in chunk_refs(snap.payload):
             if r.sha256 not in keep:
@@ -183,118 +171,86 @@ class Collector:
             return False
         return all_reported or now - self.quorum_at >= self.grace
 
-
-@dataclass
-class Commit:
-    record: RoundRecord
-    state: FragmentState
-    # key -> its bytes (no ``write`` given) or ``Written``, in the order written, before the record
-    payloads: dict[str, Any]
-    # the new parameters for this node's learner (whole tensors; empty on a sharded node)
-    theta: dict[str, np.ndarray] = field(default_factory=dict)
-
-
-def compute_commit(
-    c: Collector,
-    *,
-    closer: str,
-    live: int,
-    compression: str,
-    sync_seconds: float | None,
-    now: float,
-    write: Put | None = None,
-    outliers: bool = True,
-) -> Commit:
-    """The closer's commit of the accepted deltas (payloads written with ``write(key, stream)``;
-    without it, kept in ``payloads``) and its record. A contribution that can no longer be read is
-    rejected and the commit given up (``MailboxUnavailable``): the next poll decides again."""
-    run, cfg = c.run, c.run.cfg
-    if outliers and cfg.outlier_factor is not None:
-        c.reject_outliers(cfg.outlier_factor)
-    accepted = sorted(c.accepted(), key=lambda j: j.learner)
-    assert accepted and c.closer is not None, "a round closes with at least one judged, accepted snapshot"
-    final = all(j.snapshot is not None and j.snapshot.final for j in accepted)
-    op = CommitOp(
-        f=c.fragment,
-        round=c.round,
-        version=c.state.version,
-        final=final,
-        checkpoint=run.checkpoint_due(c.fragment, c.state.version + 1, final=final, participants=len(accepted)),
-        compression=compression,
-        accepted=tuple(
-            Accepted(tuple(chunk_refs(j.snapshot.payload)), j.weight, dict(j.norms or {}))
+    def commit(self, *, compression: str, write: Put | None = None) -> Commit:
+        """The commit of the accepted contributions, outliers rejected first (``merge_commit``;
+        payloads written with ``write``, else kept). A contribution that can no longer be read is
+        rejected and the commit given up (``MailboxUnavailable``): the next poll decides again."""
+        if self.run.cfg.outlier_factor is not None:
+            self.reject_outliers(self.run.cfg.outlier_factor)
+        accepted = sorted(self.accepted(), key=lambda j: j.learner)
+        contributions = [
+            Accepted(tuple(chunk_refs(j.snapshot.payload)), j.weight, dict(j.norms or {}), j.snapshot.final)
             for j in accepted
             if j.snapshot is not None
-        ),
-    )
-    try:
-        made = c.closer.commit(op, write)
-    except Lost as lost:
-        j = accepted[lost.i]
-        j.reason, j.weight, j.norms = lost.reason, 0.0, None
-        if j.snapshot is not None:
-            c.forget(j.snapshot)
-        raise MailboxUnavailable(
-            f"round {c.round}: {j.learner}'s contribution can no longer be read ({lost}); rejected as "
-            f"{lost.reason}, the round closes on the next poll if it still may"
-        ) from lost
-    record = commit_record(c, accepted, made, op, closer=closer, live=live, now=now, sync_seconds=sync_seconds)
-    return Commit(record, made.state, made.payloads, made.theta)
-
-
-def commit_record(
-    c: Collector, accepted: list[Judged], made: Made, op: CommitOp, *, closer: str, live: int, now: float,
-    sync_seconds: float | None,
-) -> RoundRecord:  # fmt: skip
-    """The round record of a commit: the participants, the rejections, the payloads' refs and
-    digests, the timings."""
-    st, run, cfg, f = c.state, c.run, c.run.cfg, c.fragment
-    e = c.estimates
-    steps_seconds = [
-        j.snapshot.step_seconds for j in accepted if j.snapshot is not None and j.snapshot.step_seconds > 0
-    ]
-    x_step = ema(e.x_step, float(np.mean(steps_seconds))) if steps_seconds else e.x_step
-    assert c.quorum_at is not None
-    x_quorum = ema(e.x_quorum, max(c.quorum_at - c.opened_at, 0.0))
-    x_sync = ema(e.x_sync, sync_seconds) if sync_seconds is not None else e.x_sync
-    return RoundRecord(
-        round=c.round,
-        step=nominal_step(c.round, cfg.sync_every, run.P),
-        fragment=f,
-        version=st.version + 1,
-        closer=closer,
-        participants=[
-            Participant(
-                learner=j.learner,
-                weight=j.weight,
-                steps=j.snapshot.steps,
-                tokens=j.snapshot.tokens,
-                payload_sha256=ref_digest(j.snapshot.payload),
-                final=j.snapshot.final,
+        ]
+        try:
+            return merge_commit(
+                self.merger, self.state, contributions, round=self.round, compression=compression, write=write
             )
-            for j in accepted
-            if j.snapshot is not None
-        ],
-        rejected=[
-            Rejection(learner=j.learner, reason=j.reason)
-            for j in sorted(c.judged.values(), key=lambda j: j.learner)
-            if j.reason is not None and j.reason != IGNORED
-        ],
-        theta=made.refs.get("theta"),
-        theta_digest=made.theta_digest,
-        outer=made.refs.get("outer"),
-        change=made.refs.get("change"),
-        cosine=made.cosine,
-        final=op.final,
-        live=live,
-        quorum_seconds=round(max(c.quorum_at - c.opened_at, 0.0), 6),
-        # The grace realized (quorum to close, as the prior art records it), and the one planned.
-        grace_seconds=round(max(now - c.quorum_at, 0.0), 6),
-        grace_planned=round(c.grace, 6),
-        x_step=x_step,
-        x_quorum=x_quorum,
-        x_sync=x_sync,
-        checkpoint=None if op.checkpoint else st.checkpoint,
-        outer_digest=made.outer_digest,
-        contributions=None if op.checkpoint else [j.snapshot.payload for j in accepted if j.snapshot is not None],
-    )
+        except Lost as lost:
+            j = accepted[lost.i]
+            j.reason, j.weight, j.norms = lost.reason, 0.0, None
+            if j.snapshot is not None:
+                self.forget(j.snapshot)
+            raise MailboxUnavailable(
+                f"round {self.round}: {j.learner}'s contribution can no longer be read ({lost}); rejected as "
+                f"{lost.reason}, the round closes on the next poll if it still may"
+            ) from lost
+
+    def record(self, commit: Commit, *, closer: str, live: int, now: float, sync_seconds: float | None) -> RoundRecord:
+        """The round record of ``commit`` (of this round's accepted contributions) written by
+        ``closer`` at ``now``: the participants, the rejections, the payloads' refs and digests,
+        the timings."""
+        st, run, cfg = self.state, self.run, self.run.cfg
+        accepted = sorted(self.accepted(), key=lambda j: j.learner)
+        e = self.estimates
+        steps_seconds = [
+            j.snapshot.step_seconds for j in accepted if j.snapshot is not None and j.snapshot.step_seconds > 0
+        ]
+        x_step = ema(e.x_step, float(np.mean(steps_seconds))) if steps_seconds else e.x_step
+        assert self.quorum_at is not None
+        x_quorum = ema(e.x_quorum, max(self.quorum_at - self.opened_at, 0.0))
+        x_sync = ema(e.x_sync, sync_seconds) if sync_seconds is not None else e.x_sync
+        return RoundRecord(
+            round=self.round,
+            step=nominal_step(self.round, cfg.sync_every, run.P),
+            fragment=self.fragment,
+            version=st.version + 1,
+            closer=closer,
+            participants=[
+                Participant(
+                    learner=j.learner,
+                    weight=j.weight,
+                    steps=j.snapshot.steps,
+                    tokens=j.snapshot.tokens,
+                    payload_sha256=ref_digest(j.snapshot.payload),
+                    final=j.snapshot.final,
+                )
+                for j in accepted
+                if j.snapshot is not None
+            ],
+            rejected=[
+                Rejection(learner=j.learner, reason=j.reason)
+                for j in sorted(self.judged.values(), key=lambda j: j.learner)
+                if j.reason is not None and j.reason != IGNORED
+            ],
+            theta=commit.refs.get("theta"),
+            theta_digest=commit.theta_digest,
+            outer=commit.refs.get("outer"),
+            change=commit.refs.get("change"),
+            cosine=commit.cosine,
+            final=commit.final,
+            live=live,
+            quorum_seconds=round(max(self.quorum_at - self.opened_at, 0.0), 6),
+            # The grace realized (quorum to close, as the prior art records it), and the one planned.
+            grace_seconds=round(max(now - self.quorum_at, 0.0), 6),
+            grace_planned=round(self.grace, 6),
+            x_step=x_step,
+            x_quorum=x_quorum,
+            x_sync=x_sync,
+            checkpoint=commit.checkpoint,
+            outer_digest=commit.outer_digest,
+            contributions=None
+            if commit.checkpoint is None
+            else [j.snapshot.payload for j in accepted if j.snapshot is not None],
+        )
