@@ -5,7 +5,7 @@ A merge must read every accepted contribution at least once, so the floor is the
 float32 sum: one streaming read). The commit time is what ``Node._close`` does after quorum,
 timed in its three parts on a ``FileMailbox`` with fsync on:
 
-- ``compute``: ``closer.compute_commit`` up to its first payload write (merge, outer step, cast,
+- ``compute``: ``Collector.commit`` (``commit.merge_commit``) up to its first payload write (merge, outer step, cast,
   payload encoding, the theta payload's sha256),
 - ``write``:   from the first payload write to the end of the last (create-once, fsync; the
   later payloads are hashed on worker threads meanwhile),
@@ -50,9 +50,16 @@ from gradientmail_core.mailbox import CreateOutcome, create_once  # noqa: E402
 from gradientmail_core.protocol.records import Snapshot  # noqa: E402
 from gradientmail_core.protocol.run import open_run  # noqa: E402
 from gradientmail_core.protocol.store import RunStore  # noqa: E402
-from gradientmail_core.syncer.closer import Collector, compute_commit  # noqa: E402
-from gradientmail_core.syncer.fragment import FragmentState  # noqa: E402
 from gradientmail_core.syncer.timing import Estimates  # noqa: E402
+
+try:
+    from gradientmail_core.syncer.collector import Collector
+    from gradientmail_core.syncer.merger import FragmentMerger
+except ImportError:  # an engine from before issue 35 (--engine): its Collector made a closer of its own
+    from gradientmail_core.syncer.closer import Collector, compute_commit  # type: ignore[no-redef]
+    from gradientmail_core.syncer.fragment import FragmentState
+
+    FragmentMerger = None  # type: ignore[assignment,misc]
 
 TENSOR = 1 << 22  # 4M params per tensor: a large transformer matrix
 
@@ -121,7 +128,11 @@ def measure(n_params: int, n_contrib: int, root: str) -> dict:
         store.put_record(keys.snapshot_key(0, learner), snap)
     gc.collect()
 
-    c = Collector(0, run, FragmentState.initial(params), 0.0, Estimates())
+    if FragmentMerger is not None:
+        merger = FragmentMerger.one_process(run, store)
+        c = Collector(0, run, merger.load(0, 0, run.manifest.init[0], None, params), 0.0, Estimates(), merger)
+    else:
+        c = Collector(0, run, FragmentState.initial(params), 0.0, Estimates())
     judge = []
     for i in range(n_contrib):
         t0 = time.perf_counter()
@@ -145,16 +156,21 @@ def measure(n_params: int, n_contrib: int, root: str) -> dict:
         assert outcome is not CreateOutcome.TAKEN
         marks.append(time.perf_counter())
 
-    kw = dict(closer="closer", live=n_contrib, compression="", sync_seconds=None, now=1.0)
+    kw = dict(closer="closer", live=n_contrib, sync_seconds=None, now=1.0)
     t0 = time.perf_counter()
-    if "write" in inspect.signature(compute_commit).parameters:
-        commit = compute_commit(c, write=write, **kw)  # type: ignore[arg-type]
+    if FragmentMerger is not None:
+        commit = c.commit(compression="", write=write)
+        rec, written = c.record(commit, **kw), sum(commit.sizes.values())  # type: ignore[arg-type]
+    elif "write" in inspect.signature(compute_commit).parameters:
+        commit = compute_commit(c, compression="", write=write, **kw)  # type: ignore[arg-type]
+        rec, written = commit.record, sum(len(d) for d in commit.payloads.values())
     else:  # an engine from before payloads were written as they were hashed
-        commit = compute_commit(c, **kw)  # type: ignore[arg-type]
+        commit = compute_commit(c, compression="", **kw)  # type: ignore[arg-type]
         for key, data in commit.payloads.items():
             write(key, data)
+        rec, written = commit.record, sum(len(d) for d in commit.payloads.values())
     t2 = time.perf_counter()
-    outcome, _ = store.put_record(keys.round_key(0), commit.record)
+    outcome, _ = store.put_record(keys.round_key(0), rec)
     t3 = time.perf_counter()
     assert outcome is CreateOutcome.CREATED
     return {
@@ -166,7 +182,7 @@ def measure(n_params: int, n_contrib: int, root: str) -> dict:
         "judge_each": statistics.median(judge),
         "judge_total": sum(judge),
         "bytes": 4 * n_params * n_contrib,
-        "written": sum(len(d) for d in commit.payloads.values()),
+        "written": written,
         "load": os.getloadavg()[0],
         "engine": str(Path(gm.__file__).parent.parent),
     }

@@ -118,7 +118,7 @@ def patch(variant: dict[str, str], rec: Recorder) -> None:
     """Patch the engine in this (worker) process: the variant, and the recorder's hooks."""
     from gradientmail_core.adapters import handles
     from gradientmail_core.codec import quant
-    from gradientmail_core.syncer import kernel
+    from gradientmail_core.syncer.merger import FragmentMerger
 
     ef = variant.get("ef", "engine")
     commit = variant.get("commit", "keep")
@@ -168,7 +168,7 @@ def patch(variant: dict[str, str], rec: Recorder) -> None:
     g_commit = float(commit.split(":")[1]) if commit.startswith("decay:") else 1.0
     proj = variant.get("proj")  # None, "tensor" or a block size
     gaps: dict[str, np.ndarray] = {}  # each tensor's master - theta after the newest commit
-    orig_commit = kernel.FragmentCloser.commit
+    orig_commit = FragmentMerger.commit
 
     def commit_fn(self, op, put):
         made = orig_commit(self, op, put)
@@ -183,16 +183,16 @@ def patch(variant: dict[str, str], rec: Recorder) -> None:
         rec.commit(op.round, flat(st.master).astype(np.float32), flat(st.theta).astype(np.float32))
         return made
 
-    kernel.FragmentCloser.commit = commit_fn
+    FragmentMerger.commit = commit_fn
     if proj is not None:
         # The part of the merged delta that pulls the learners back toward the master (its
         # projection on the newest commit's gap, where negative: the learners recovering the
         # rounding) is taken out before the outer step, which would apply it a second time. Per
         # tensor, or per block of ``proj`` elements; the rest of the gap stays in the master.
-        from gradientmail_core.syncer import merging
+        from gradientmail_core.syncer import passes
 
         block = 0 if proj == "tensor" else int(proj)
-        orig_outer = merging.outer_mod.outer_step_tensor
+        orig_outer = passes.outer_mod.outer_step_tensor
 
         def projected(theta, momentum, delta, *, lr, beta, scale=None, out=None, name=""):
             g = gaps.get(name)
@@ -210,14 +210,14 @@ def patch(variant: dict[str, str], rec: Recorder) -> None:
             rec.out["proj_c"].append(float(np.mean(c)))
             return orig_outer(theta, momentum, d.reshape(np.shape(delta)), lr=lr, beta=beta, out=out, name=name)
 
-        merging.outer_mod.outer_step_tensor = projected
+        passes.outer_mod.outer_step_tensor = projected
     if commit.startswith("grad"):
         # The closer quantizes the merged outer gradient (I2, with its own residual unless
         # ``grad-noef``) and every node takes the same fp32 outer step from it: what the learners
         # train from is the master itself. Run on an arm without commit_dtype (``job``).
-        from gradientmail_core.syncer import merging
+        from gradientmail_core.syncer import passes
 
-        orig_step = merging.outer_mod.outer_step_tensor
+        orig_step = passes.outer_mod.outer_step_tensor
         held: dict[str, np.ndarray] = {}
 
         def step(theta, momentum, delta, *, lr, beta, scale=None, out=None, name=""):
@@ -229,7 +229,7 @@ def patch(variant: dict[str, str], rec: Recorder) -> None:
             held[name] = np.subtract(x, q, dtype=np.float32)
             return orig_step(theta, momentum, q, lr=lr, beta=beta, out=out, name=name)
 
-        merging.outer_mod.outer_step_tensor = step
+        passes.outer_mod.outer_step_tensor = step
 
 
 def job(arm: str, seed: int, variant: str, args: argparse.Namespace) -> dict[str, Any]:

@@ -6,7 +6,7 @@ round's CPU that verification takes on the closer.
    fingerprint, the membership), for a snapshot, a lease and a round record.
 2. Per round, on the closer: the closing work of a round of ``contributions`` F32 snapshots of one
    fragment of ``params`` (judging each snapshot: fetch, sha256, decode, norms; then
-   ``compute_commit``: merge, outer step, payloads; then the record), on a ``MemoryMailbox``, in CPU
+   ``Collector.commit``: ``merge_commit``'s merge, outer step, payloads; then the record), on a ``MemoryMailbox``, in CPU
    seconds (``time.process_time``: both threads of the merge count). Against it, what a
    members-only run adds on the closer per round: verifying each contribution's snapshot record,
    one lease per other learner (an upper bound: leases renew every ``lease_timeout / 4``, rounds
@@ -51,8 +51,8 @@ from gradientmail_core.protocol.records import (  # noqa: E402
 )
 from gradientmail_core.protocol.run import open_run  # noqa: E402
 from gradientmail_core.protocol.store import RunStore  # noqa: E402
-from gradientmail_core.syncer.closer import Collector, compute_commit  # noqa: E402
-from gradientmail_core.syncer.fragment import FragmentState  # noqa: E402
+from gradientmail_core.syncer.collector import Collector  # noqa: E402
+from gradientmail_core.syncer.merger import FragmentMerger  # noqa: E402
 from gradientmail_core.syncer.timing import Estimates  # noqa: E402
 
 TENSOR = 1 << 20
@@ -151,13 +151,13 @@ def round_cpu(n_params: int, n_contrib: int) -> float:
             learner=learner, round=0, local_step=n_contrib, steps=n_contrib, tokens=64 * n_contrib, base_version=0,
             step_seconds=0.1, schema_digest=run.digest, payload=ref, nonce="0123abcd"))  # fmt: skip
     t0 = time.process_time()
-    c = Collector(0, run, FragmentState.initial(params), 0.0, Estimates())
+    merger = FragmentMerger.one_process(run, store)
+    c = Collector(0, run, merger.load(0, 0, run.manifest.init[0], None, params), 0.0, Estimates(), merger)
     for i in range(n_contrib):
         assert c.judge_snapshot(store, f"l{i:03d}").reason is None
     c.update(set(c.judged), 1.0, quorum_size=n_contrib, gap=1, in_flight=1, overlap_steps=None)
-    commit = compute_commit(c, closer="closer", live=n_contrib, compression="", sync_seconds=None, now=1.0,
-                            write=store.put_blob)  # fmt: skip
-    store.put_record(keys.round_key(0), commit.record)
+    commit = c.commit(compression="", write=store.put_blob)
+    store.put_record(keys.round_key(0), c.record(commit, closer="closer", live=n_contrib, now=1.0, sync_seconds=None))
     return time.process_time() - t0
 
 

@@ -6,7 +6,7 @@ parameters in tensors of 250k, one fragment, F32 deltas, RDA), driven single-thr
 rounds committed. Then, for its newest round:
 
 - **closer**: what its closer did after the state was in hand: judge each snapshot (read the
-  record and the payload, sha256, decode, finite check, norms), ``compute_commit`` (merge, outer
+  record and the payload, sha256, decode, finite check, norms), ``Collector.commit`` (merge, outer
   step, payloads encoded and hashed; here written to memory). Bytes: the snapshots read, and the
   payloads written.
 - **verify, warm**: ``RoundVerifier.check`` holding the state of the fragment's previous round
@@ -45,8 +45,8 @@ from gradientmail_core.protocol.records import RoundRecord, ref_size  # noqa: E4
 from gradientmail_core.protocol.run import RunInfo, read_manifest  # noqa: E402
 from gradientmail_core.protocol.schedule import round_of  # noqa: E402
 from gradientmail_core.protocol.store import RunStore  # noqa: E402
-from gradientmail_core.syncer.closer import Collector, compute_commit  # noqa: E402
-from gradientmail_core.syncer.kernel import FragmentCloser  # noqa: E402
+from gradientmail_core.syncer.collector import Collector  # noqa: E402
+from gradientmail_core.syncer.merger import FragmentMerger  # noqa: E402
 from gradientmail_core.syncer.replay import recover  # noqa: E402
 from gradientmail_core.syncer.timing import Estimates  # noqa: E402
 from gradientmail_core.syncer.verify import VERIFIED, RoundVerifier, differences  # noqa: E402
@@ -81,9 +81,9 @@ def build_run(params: int, contributions: int, rounds: int) -> MemoryMailbox:
 
 def close_cost(store: RunStore, run: RunInfo, rec: RoundRecord) -> tuple[float, int, int]:
     """CPU seconds, bytes read and bytes written by the closer of ``rec`` once it held the state."""
-    closer = FragmentCloser.one_process(run, store)
+    merger = FragmentMerger.one_process(run, store)
     prev = store.read_record(keys.round_key(round_of(rec.fragment, rec.version - 1, run.P)), RoundRecord)
-    state = recover(closer, store, run, rec.fragment, prev)
+    state = recover(merger, store, run, rec.fragment, prev)
     written = [0]
 
     def put(key: str, data) -> None:
@@ -91,13 +91,13 @@ def close_cost(store: RunStore, run: RunInfo, rec: RoundRecord) -> tuple[float, 
         data.read()  # (written to memory: the bytes are made)
 
     down, t0 = store.bytes_down, time.process_time()
-    c = Collector(rec.round, run, state, 0.0, Estimates(), quorum_at=0.0, closer=closer)
+    c = Collector(rec.round, run, state, 0.0, Estimates(), merger)
     for p in rec.participants:
         c.judge_snapshot(store, p.learner)
-    commit = compute_commit(c, closer=rec.closer, live=rec.live, compression="", sync_seconds=None, now=0.0, write=put)
+    commit = c.commit(compression="", write=put)
     cpu = time.process_time() - t0
-    assert not differences(commit.record, rec), "the bench's closer did not commit the recorded round"
-    closer.close()
+    assert not differences(commit, rec), "the bench's closer did not commit the recorded round"
+    merger.close()
     return cpu, store.bytes_down - down, written[0]
 
 
