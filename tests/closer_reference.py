@@ -1,24 +1,61 @@
 """An independent reference for a commit: what a closer must commit for a round, computed over
-whole tensors in memory with the definitions (``aggregators/merge.merge_with_cosine``, whose fused
-pass is a code path of its own, ``outer.outer_step_tensor``, ``rebuild.cast``/``rebuild_theta``,
+whole tensors in memory with the definitions (``merge_with_cosine`` here: ``aggregators/merge.py``'s
+merge, tensor by tensor through ``fused.merge_tensor``, a code path of its own, ``outer.outer_step_tensor``, ``rebuild.cast``/``rebuild_theta``,
 ``codec.chunked.fragment_streams``). The engine's merger (``syncer/merger.py``) merges chunk by
 chunk and range by range; tests hold its payloads, digests, cosine and state to this, bit for bit.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from gradientmail_core.aggregators.merge import merge_with_cosine
+from gradientmail_core.aggregators import fused
+from gradientmail_core.aggregators.merge import Delta, clip, normalized
 from gradientmail_core.aggregators.outer import drop_pullback, final_step_tensor, outer_step_tensor
 from gradientmail_core.codec.chunked import fragment_streams
+from gradientmail_core.config import RDA, WeightedMean
 from gradientmail_core.protocol import keys
 from gradientmail_core.protocol.rebuild import cast, rebuild_theta
 from gradientmail_core.protocol.records import RoundRecord, Snapshot, digest_of
 from gradientmail_core.protocol.run import RunInfo
 from gradientmail_core.protocol.store import RunStore
+
+
+def merge_with_cosine(
+    deltas: Sequence[Delta],
+    weights: Sequence[float],
+    cfg: WeightedMean | RDA,
+    *,
+    clip_norm: float | None = None,
+    each: Callable[[str, np.ndarray, np.float32 | None], object] | None = None,
+) -> tuple[dict[str, np.ndarray], float | None]:
+    """``(merge.merge(deltas, ...), merge.mean_pairwise_cosine(deltas))`` in one pass per tensor
+    (``fused.merge_tensor`` feeds the merge's float32 accumulator and the cosine's float64 one;
+    the cosine is of the contributions as given, before any clipping). ``each(name, values,
+    scale)``, if given, receives every merged tensor instead of the returned dict (then empty):
+    the merge is ``values * scale`` (a float32 multiply) when ``scale`` is not None."""
+    p = normalized(weights, len(deltas))
+    merged_in = [clip(d, clip_norm) for d in deltas] if clip_norm is not None else list(deltas)
+    units = fused._cosine_units(deltas)
+    squares: dict[str, list[float]] = {}
+    out: dict[str, np.ndarray] = {}
+    for name in deltas[0]:
+        cos = None if units is None else [None if u is None else (d[name], u) for d, u in zip(deltas, units)]
+        values, scale = fused.merge_tensor(
+            [np.asarray(d[name], np.float32) for d in merged_in],
+            p,
+            radial=isinstance(cfg, RDA) and not cfg.is_direct(name),
+            cosine=cos,
+            squares=squares.setdefault(name, []),
+        )
+        if each is None:
+            out[name] = fused.scaled(values, scale)
+        else:
+            each(name, values, scale)
+    return out, fused._cosine_from(units, squares, len(deltas))
 
 
 @dataclass

@@ -1,11 +1,12 @@
-"""The merge's one fused pass: how ``merge.py``'s formulas are computed, fast and bit for bit.
+"""The merge's fused float operations: how ``merge.py``'s formulas are computed, fast and bit for bit.
 
 ``merge.py`` states what a merge is; this module computes it. A commit needs, per fragment, the
 merge of the contributions and their mean pairwise cosine, each of which is a few reductions
 over every contribution. Done separately they would stream the contributions through memory
 several times; here each chunk of every contribution is read once and, while it is in cache,
-feeds the merge's float32 accumulator, the cosine's float64 one and the squared norms. Large
-fragments run on ``WORKERS`` threads over ranges of each tensor (numpy releases the GIL).
+feeds the merge's float32 accumulator, the cosine's float64 one and the squared norms
+(``merge_tensor``; the closer's passes over chunks and ranks, ``syncer/passes.py``, make the same
+operations with ``merge_into``/``cosine_into``, on ``WORKERS`` threads for a large fragment).
 
 Determinism: a recomputed round must commit the same bytes (SPEC 4.3), so every sum runs in a
 fixed order. Contributions are summed in the order given; the caller passes them sorted (by
@@ -25,12 +26,9 @@ import functools
 import math
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
-
-from ..config import RDA, WeightedMean
 
 Delta = Mapping[str, np.ndarray]
 
@@ -40,61 +38,12 @@ _CHUNK = 1 << 20
 # the contributions already computed, so a commit reads each contribution once per quantity.
 _local = threading.local()
 _LEAF = 1 << 15  # float64 elements (256 KiB) a reduction handles at once, in cache
-# The merge of a large fragment runs on a few threads, over ranges of each tensor (numpy releases
-# the GIL); few, as it runs beside training. Below _PARALLEL_BYTES of contributions, inline.
-# Both are read at each call (tests patch them here).
+# The closer's merge of a large fragment runs on a few threads (numpy releases the GIL); few, as
+# it runs beside training. Read at each call (tests patch it here).
 WORKERS = min(2, os.cpu_count() or 1)
-_PARALLEL_BYTES = 32 << 20
 # Elements of every contribution the merge handles at once (a multiple of _LEAF): its float32 and
 # float64 scratch (1.25 MiB) plus one contribution's chunk stay in L2.
 _STEP = 2 * _LEAF
-
-
-def merge_fragment(
-    deltas: Sequence[Delta],
-    merged_in: Sequence[Delta],
-    p: Sequence[float],
-    cfg: WeightedMean | RDA,
-    *,
-    cosine: bool,
-    each: Callable[[str, np.ndarray, np.float32 | None], object] | None,
-) -> tuple[dict[str, np.ndarray], float | None]:
-    """The pass behind ``merge.merge_with_cosine``: ``merged_in`` (the contributions, clipped if
-    asked) merged tensor by tensor with the normalised weights ``p``, and, with ``cosine``, the
-    mean pairwise cosine of ``deltas`` (the contributions as given; same names and shapes).
-    ``each``: as in ``merge_with_cosine``. Output names follow the first contribution's order."""
-    names = list(deltas[0])
-    units = _cosine_units(deltas) if cosine else None
-    squares: dict[str, list[float]] = {}
-    shared = None if each is None else np.empty(max((np.size(deltas[0][n]) for n in names), default=0), np.float32)
-    out: dict[str, np.ndarray] = {}
-    workers = WORKERS if sum(np.size(deltas[0][n]) for n in names) * 4 * len(deltas) >= _PARALLEL_BYTES else 1
-    with contextlib.ExitStack() as stack:
-        pool = (
-            stack.enter_context(ThreadPoolExecutor(workers, thread_name_prefix="gradientmail-merge"))
-            if workers > 1
-            else None
-        )
-        for name in names:
-            radial = isinstance(cfg, RDA) and not cfg.is_direct(name)
-            cos_in = (
-                None if units is None else [None if u is None else (deltas[i][name], u) for i, u in enumerate(units)]
-            )
-            values, scale = merge_tensor(
-                [_f32(d[name]) for d in merged_in],
-                p,
-                radial=radial,
-                cosine=cos_in,
-                squares=squares.setdefault(name, []),
-                out=None if shared is None else shared[: np.size(deltas[0][name])].reshape(np.shape(deltas[0][name])),
-                pool=pool,
-                workers=workers,
-            )
-            if each is None:
-                out[name] = scaled(values, scale)
-            else:
-                each(name, values, scale)
-    return out, _cosine_from(units, squares, len(deltas))
 
 
 def mean_cosine(deltas: Sequence[Delta]) -> float | None:
@@ -116,8 +65,6 @@ def merge_tensor(
     cosine: Sequence[tuple[np.ndarray, float] | None] | None = None,
     squares: list[float] | None = None,
     out: np.ndarray | None = None,
-    pool: ThreadPoolExecutor | None = None,
-    workers: int = 1,
 ) -> tuple[np.ndarray, np.float32 | None]:
     """One tensor merged from float32 contributions ``xs`` with normalised weights ``p`` (RDA when
     ``radial``, else the weighted mean), as ``(values, scale)``: the merge is ``values * scale``
@@ -131,9 +78,7 @@ def merge_tensor(
     squares (RDA's direction norm) are summed as its leaves complete. Each accumulator sees the
     same operations in the same order as a pass of its own would (``out += float32(s_i) * d_i``
     onto zeros for the merge, contributions in the order given), so the bytes are those of
-    separate passes. With a ``pool``, ranges of whole ``_CHUNK``s go to its ``workers`` threads
-    (numpy releases the GIL in each operation); their results are combined in order, so the
-    bytes do not depend on the threads.
+    separate passes.
     """
     shape = np.shape(xs[0]) if xs else next(np.shape(c[0]) for c in cosine or () if c is not None)
     size = int(np.prod(shape, dtype=np.int64))
@@ -157,21 +102,12 @@ def merge_tensor(
     assert all(c is None or c[0].size == size for c in cos), size
     leaves = _dot_leaves(size) if radial and xs else ()
 
-    def part(lo: int, hi: int) -> tuple[list[float], list[float]]:
-        return _merge_range(out.reshape(-1), flats, scales, cos, leaves, lo, hi)
-
-    # Ranges of whole _CHUNKs (so whole reduction leaves) on the workers, results in order.
-    bounds = list(range(0, size, max(_CHUNK, -(-size // _CHUNK // max(workers, 1)) * _CHUNK))) + [size]
-    if len(bounds) > 2 and pool is not None:
-        parts = list(pool.map(part, bounds[:-1], bounds[1:]))
-    else:
-        parts = [part(0, size)]
+    sq_part, leaf_part = _merge_range(out.reshape(-1), flats, scales, cos, leaves, 0, size)
     if squares is not None:
-        for sq_part, _ in parts:
-            squares += sq_part
+        squares += sq_part
     if not radial:
         return out, None
-    n_dir = math.sqrt(_dot_total(size, [v for _, leaf_part in parts for v in leaf_part]))
+    n_dir = math.sqrt(_dot_total(size, leaf_part))
     if n_dir == 0.0:
         out.fill(0)  # +0.0 everywhere (the direction may hold -0.0)
         return out, None

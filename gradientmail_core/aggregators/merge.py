@@ -24,14 +24,14 @@ In float32, element by element, in the order given, onto zeros:
 
 Norms and the weights' products are float64; every norm sums its squares in one fixed order, so
 the same contributions give the same bytes on any machine and any number of threads. These are
-the definitions; ``fused.py`` computes them all in one pass over the contributions (with the
-cosine the round record reports), with exactly these operations, bit for bit.
+the definitions; ``fused.py`` computes each in one pass over the contributions (with the cosine
+the round record reports), with exactly these operations, bit for bit.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -49,7 +49,6 @@ __all__ = [
     "memo_norms",
     "merge",
     "normalized",
-    "merge_with_cosine",
     "outlier_mask",
     "rda",
     "sq_norms",
@@ -94,38 +93,17 @@ def merge(
     scales each contribution down to at most that whole-fragment L2 norm (bounds what one bad
     contribution can do). Output names follow the first contribution's order.
     """
-    return merge_with_cosine(deltas, weights, cfg, clip_norm=clip_norm, cosine=False)[0]
-
-
-def merge_with_cosine(
-    deltas: Sequence[Delta],
-    weights: Sequence[float],
-    cfg: WeightedMean | RDA,
-    *,
-    clip_norm: float | None = None,
-    cosine: bool = True,
-    each: Callable[[str, np.ndarray, np.float32 | None], object] | None = None,
-) -> tuple[dict[str, np.ndarray], float | None]:
-    """``(merge(deltas, ...), mean_pairwise_cosine(deltas))``, bit for bit, in one pass.
-
-    Each chunk of every contribution is read from memory once and feeds both the merge's float32
-    accumulator and the cosine's float64 one while it is in cache (the closer's time from quorum
-    to commit is mostly these passes). The cosine is of the contributions as given, before any
-    clipping. ``cosine=False`` skips it (``None``).
-
-    ``each(name, values, scale)``, if given, receives every merged tensor as it is done instead
-    of the returned dict (which is then empty): the merged tensor is ``values * scale`` (a float32
-    multiply) when ``scale`` is not None, else ``values``. ``values`` lives in one buffer reused
-    for the next tensor, so a consumer (the outer step) takes the fragment's merged delta one
-    tensor at a time, without a fragment-sized temporary or a pass of its own for the scaling.
-    """
     assert deltas, "merge needs at least one accepted contribution"
     names = list(deltas[0])
     for d in deltas[1:]:
         assert set(d) == set(names), f"contributions disagree on tensor names: {sorted(set(d) ^ set(names))[:5]}"
     p = normalized(weights, len(deltas))
     merged_in = [clip(d, clip_norm) for d in deltas] if clip_norm is not None else list(deltas)
-    return fused.merge_fragment(deltas, merged_in, p, cfg, cosine=cosine, each=each)
+    out = {}
+    for name in names:
+        radial = isinstance(cfg, RDA) and not cfg.is_direct(name)
+        out[name] = fused.scaled(*fused.merge_tensor([_f32(d[name]) for d in merged_in], p, radial=radial))
+    return out
 
 
 def clip(delta: Delta, max_norm: float) -> dict[str, np.ndarray]:
