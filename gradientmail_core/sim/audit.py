@@ -339,7 +339,7 @@ class Auditor(Captured):
             out.append(f"record final={rec.final}, participants final={finals}")
         # (1) bit-exact with the engine's pure functions, in learner order
         merged = merge(deltas, weights, cfg.merge)
-        if cfg.gap_projection:  # (the closer's step in ``merging.py``: on the merged delta, RDA scaled)
+        if cfg.gap_projection:  # (the closer's step in ``syncer/passes.py``: on the merged delta, RDA scaled)
             merged = {n: np.array(v, np.float32) for n, v in merged.items()}
             for n, v in merged.items():
                 drop_pullback(v.reshape(-1), *(np.asarray(x[n], np.float32).reshape(-1) for x in (master, theta)))
