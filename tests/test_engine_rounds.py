@@ -13,7 +13,7 @@ from harness import Cluster
 
 import gradientmail_core as gm
 from gradientmail_core import events as ev
-from gradientmail_core.codec.payload import payload_dtypes
+from gradientmail_core.codec.payload import payload_info
 from gradientmail_core.protocol import keys
 from gradientmail_core.protocol.records import RoundRecord, decode
 
@@ -142,7 +142,7 @@ def test_delta_dtype_is_what_learners_upload(dtype):
     finish(c)
     assert seen
     for data in seen.values():
-        assert set(payload_dtypes(data).values()) == {dtype}
+        assert set(payload_info(data).dtypes.values()) == {dtype}
     assert_identical(ms)
 
 

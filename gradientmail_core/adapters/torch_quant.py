@@ -12,6 +12,7 @@ Large tensors are converted in chunks so the temporaries stay small beside a tra
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
@@ -171,23 +172,39 @@ def _byte(b: int, device: torch.device) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# F4 E2M1 (OCP MX), one scale per block of 32
+# F4 and I2: codes packed into bytes, one scale per block of 32
+
+
+def _blockwise(
+    flat: torch.Tensor,
+    block: int,
+    sizes: Callable[[int], tuple[int, int]],
+    bits: int,
+    block_codes: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed codes, scale per block) of ``flat`` zero-padded to whole blocks, a ``CHUNK`` at a
+    time: ``block_codes(blocks, start)`` gives the chunk's codes of ``bits`` bits each and its
+    blocks' scales; the codes are packed ``8 // bits`` a byte, lowest bits first."""
+    n = flat.numel()
+    nbytes, nblocks = sizes(n)
+    if n != nblocks * block:
+        flat = torch.cat([flat, flat.new_zeros(nblocks * block - n)])
+    packed = torch.empty(nbytes, dtype=torch.uint8, device=flat.device)
+    scales = torch.empty(nblocks, dtype=torch.uint8, device=flat.device)
+    per = 8 // bits
+    for i in range(0, flat.numel(), CHUNK):
+        codes, sc = block_codes(flat[i : i + CHUNK].reshape(-1, block), i)
+        q = codes.reshape(-1, per)
+        byte = q[:, 0]
+        for j in range(1, per):
+            byte = byte | (q[:, j] << (bits * j))
+        packed[i // per : i // per + q.shape[0]] = byte
+        scales[i // block : i // block + sc.numel()] = sc
+    return packed, scales
 
 
 def _f4(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    n = flat.numel()
-    nbytes, nblocks = quant.f4_sizes(n)
-    if n != nblocks * quant.F4_BLOCK:
-        flat = torch.cat([flat, flat.new_zeros(nblocks * quant.F4_BLOCK - n)])
-    packed = torch.empty(nbytes, dtype=torch.uint8, device=flat.device)
-    scales = torch.empty(nblocks, dtype=torch.uint8, device=flat.device)
-    for i in range(0, flat.numel(), CHUNK):
-        blocks = flat[i : i + CHUNK].reshape(-1, quant.F4_BLOCK)
-        codes, sc = _f4_block_codes(blocks)
-        pairs = codes.reshape(-1, 2)
-        packed[i // 2 : i // 2 + pairs.shape[0]] = (pairs[:, 1] << 4) | pairs[:, 0]  # low nibble first
-        scales[i // quant.F4_BLOCK : i // quant.F4_BLOCK + sc.numel()] = sc
-    return packed, scales
+    return _blockwise(flat, quant.F4_BLOCK, quant.f4_sizes, 4, lambda blocks, _: _f4_block_codes(blocks))
 
 
 def _f4_block_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,25 +226,17 @@ def _f4_block_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.reshape(-1), scale
 
 
-# ---------------------------------------------------------------------------------------------
-# I2, one scale per block of 32 (``codec/quant_i2.py``: the grid and why)
+# I2 (``codec/quant_i2.py``: the grid and why)
 
 
 def _i2(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n = flat.numel()
-    nbytes, nblocks = quant_i2.i2_sizes(n)
-    if n != nblocks * quant_i2.I2_BLOCK:
-        flat = torch.cat([flat, flat.new_zeros(nblocks * quant_i2.I2_BLOCK - n)])
-    packed = torch.empty(nbytes, dtype=torch.uint8, device=flat.device)
-    scales = torch.empty(nblocks, dtype=torch.uint8, device=flat.device)
-    for i in range(0, flat.numel(), CHUNK):
-        blocks = flat[i : i + CHUNK].reshape(-1, quant_i2.I2_BLOCK)
-        last = i + (blocks.shape[0] - 1) * quant_i2.I2_BLOCK  # where the chunk's last block starts
-        codes, sc = _i2_block_codes(blocks, min(n - last, quant_i2.I2_BLOCK))
-        q = codes.reshape(-1, 4)
-        packed[i // 4 : i // 4 + q.shape[0]] = q[:, 0] | (q[:, 1] << 2) | (q[:, 2] << 4) | (q[:, 3] << 6)
-        scales[i // quant_i2.I2_BLOCK : i // quant_i2.I2_BLOCK + sc.numel()] = sc
-    return packed, scales
+
+    def codes(blocks: torch.Tensor, at: int) -> tuple[torch.Tensor, torch.Tensor]:
+        last = at + (blocks.shape[0] - 1) * quant_i2.I2_BLOCK  # where the chunk's last block starts
+        return _i2_block_codes(blocks, min(n - last, quant_i2.I2_BLOCK))
+
+    return _blockwise(flat, quant_i2.I2_BLOCK, quant_i2.i2_sizes, 2, codes)
 
 
 def _i2_block_codes(blocks: torch.Tensor, n_last: int) -> tuple[torch.Tensor, torch.Tensor]:

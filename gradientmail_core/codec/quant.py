@@ -33,11 +33,13 @@ import numpy as np
 from .e8m0 import E8M0_VALUES
 from .e8m0 import inv_pow2 as _inv_pow2
 from .e8m0 import pow2_exponent as _pow2_exponent
-from .quant_i2 import I2_BLOCK, dequantize_i2, i2_sizes, quantize_i2  # noqa: F401 (re-exported)
+from .quant_i2 import dequantize_i2, quantize_i2
 
 DTYPES = ("F32", "F16", "BF16", "F8_E4M3", "F4", "I2")
 # Safetensors dtype each logical dtype is stored as.
 STORAGE = {"F32": "F32", "F16": "F16", "BF16": "BF16", "F8_E4M3": "F8_E4M3", "F4": "U8", "I2": "U8"}
+# Quantized elementwise: a slice of the input quantizes to the same slice of the output.
+ELEMENTWISE = ("F32", "F16", "BF16")
 F4_BLOCK = 32
 F32_MAX = np.float32(np.finfo(np.float32).max)
 
@@ -236,15 +238,6 @@ def _e4m3_encode(flat: np.ndarray, inv_scale: np.float32 | None) -> np.ndarray:
     return out
 
 
-def e4m3_codes(y: np.ndarray) -> np.ndarray:
-    """float32 already scaled into [-448, 448] -> E4M3fn codes (uint8), RNE.
-
-    Larger magnitudes saturate to +-448; NaN and inf give the NaN code 0x7F (E4M3fn has no inf).
-    """
-    y = np.asarray(y, dtype=_F32, order="C")
-    return _e4m3_encode(y.reshape(-1), None).reshape(y.shape)
-
-
 def e4m3_values(codes: np.ndarray, scale: float = 1.0) -> np.ndarray:
     """E4M3fn codes (uint8) -> float32 (exact), times a power-of-two ``scale``."""
     codes = np.asarray(codes, dtype=np.uint8)
@@ -305,18 +298,6 @@ E2M1_MAX = 6.0
 _E2M1_FLOATS = np.concatenate([E2M1_VALUES, -E2M1_VALUES]).astype(np.float32)
 _E2M1_PAIRS = np.stack([_E2M1_FLOATS[np.arange(256) & 15], _E2M1_FLOATS[np.arange(256) >> 4]], axis=1)
 _E2M1_PAIRS64 = _E2M1_PAIRS.reshape(-1).view(np.uint64)
-
-
-def e2m1_codes(y: np.ndarray) -> np.ndarray:
-    """float32 already scaled into [-6, 6] -> E2M1 codes (uint8, 0..15), RNE; saturates at 6."""
-    y = np.asarray(y, dtype=_F32, order="C")
-    flat = y.reshape(-1)
-    out = np.empty(flat.size, np.uint8)
-    scratch = _Scratch(flat.size)
-    with _quiet_nan():
-        for i in range(0, flat.size, _CHUNK):
-            _grid_codes(flat[i : i + _CHUNK], E2M1_GRID, E2M1_CODES, out[i : i + _CHUNK], scratch)
-    return out.reshape(y.shape)
 
 
 def f4_sizes(n: int) -> tuple[int, int]:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..aggregators.leaves import Pooled
-from ..codec.chunked import ChunkSpec, chunk_specs
+from ..codec.plan import ChunkSpec, chunk_specs
 from ..config import RDA
 from ..errors import MailboxUnavailable, MissingExtra, PayloadCorrupt, PayloadLayoutMismatch
 from ..protocol.chunks import Layout, Piece, numel

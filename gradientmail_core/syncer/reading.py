@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from ..codec.chunked import ChunkSpec
+from ..codec.plan import ChunkSpec
 from ..errors import PayloadCorrupt
 from ..protocol.chunks import Piece
 from ..protocol.records import PayloadRef
