@@ -86,28 +86,15 @@ Values = Mapping[str, np.ndarray] | Mapping[str, quant.QTensor]
 Dtypes = Mapping[str, str] | str
 
 
+# The same arguments; ``stream`` decides what comes back.
 @overload
-def encode_payload(
-    tensors: Values,
-    dtypes: Dtypes | None = None,
-    *,
-    kind: str,
-    compression: str = "",
-    chunk: ChunkSpec | None = None,
-    f8_scales: Mapping[str, int] | None = None,
-    stream: Literal[False] = False,
-) -> bytes: ...
+def encode_payload(tensors: Values, dtypes: Dtypes | None = ..., *, kind: str, compression: str = ...,
+                   chunk: ChunkSpec | None = ..., f8_scales: Mapping[str, int] | None = ...,
+                   stream: Literal[False] = ...) -> bytes: ...  # fmt: skip
 @overload
-def encode_payload(
-    tensors: Values,
-    dtypes: Dtypes | None = None,
-    *,
-    kind: str,
-    compression: str = "",
-    chunk: ChunkSpec | None = None,
-    f8_scales: Mapping[str, int] | None = None,
-    stream: Literal[True],
-) -> PayloadStream: ...
+def encode_payload(tensors: Values, dtypes: Dtypes | None = ..., *, kind: str, compression: str = ...,
+                   chunk: ChunkSpec | None = ..., f8_scales: Mapping[str, int] | None = ...,
+                   stream: Literal[True]) -> PayloadStream: ...  # fmt: skip
 def encode_payload(
     tensors: Values,
     dtypes: Dtypes | None = None,

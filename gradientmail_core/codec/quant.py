@@ -222,7 +222,7 @@ def _grid_codes(y: np.ndarray, grid: Grid, table: np.ndarray, out: np.ndarray, s
 # F8 E4M3 (fn)
 
 E4M3_MAX = 448.0
-_E4M3_FLOATS = np.concatenate([E4M3_VALUES, [np.nan], -E4M3_VALUES, [np.nan]]).astype(np.float32)
+E4M3_FLOATS = np.concatenate([E4M3_VALUES, [np.nan], -E4M3_VALUES, [np.nan]]).astype(np.float32)
 
 
 def _e4m3_encode(flat: np.ndarray, inv_scale: np.float32 | None) -> np.ndarray:
@@ -241,12 +241,12 @@ def _e4m3_encode(flat: np.ndarray, inv_scale: np.float32 | None) -> np.ndarray:
 def e4m3_values(codes: np.ndarray, scale: float = 1.0) -> np.ndarray:
     """E4M3fn codes (uint8) -> float32 (exact), times a power-of-two ``scale``."""
     codes = np.asarray(codes, dtype=np.uint8)
-    table = _E4M3_FLOATS
+    table = E4M3_FLOATS
     if scale != 1.0:
         # Folding the scale into the table is exact, except that top codes times the largest
         # scales pass float32's max: saturate there.
         with np.errstate(over="ignore"):
-            table = np.clip(_E4M3_FLOATS * np.float32(scale), -F32_MAX, F32_MAX)
+            table = np.clip(E4M3_FLOATS * np.float32(scale), -F32_MAX, F32_MAX)
     return np.take(table, codes.reshape(-1)).reshape(codes.shape)  # flat: take() on 0-d gives a scalar
 
 
@@ -295,8 +295,8 @@ def dequantize_e4m3(codes: np.ndarray, scale_byte: int) -> np.ndarray:
 
 E2M1_MAX = 6.0
 # Every packed byte -> its two values (low nibble first) as one uint64: one gather decodes two.
-_E2M1_FLOATS = np.concatenate([E2M1_VALUES, -E2M1_VALUES]).astype(np.float32)
-_E2M1_PAIRS = np.stack([_E2M1_FLOATS[np.arange(256) & 15], _E2M1_FLOATS[np.arange(256) >> 4]], axis=1)
+E2M1_FLOATS = np.concatenate([E2M1_VALUES, -E2M1_VALUES]).astype(np.float32)
+_E2M1_PAIRS = np.stack([E2M1_FLOATS[np.arange(256) & 15], E2M1_FLOATS[np.arange(256) >> 4]], axis=1)
 _E2M1_PAIRS64 = _E2M1_PAIRS.reshape(-1).view(np.uint64)
 
 
