@@ -139,8 +139,9 @@ def decode_payload(
 ) -> dict[str, np.ndarray]:
     """A payload -> ``{name: float32 array of the expected shape}`` (fresh, writable arrays).
 
-    ``data``: the whole bytes (hashed only if a ``sha256`` is given), or an iterable of its parts,
-    decoded as they arrive and returned once all ``size`` bytes have come and hash to ``sha256``.
+    ``data``: the whole bytes (hashed only if a ``sha256`` is given, held to ``size`` if one is), or
+    an iterable of its parts, decoded as they arrive and returned once all ``size`` bytes have
+    come and hash to ``sha256``.
     ``expected``: ``{name: shape}``, or a ``ChunkSpec`` (the chunk's pieces, ``{piece name:
     values}``, a part 1-D; its layout metadata expected; ``dtypes`` by tensor name). The header
     must describe exactly these tensors (with ``kind``, be of that kind; with ``dtypes``, store
@@ -150,7 +151,7 @@ def decode_payload(
     parts: Iterable[Chunk]
     if isinstance(data, bytes | bytearray | memoryview):
         view = memoryview(data).cast("B")
-        parts, size, workers = [view], view.nbytes, WORKERS
+        parts, size, workers = [view], view.nbytes if size is None else size, WORKERS
     elif size is None or sha256 is None:
         raise ValueError("decoding a payload's parts as they arrive needs its size and sha256 (its ref)")
     else:
