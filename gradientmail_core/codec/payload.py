@@ -9,7 +9,6 @@
 - ``decode_payload(data, expected, *, size, sha256, key, compression, max_bytes, kind, dtypes)``:
   whole bytes, or the parts of a stream decoded as they arrive (``size`` and ``sha256`` then
   required), checked against ``expected`` (shapes, or a ``ChunkSpec``) -> float32 arrays.
-- ``payload_info``: what a payload's header declares.
 
 Writing. A payload's key carries the sha256 of its bytes, so a stream must know the hash before
 its first byte goes out:
@@ -65,7 +64,6 @@ from ..errors import PayloadCorrupt, PayloadLayoutMismatch
 from . import compress as zstd_codec
 from . import quant, safetensors_io
 from .header import (
-    PayloadInfo,
     check_encodable,
     check_header,
     default_payload_cap,
@@ -165,12 +163,6 @@ def decode_payload(
     if size > cap:
         raise PayloadCorrupt(f"{key or 'payload'}: {size} bytes, above the cap of {cap}")
     return _decode(parts, expected, size, sha256, compression, kind, dtypes, meta, key, Budget(workers, PIECE))
-
-
-def payload_info(data: bytes | memoryview, compression: str = "", *, max_header_bytes: int = 64 << 20) -> PayloadInfo:
-    """Kind, compression and logical dtypes of a payload, from its header alone."""
-    header, _ = safetensors_io.read_header(data, max_header_bytes=max_header_bytes)
-    return header_info(header, compression)
 
 
 class PayloadStream:
