@@ -191,7 +191,7 @@ def main() -> None:
             frames = [compress.compress(a, shuffle_by, level=level) for a in stored]
             t_c = best_of(lambda: [compress.compress(a, shuffle_by, level=level) for a in stored], args.repeat)  # noqa: B023
             t_d = best_of(
-                lambda: [compress.decompress_array(f, shuffle_by, a.nbytes) for f, a in zip(frames, stored)],  # noqa: B023
+                lambda: [compress.decompress(f, shuffle_by, a.nbytes) for f, a in zip(frames, stored)],  # noqa: B023
                 args.repeat,
             )
             size = sum(map(len, frames))
@@ -228,7 +228,7 @@ def zstd_threads(weights: dict[str, np.ndarray], args: argparse.Namespace) -> No
         for n in (int(x) for x in args.threads.split(",")):
             frame = compress.compress(data, item, threads=n)
             t_c = best_of(lambda: compress.compress(data, item, threads=n), args.repeat)  # noqa: B023
-            t_d = best_of(lambda: compress.decompress_array(frame, item, data.nbytes), args.repeat)  # noqa: B023
+            t_d = best_of(lambda: compress.decompress(frame, item, data.nbytes), args.repeat)  # noqa: B023
             mode = "mt" if n else "st"
             same = frames.setdefault(mode, frame) == frame
             print(

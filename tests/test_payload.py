@@ -241,7 +241,7 @@ def test_wrong_shapes_are_rejected_before_any_tensor_is_read(
         raise AssertionError("a tensor was materialised before the header was validated")
 
     monkeypatch.setattr(payload.quant, "dequantize", no_materialising)
-    monkeypatch.setattr(compress, "decompress_array", no_materialising)
+    monkeypatch.setattr(compress, "decompress", no_materialising)
     wrong = shapes(t) | {"layers.0.weight": (7, 33)}  # the same size: only the shape tells
     with pytest.raises(PayloadCorrupt, match=r"expected shape \[7, 33\]"):
         payload.decode_payload(data, wrong, compression=codec)

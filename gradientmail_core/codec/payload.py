@@ -658,7 +658,7 @@ def _whole(
         np_dtype = safetensors_io.NUMPY_DTYPES[st_dtype]
         if zstd:
             nbytes = safetensors_io.DTYPE_SIZES[st_dtype] * safetensors_io.numel(st_shape)
-            planes = zstd_codec.decompress_array(blob, np_dtype.itemsize, nbytes)
+            planes = zstd_codec.decompress(blob, np_dtype.itemsize, nbytes)
             if planes.size != nbytes:
                 raise PayloadCorrupt(f"tensor {k!r}: decompressed to {planes.size} bytes, expected {nbytes}")
             arrays.append(planes.view(np_dtype).reshape(st_shape))
