@@ -6,7 +6,7 @@ serialize) and decode throughput in GB/s of fp32 input, side by side with a plai
 of the same bytes measured in the same run; then the zstd size reduction and speed for fp32
 and bf16 weights; then zstd on one large tensor (the weights tiled to ``--mt-mb``) single-threaded
 against zstd's multi-threaded mode (``--threads``); then the streaming encoder
-(``codec/stream.py``: hash pass + upload pass) against the one-shot one. Not a test: run
+(``encode_payload(..., stream=True)``: hash pass + upload pass) against the one-shot one. Not a test: run
 ``python bench/codec.py`` (``--synthetic`` skips the training: random weights, sizes only).
 """
 
@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from gradientmail_core.codec import compress, payload, quant, stream
+from gradientmail_core.codec import compress, payload, quant
 
 
 def corpus(limit: int) -> bytes:
@@ -191,7 +191,7 @@ def main() -> None:
             frames = [compress.compress(a, shuffle_by, level=level) for a in stored]
             t_c = best_of(lambda: [compress.compress(a, shuffle_by, level=level) for a in stored], args.repeat)  # noqa: B023
             t_d = best_of(
-                lambda: [compress.decompress_array(f, shuffle_by, a.nbytes) for f, a in zip(frames, stored)],  # noqa: B023
+                lambda: [compress.decompress(f, shuffle_by, a.nbytes) for f, a in zip(frames, stored)],  # noqa: B023
                 args.repeat,
             )
             size = sum(map(len, frames))
@@ -228,7 +228,7 @@ def zstd_threads(weights: dict[str, np.ndarray], args: argparse.Namespace) -> No
         for n in (int(x) for x in args.threads.split(",")):
             frame = compress.compress(data, item, threads=n)
             t_c = best_of(lambda: compress.compress(data, item, threads=n), args.repeat)  # noqa: B023
-            t_d = best_of(lambda: compress.decompress_array(frame, item, data.nbytes), args.repeat)  # noqa: B023
+            t_d = best_of(lambda: compress.decompress(frame, item, data.nbytes), args.repeat)  # noqa: B023
             mode = "mt" if n else "st"
             same = frames.setdefault(mode, frame) == frame
             print(
@@ -245,12 +245,12 @@ def streaming(weights: dict[str, np.ndarray], args: argparse.Namespace) -> None:
     for dtype, codec in (("F32", ""), ("BF16", ""), ("F8_E4M3", ""), ("BF16", "zstd")):
 
         def streamed() -> None:
-            with stream.stream_payload(weights, dtype, kind="bench", compression=codec) as s:  # noqa: B023
+            with payload.encode_payload(weights, dtype, kind="bench", compression=codec, stream=True) as s:  # noqa: B023
                 for _ in s.chunks():
                     pass
 
         one = payload.encode_payload(weights, dtype, kind="bench", compression=codec)
-        same = stream.stream_payload(weights, dtype, kind="bench", compression=codec).read() == one
+        same = payload.encode_payload(weights, dtype, kind="bench", compression=codec, stream=True).read() == one
         t_one = best_of(lambda: payload.encode_payload(weights, dtype, kind="bench", compression=codec), args.repeat)  # noqa: B023
         t_stream = best_of(streamed, args.repeat)
         print(f"{dtype:<9} {codec or '-':<5} {gb / t_one:>9.2f} {gb / t_stream:>7.2f} {'yes' if same else 'NO':>11}")

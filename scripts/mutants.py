@@ -147,7 +147,7 @@ MUTATIONS: list[Mutation] = [
       ("tests/test_quant_i2.py::test_a_run_with_i2_deltas_and_commits_ends_identical_and_matches_its_digests",),
       "finding 6: every node agrees to send and read I2 deltas as F32 (the commits are still I2)", quick=True),
     # 7. The library's own sha256 check of what it reads
-    M("streamed-reads-skip-the-sha256", "gradientmail_core/codec/reader.py",
+    M("streamed-reads-skip-the-sha256", "gradientmail_core/codec/payload.py",
       "        if self.digest is not None and self.digest.hexdigest() != self.sha256:\n",
       "        if False:\n",
       ("tests/test_s3_multipart.py::test_a_part_read_back_corrupt_is_caught_by_the_payloads_sha256",),
@@ -305,7 +305,7 @@ MUTATIONS: list[Mutation] = [
       "        if True:",
       ("tests/test_hf_trainer.py::test_an_fp16_step_the_grad_scaler_skips_is_not_a_session_step",),
       "a fused optimizer's step the GradScaler skipped counts as a session step (its delta is of no step)"),
-    M("reader-keeps-a-decoded-tensors-part", "gradientmail_core/codec/reader.py",
+    M("reader-keeps-a-decoded-tensors-part", "gradientmail_core/codec/payload.py",
       "                del stored  # (its bytes not kept while the next tensor's arrive)\n",
       "",
       ("tests/test_payload_stream.py::test_decoding_tensors_whole_in_large_parts_lets_each_part_go",),

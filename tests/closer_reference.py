@@ -1,7 +1,7 @@
 """An independent reference for a commit: what a closer must commit for a round, computed over
 whole tensors in memory with the definitions (``merge_with_cosine`` here: ``aggregators/merge.py``'s
 merge, tensor by tensor through ``fused.merge_tensor``, a code path of its own, ``outer.outer_step_tensor``, ``rebuild.cast``/``rebuild_theta``,
-``codec.chunked.fragment_streams``). The engine's merger (``syncer/merger.py``) merges chunk by
+``codec.payload.encode_payload`` with ``chunk=``). The engine's merger (``syncer/merger.py``) merges chunk by
 chunk and range by range; tests hold its payloads, digests, cosine and state to this, bit for bit.
 """
 
@@ -15,7 +15,9 @@ import numpy as np
 from gradientmail_core.aggregators import fused
 from gradientmail_core.aggregators.merge import Delta, clip, normalized
 from gradientmail_core.aggregators.outer import drop_pullback, final_step_tensor, outer_step_tensor
-from gradientmail_core.codec.chunked import fragment_streams
+from gradientmail_core.codec.header import sha256_hex
+from gradientmail_core.codec.payload import encode_payload
+from gradientmail_core.codec.plan import chunk_specs
 from gradientmail_core.config import RDA, WeightedMean
 from gradientmail_core.protocol import keys
 from gradientmail_core.protocol.rebuild import cast, rebuild_theta
@@ -124,9 +126,9 @@ def reference_commit(
 
     def shas(values, shp, dt, kind: str, z: str) -> list[tuple[str, bytes]]:
         out = []
-        for _, s in fragment_streams(values, shp, dt, c, kind=kind, compression=z):
-            data = s.read()
-            out.append((s.sha256, data))
+        for s in chunk_specs(shp, c):
+            data = encode_payload(values, dt, kind=kind, compression=z, chunk=s)
+            out.append((sha256_hex(data), data))
         return out
 
     payloads: dict[str, bytes] = {}

@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 
 import gradientmail_core as gm
 from gradientmail_core.adapters.base import NumpyAdapter
-from gradientmail_core.codec import chunked, quant
-from gradientmail_core.codec.payload import encode_payload
+from gradientmail_core.codec import quant
+from gradientmail_core.codec.payload import decode_payload, encode_payload
+from gradientmail_core.codec.plan import chunk_specs
 from gradientmail_core.errors import PayloadCorrupt, PayloadLayoutMismatch, RecordInvalid
 from gradientmail_core.mailbox.memory import MemoryMailbox
 from gradientmail_core.protocol import chunks, keys
@@ -116,22 +117,17 @@ def test_a_chunk_holds_the_slices_of_the_whole_tensors_quantization(dtype, compr
     tensors = {n: (rng.standard_normal(s) * 10.0 ** rng.integers(-3, 3)).astype(np.float32) for n, s in shapes.items()}
     tensors["c"][5] = np.nan  # an F4/I2 NaN block and a non-finite F8 tensor stay what they were
     whole = {n: quant.quantize(v, dtype) for n, v in tensors.items()}
-    specs = chunked.chunk_specs(shapes, c)
+    scales = {n: quant.e4m3_scale_byte(quant.e4m3_amax(v)) for n, v in tensors.items()}  # the whole tensors'
+    specs = chunk_specs(shapes, c)
     assert len(specs) == {32: 9, 96: 3}[c] and any(s.meta.get("pieces") for s in specs)
     for s in specs:
-        sliced = chunked.split(whole, s)
-        floats = chunked.split(tensors, s)
-        scales = chunked.f8_scales(tensors, dict.fromkeys(shapes, dtype), s)
-        for p in s.pieces:  # a piece quantized from its own values is the slice of the whole's bytes
-            q = quant.quantize(floats[p.name], dtype, f8_scale=scales.get(p.name))
-            assert q.data.tobytes() == np.ascontiguousarray(sliced[p.name].data).tobytes(), p
-            assert (q.scale is None) == (sliced[p.name].scale is None)
-            if q.scale is not None:
-                assert q.scale.tobytes() == np.ascontiguousarray(sliced[p.name].scale).tobytes(), p
-        from_floats = chunked.stream_chunk(floats, s, dtype, kind="delta", compression=compression, f8_scales=scales)
-        from_q = chunked.stream_chunk(sliced, s, dtype, kind="delta", compression=compression)
-        assert from_floats.read() == from_q.read()
-        got = chunked.decode_chunk(
+        # the pieces' own values, the whole tensors cut here, and their whole quantization cut here
+        pieces = {p.name: tensors[p.name].reshape(-1)[p.start : p.stop] for p in s.pieces}
+        from_pieces = encode_payload(pieces, dtype, kind="delta", compression=compression, chunk=s, f8_scales=scales)
+        from_floats = encode_payload(tensors, dtype, kind="delta", compression=compression, chunk=s)
+        from_q = encode_payload(whole, kind="delta", compression=compression, chunk=s, stream=True)
+        assert from_pieces == from_floats == from_q.read()
+        got = decode_payload(
             from_q.chunks(), s, size=from_q.size, sha256=from_q.sha256, compression=compression, kind="delta"
         )
         for p in s.pieces:  # decoded: the whole tensor's decoded values, sliced
@@ -140,9 +136,9 @@ def test_a_chunk_holds_the_slices_of_the_whole_tensors_quantization(dtype, compr
 
 
 def test_an_f8_piece_without_its_tensors_scale_is_refused():
-    s = chunked.chunk_specs({"w": (64,)}, 32)[1]
+    s = chunk_specs({"w": (64,)}, 32)[1]
     with pytest.raises(ValueError, match="f8_scales"):
-        chunked.stream_chunk({"w": np.ones(32, np.float32)}, s, "F8_E4M3", kind="delta")
+        encode_payload({"w": np.ones(32, np.float32)}, "F8_E4M3", kind="delta", chunk=s)
 
 
 def test_the_f8_scale_of_a_tensor_is_the_max_of_its_parts():
@@ -156,8 +152,8 @@ def test_a_one_chunk_fragment_is_the_whole_payload_byte_for_byte():
     shapes = {"a": (5, 6), "b": (3,)}
     t = {n: np.random.default_rng(1).standard_normal(s).astype(np.float32) for n, s in shapes.items()}
     for c in (None, 64, 1 << 24):
-        ((s, stream),) = list(chunked.fragment_streams(t, shapes, "F4", c, kind="theta"))
-        assert s.meta == {} and stream.read() == encode_payload(t, "F4", kind="theta")
+        (s,) = chunk_specs(shapes, c)
+        assert s.meta == {} and encode_payload(t, "F4", kind="theta", chunk=s) == encode_payload(t, "F4", kind="theta")
 
 
 # ---- refs and records --------------------------------------------------------------------------

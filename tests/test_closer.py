@@ -9,7 +9,8 @@ import pytest
 
 from gradientmail_core.adapters.base import NumpyAdapter
 from gradientmail_core.aggregators.merge import sq_norms
-from gradientmail_core.codec.payload import decode_payload, encode_payload, sha256_hex
+from gradientmail_core.codec.header import sha256_hex
+from gradientmail_core.codec.payload import decode_payload, encode_payload
 from gradientmail_core.config import DiLoCo
 from gradientmail_core.mailbox.memory import MemoryMailbox
 from gradientmail_core.protocol import keys

@@ -13,7 +13,8 @@ from harness import Cluster
 
 import gradientmail_core as gm
 from gradientmail_core import events as ev
-from gradientmail_core.codec.payload import payload_dtypes
+from gradientmail_core.codec.header import header_info
+from gradientmail_core.codec.safetensors_io import read_header
 from gradientmail_core.protocol import keys
 from gradientmail_core.protocol.records import RoundRecord, decode
 
@@ -142,7 +143,7 @@ def test_delta_dtype_is_what_learners_upload(dtype):
     finish(c)
     assert seen
     for data in seen.values():
-        assert set(payload_dtypes(data).values()) == {dtype}
+        assert set(header_info(read_header(data, max_header_bytes=1 << 20)[0], "").dtypes.values()) == {dtype}
     assert_identical(ms)
 
 

@@ -25,7 +25,8 @@ from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from gradientmail_core.codec import safetensors_io  # noqa: E402
-from gradientmail_core.codec.payload import decode_payload, encode_payload, schema_digest  # noqa: E402
+from gradientmail_core.codec.header import schema_digest  # noqa: E402
+from gradientmail_core.codec.payload import decode_payload, encode_payload  # noqa: E402
 from gradientmail_core.config import DiLoCo  # noqa: E402
 from gradientmail_core.errors import PayloadCorrupt, ProtocolError, RecordInvalid  # noqa: E402
 from gradientmail_core.protocol import keys  # noqa: E402

@@ -1,6 +1,5 @@
-"""One writer and one reader of the payload format: the one-shot ``encode_payload`` and
-``decode_payload`` are ``codec/writer.py`` and ``codec/reader.py`` over whole bytes, the stream
-the same two over parts. The bytes are the ones the codec has always written (pinned in
+"""One writer and one reader of the payload format (``codec/payload.py``): ``encode_payload`` and
+``decode_payload`` run them over whole bytes, and with ``stream=True`` / parts over parts. The bytes are the ones the codec has always written (pinned in
 ``golden/payload_bytes.json``, made by the two writers before they were one), whatever the
 threads and piece sizes, and the two readers accept and refuse the same bytes."""
 
@@ -17,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gradientmail_core.codec import budget, chunked, payload, quant, reader, stream
+from gradientmail_core.codec import payload, plan, quant
 from gradientmail_core.errors import PayloadCorrupt
 
 DTYPES = ["F32", "BF16", "F16", "F8_E4M3", "F4", "I2"]
@@ -50,10 +49,9 @@ def payloads(draw: st.DrawFn) -> tuple[dict[str, np.ndarray], dict[str, str]]:
 def threads_and_small_pieces() -> Iterator[None]:
     """Every pass on three threads, whatever the size, and pieces of a few elements."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(budget, "PARALLEL_BYTES", 0)
+        mp.setattr(payload, "PARALLEL_BYTES", 0)
         mp.setattr(payload, "WORKERS", 3)
-        mp.setattr(stream, "WORKERS", 3)
-        mp.setattr(stream, "PIECE", 24)
+        mp.setattr(payload, "PIECE", 24)
         yield
 
 
@@ -67,12 +65,12 @@ def test_the_one_shot_bytes_are_the_stream_bytes(p, codec: str, one_dtype: bool)
     tensors, dtypes = p
     dtypes = next(iter(dtypes.values())) if one_dtype else dtypes
     one = payload.encode_payload(tensors, dtypes, kind="delta", compression=codec)
-    with stream.stream_payload(tensors, dtypes, kind="delta", compression=codec) as s:
+    with payload.encode_payload(tensors, dtypes, kind="delta", compression=codec, stream=True) as s:
         assert (s.size, s.sha256) == (len(one), hashlib.sha256(one).hexdigest())
         assert s.read() == one
     quantized = {n: quant.quantize(x, dtypes if isinstance(dtypes, str) else dtypes[n]) for n, x in tensors.items()}
-    assert payload.encode_quantized(quantized, kind="delta", compression=codec) == one
-    assert stream.stream_quantized(quantized, kind="delta", compression=codec).read() == one
+    assert payload.encode_payload(quantized, kind="delta", compression=codec) == one
+    assert payload.encode_payload(quantized, kind="delta", compression=codec, stream=True).read() == one
 
 
 @PROPERTY
@@ -84,22 +82,12 @@ def test_threads_and_piece_sizes_change_no_byte(p, codec: str) -> None:
     want = payload.decode_payload(one, shapes, compression=codec)
     with threads_and_small_pieces():
         assert payload.encode_payload(tensors, dtypes, kind="delta", compression=codec) == one
-        assert stream.stream_payload(tensors, dtypes, kind="delta", compression=codec).read() == one
+        assert payload.encode_payload(tensors, dtypes, kind="delta", compression=codec, stream=True).read() == one
         got = payload.decode_payload(one, shapes, compression=codec)
         # The threaded reader over parts that cut pieces and tensors anywhere.
         parts = [one[i : i + 37] for i in range(0, len(one), 37)]
-        streamed = reader.decode_parts(
-            parts,
-            shapes,
-            size=len(one),
-            sha256=hashlib.sha256(one).hexdigest(),
-            compression=codec,
-            kind=None,
-            dtypes=None,
-            meta=None,
-            key="k",
-            budget=budget.Budget(workers=3, piece=24),
-        )
+        sha = hashlib.sha256(one).hexdigest()
+        streamed = payload._decode(parts, shapes, len(one), sha, codec, None, None, None, "k", payload.Budget(3, 24))
     for name in tensors:
         np.testing.assert_array_equal(got[name], want[name])
         np.testing.assert_array_equal(streamed[name], want[name])
@@ -137,8 +125,9 @@ def test_payload_bytes_are_the_ones_the_codec_has_always_written(threaded: bool)
             special = payload.encode_payload(golden_special(), dtype, kind="theta")
             got[f"special {dtype}"] = hashlib.sha256(special).hexdigest()
             shapes = {n: v.shape for n, v in t.items()}
-            for s, st_ in chunked.fragment_streams(t, shapes, dtype, 256, kind="theta"):
-                got[f"chunk {s.k}/{s.n} {dtype}"] = st_.sha256
+            for s in plan.chunk_specs(shapes, 256):
+                chunk = payload.encode_payload(t, dtype, kind="theta", chunk=s, stream=True)
+                got[f"chunk {s.k}/{s.n} {dtype}"] = chunk.sha256
     assert got == golden
 
 
@@ -169,7 +158,7 @@ def test_the_one_shot_and_the_stream_reader_agree_on_any_damage(p, codec: str, d
             if read == "whole":
                 got = payload.decode_payload(bytes(bad), shapes, compression=codec)
             else:
-                got = stream.decode_stream(
+                got = payload.decode_payload(
                     [bad[i : i + 50] for i in range(0, len(bad), 50)],
                     shapes,
                     size=len(bad),
@@ -189,4 +178,4 @@ def test_a_stream_names_its_key_when_its_framing_is_broken() -> None:
     with pytest.raises(PayloadCorrupt, match=r"^safetensors header length is 1000000000 bytes"):
         payload.decode_payload(bad, {"w": (8,)})
     with pytest.raises(PayloadCorrupt, match=r"^blobs/k: safetensors header length is 1000000000 bytes"):
-        stream.decode_stream([bad], {"w": (8,)}, size=len(bad), sha256=hashlib.sha256(bad).hexdigest(), key="blobs/k")
+        payload.decode_payload([bad], {"w": (8,)}, size=len(bad), sha256=hashlib.sha256(bad).hexdigest(), key="blobs/k")

@@ -13,7 +13,8 @@ from harness import Cluster
 
 import gradientmail_core as gm
 from gradientmail_core import events as ev
-from gradientmail_core.codec import payload, quant
+from gradientmail_core.codec import payload, quant, safetensors_io
+from gradientmail_core.codec.header import header_info
 from gradientmail_core.codec.quant_i2 import I2_BLOCK, dequantize_i2, i2_sizes, quantize_i2
 from gradientmail_core.errors import PayloadCorrupt
 from gradientmail_core.protocol import keys
@@ -24,6 +25,11 @@ HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 def roundtrip(x: np.ndarray) -> np.ndarray:
     return quant.dequantize(quant.quantize(x, "I2"))
+
+
+def dtypes_of(data: bytes, compression: str = "") -> dict[str, str]:
+    """The logical dtypes a payload's header declares."""
+    return header_info(safetensors_io.read_header(data, max_header_bytes=1 << 20)[0], compression).dtypes
 
 
 def rel_error(x: np.ndarray, y: np.ndarray) -> float:
@@ -276,7 +282,7 @@ def test_mlx_deltas_encode_to_the_numpy_bytes() -> None:
     captured = io.capture(names, anchor).encode(dtypes, compression="")
     consumed = io.consume(names, {n: a.copy() for n, a in anchor.items()}).encode(dtypes, compression="")
     assert captured == want and consumed == want
-    assert payload.payload_dtypes(want) == dtypes
+    assert dtypes_of(want) == dtypes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,7 +295,7 @@ def test_payload_round_trip(codec: str) -> None:
         pytest.skip("zstandard not installed")
     t = {"w": np.random.default_rng(6).standard_normal((33, 7)).astype(F32), "b": np.array(-2.5, F32)}
     data = payload.encode_payload(t, "I2", kind="delta", compression=codec)
-    assert payload.payload_dtypes(data, codec) == {"w": "I2", "b": "I2"}
+    assert dtypes_of(data, codec) == {"w": "I2", "b": "I2"}
     out = payload.decode_payload(data, {n: v.shape for n, v in t.items()}, compression=codec, kind="delta")
     for n, v in t.items():
         np.testing.assert_array_equal(out[n], roundtrip(v))
@@ -338,7 +344,7 @@ def test_a_run_with_i2_deltas_and_commits_ends_identical_and_matches_its_digests
     assert len(recs) >= 6 and all(r.change is not None for r in recs)
     for r in recs[-2:]:
         assert r.change is not None
-        assert set(payload.payload_dtypes(c.mailbox.get(r.change.key)).values()) == {"I2"}
+        assert set(dtypes_of(c.mailbox.get(r.change.key)).values()) == {"I2"}
     assert all(e.bytes > 0 for m in ms for e in m.of(ev.Published))
     # The deltas went up as I2: every tensor of every contribution, and its data is exactly the
     # two-bit codes (four a byte, blocks of 32) and a scale byte per block, after the header.
@@ -348,7 +354,7 @@ def test_a_run_with_i2_deltas_and_commits_ends_identical_and_matches_its_digests
         b = keys.parse_blob_key(key)
         assert b is not None and b.round is not None
         f = b.round % run.P
-        assert payload.payload_dtypes(data) == dict.fromkeys(run.fragments[f], "I2"), key
+        assert dtypes_of(data) == dict.fromkeys(run.fragments[f], "I2"), key
         (header,) = struct.unpack("<Q", data[:8])
         want = sum(sum(i2_sizes(int(np.prod(run.shapes[f][n])))) for n in run.fragments[f])
         assert len(data) - 8 - header == want, key

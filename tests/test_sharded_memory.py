@@ -62,7 +62,7 @@ def _worker(out: Path) -> None:
 
     import gradientmail_core as gm
     from gradientmail_core.adapters.torch_sharded import find_sharded
-    from gradientmail_core.codec.payload import schema_digest
+    from gradientmail_core.codec.header import schema_digest
     from gradientmail_core.mailbox.file import FileMailbox
     from gradientmail_core.protocol import keys
     from gradientmail_core.protocol.partition import plan

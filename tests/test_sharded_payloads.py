@@ -50,7 +50,7 @@ def _worker(out: Path) -> None:
     from gradientmail_core.adapters.torch_sharded import find_sharded
     from gradientmail_core.adapters.torch_transfer import gather_refs
     from gradientmail_core.codec import quant
-    from gradientmail_core.codec.payload import schema_digest
+    from gradientmail_core.codec.header import schema_digest
     from gradientmail_core.mailbox.file import FileMailbox
     from gradientmail_core.protocol import keys
     from gradientmail_core.protocol.partition import plan

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..codec import quant
-from ..codec.stream import PayloadStream, stream_quantized
+from ..codec.payload import PayloadStream, encode_payload
 from .base import Adapter, Captured, DevicePipeline, pipeline_of
 from .feedback import Fed, Residuals, carried, give_back, quantize_with_residual
 
@@ -72,7 +72,7 @@ class _HostContribution:
 
     def stream(self, dtypes: Mapping[str, str], *, compression: str) -> PayloadStream:
         # quantized once (F32: the delta itself), read by the stream's hash pass and its upload
-        return stream_quantized(self.quantized(dtypes), kind="delta", compression=compression)
+        return encode_payload(self.quantized(dtypes), kind="delta", compression=compression, stream=True)
 
     def quantized(self, dtypes: Mapping[str, str]) -> dict[str, quant.QTensor]:
         delta = self._delta()
@@ -107,7 +107,7 @@ class _DeviceContribution:
         return self.stream(dtypes, compression=compression).read()
 
     def stream(self, dtypes: Mapping[str, str], *, compression: str) -> PayloadStream:
-        return stream_quantized(self.quantized(dtypes), kind="delta", compression=compression)
+        return encode_payload(self.quantized(dtypes), kind="delta", compression=compression, stream=True)
 
     def quantized(self, dtypes: Mapping[str, str]) -> dict[str, quant.QTensor]:
         if self.fed is not None:

@@ -32,7 +32,6 @@ except ImportError as e:  # pragma: no cover - exercised only without torch
 
 from . import torch_quant as tq  # noqa: E402 (needs torch, checked above)
 from .naming import Names, canonical_parameters, renaming  # noqa: E402
-from .torch_dequant import dequantize  # noqa: E402
 
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
@@ -300,7 +299,7 @@ class _Captured:
                     self.device.used_here([residual[n]])  # (``carried``: made on the training stream)
                     x += residual[n]
                 quantized[n] = q = tq.quantize(x, dtypes[n])
-                e = torch.sub(x, dequantize(q), out=x)  # q holds its own codes, not x (x is not F32)
+                e = torch.sub(x, tq.dequantize(q), out=x)  # q holds its own codes, not x (x is not F32)
                 new[n] = e.masked_fill_(~torch.isfinite(e), 0)
             flat = [t for q in quantized.values() for t in (q.data, q.scale) if t is not None]
             host = iter(self.device.download(flat))

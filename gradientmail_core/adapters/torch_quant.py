@@ -1,10 +1,14 @@
-"""``quant.py``'s quantizers in torch, on whatever device the tensor lives on.
+"""``quant.py``'s quantizers in torch, on whatever device the tensor lives on, and the
+dequantization of their results there (``dequantize``, for error feedback).
 
 Same rules, same bytes: every step is either integer arithmetic on the float32 bits or a single
 IEEE float32 operation (one add, one subtract, one multiply by a power of two), which every
 device rounds alike, and the E4M3/E2M1 codes come from ``quant``'s own tables. Values the numpy
 quantizers leave to the FPU's NaN rules are set explicitly (see ``_f4_block_codes``), so a CUDA
 node writes what a host node would. ``tests/test_torch_quant.py`` checks the bytes against numpy.
+Dequantized values are the same bit for bit: a code's value comes from ``quant``'s own tables
+(exact), times its power-of-two scale (one IEEE multiply), and a product past float32's max
+saturates, as numpy's ``clip`` does; BF16 and F16 widen exactly.
 
 Results stay on the device; ``to_qtensor`` views host copies of them as ``quant.QTensor``.
 Large tensors are converted in chunks so the temporaries stay small beside a training job.
@@ -19,6 +23,7 @@ import numpy as np
 import torch
 
 from ..codec import quant, quant_i2
+from ..codec.e8m0 import E8M0_VALUES
 
 CHUNK = 1 << 24  # elements per chunk; a multiple of F4_BLOCK so blocks never straddle chunks
 _MAG = 0x7FFFFFFF
@@ -114,8 +119,18 @@ def _as_int16(t: torch.Tensor) -> torch.Tensor:
 
 @cache
 def _table(name: str, device: torch.device) -> torch.Tensor:
-    codes = {"E4M3": quant.E4M3_CODES, "E2M1": quant.E2M1_CODES}[name]
-    return torch.from_numpy(codes).to(device)
+    """``quant``'s tables on the device: a grid's codes (uint8), or the values of codes and scales."""
+    codes = {"E4M3": quant.E4M3_CODES, "E2M1": quant.E2M1_CODES}
+    if name in codes:
+        return torch.from_numpy(codes[name]).to(device)
+    values = {
+        "E4M3 values": quant.E4M3_FLOATS,
+        "E2M1 values": quant.E2M1_FLOATS,
+        "E8M0 values": E8M0_VALUES,
+        "I2 values": quant_i2.I2_LEVELS,
+        "I2 scale values": quant_i2.I2_SCALE_VALUES,
+    }[name]
+    return torch.from_numpy(np.asarray(values, np.float32)).to(device)
 
 
 def _grid_codes(y: torch.Tensor, grid: quant.Grid, name: str) -> torch.Tensor:
@@ -171,23 +186,34 @@ def _byte(b: int, device: torch.device) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# F4 E2M1 (OCP MX), one scale per block of 32
+# F4 and I2: codes packed into bytes, one scale per block of 32
+
+
+def _blockwise(flat: torch.Tensor, block: int, sizes, bits: int, block_codes) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed codes, scale per block) of ``flat`` zero-padded to whole blocks (``sizes(n)``: their
+    bytes and number), a ``CHUNK`` at a time: ``block_codes(blocks, start)`` gives the chunk's
+    codes of ``bits`` bits and its blocks' scales; codes are packed ``8 // bits`` a byte, lowest
+    bits first."""
+    n = flat.numel()
+    nbytes, nblocks = sizes(n)
+    if n != nblocks * block:
+        flat = torch.cat([flat, flat.new_zeros(nblocks * block - n)])
+    packed = torch.empty(nbytes, dtype=torch.uint8, device=flat.device)
+    scales = torch.empty(nblocks, dtype=torch.uint8, device=flat.device)
+    per = 8 // bits
+    for i in range(0, flat.numel(), CHUNK):
+        codes, sc = block_codes(flat[i : i + CHUNK].reshape(-1, block), i)
+        q = codes.reshape(-1, per)
+        byte = q[:, 0]
+        for j in range(1, per):
+            byte = byte | (q[:, j] << (bits * j))
+        packed[i // per : i // per + q.shape[0]] = byte
+        scales[i // block : i // block + sc.numel()] = sc
+    return packed, scales
 
 
 def _f4(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    n = flat.numel()
-    nbytes, nblocks = quant.f4_sizes(n)
-    if n != nblocks * quant.F4_BLOCK:
-        flat = torch.cat([flat, flat.new_zeros(nblocks * quant.F4_BLOCK - n)])
-    packed = torch.empty(nbytes, dtype=torch.uint8, device=flat.device)
-    scales = torch.empty(nblocks, dtype=torch.uint8, device=flat.device)
-    for i in range(0, flat.numel(), CHUNK):
-        blocks = flat[i : i + CHUNK].reshape(-1, quant.F4_BLOCK)
-        codes, sc = _f4_block_codes(blocks)
-        pairs = codes.reshape(-1, 2)
-        packed[i // 2 : i // 2 + pairs.shape[0]] = (pairs[:, 1] << 4) | pairs[:, 0]  # low nibble first
-        scales[i // quant.F4_BLOCK : i // quant.F4_BLOCK + sc.numel()] = sc
-    return packed, scales
+    return _blockwise(flat, quant.F4_BLOCK, quant.f4_sizes, 4, lambda blocks, _: _f4_block_codes(blocks))
 
 
 def _f4_block_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,25 +235,17 @@ def _f4_block_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.reshape(-1), scale
 
 
-# ---------------------------------------------------------------------------------------------
-# I2, one scale per block of 32 (``codec/quant_i2.py``: the grid and why)
+# I2 (``codec/quant_i2.py``: the grid and why)
 
 
 def _i2(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n = flat.numel()
-    nbytes, nblocks = quant_i2.i2_sizes(n)
-    if n != nblocks * quant_i2.I2_BLOCK:
-        flat = torch.cat([flat, flat.new_zeros(nblocks * quant_i2.I2_BLOCK - n)])
-    packed = torch.empty(nbytes, dtype=torch.uint8, device=flat.device)
-    scales = torch.empty(nblocks, dtype=torch.uint8, device=flat.device)
-    for i in range(0, flat.numel(), CHUNK):
-        blocks = flat[i : i + CHUNK].reshape(-1, quant_i2.I2_BLOCK)
-        last = i + (blocks.shape[0] - 1) * quant_i2.I2_BLOCK  # where the chunk's last block starts
-        codes, sc = _i2_block_codes(blocks, min(n - last, quant_i2.I2_BLOCK))
-        q = codes.reshape(-1, 4)
-        packed[i // 4 : i // 4 + q.shape[0]] = q[:, 0] | (q[:, 1] << 2) | (q[:, 2] << 4) | (q[:, 3] << 6)
-        scales[i // quant_i2.I2_BLOCK : i // quant_i2.I2_BLOCK + sc.numel()] = sc
-    return packed, scales
+
+    def codes(blocks: torch.Tensor, at: int) -> tuple[torch.Tensor, torch.Tensor]:
+        last = at + (blocks.shape[0] - 1) * quant_i2.I2_BLOCK  # where the chunk's last block starts
+        return _i2_block_codes(blocks, min(n - last, quant_i2.I2_BLOCK))
+
+    return _blockwise(flat, quant_i2.I2_BLOCK, quant_i2.i2_sizes, 2, codes)
 
 
 def _i2_block_codes(blocks: torch.Tensor, n_last: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -270,3 +288,34 @@ def _fixed_point(mag: torch.Tensor, kn: torch.Tensor) -> torch.Tensor:
     m = mag - ((e - 1) << 23)
     shift = (kn + (150 - quant_i2.FIX)).to(torch.int32)[:, None] - e
     return m >> shift.clamp_(0, 31)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dequantizing
+
+_F32_MAX = float(quant.F32_MAX)
+
+
+def dequantize(q: DeviceQ) -> torch.Tensor:
+    """A device-quantized tensor -> float32 of ``q.shape`` (a fresh tensor), ``quant.dequantize``'s values."""
+    device = q.data.device
+    if q.dtype == "F32":
+        return q.data.clone().reshape(q.shape)
+    if q.dtype == "F16":
+        return q.data.view(torch.float16).float().reshape(q.shape)
+    if q.dtype == "BF16":
+        return ((q.data.to(torch.int32) & 0xFFFF) << 16).view(torch.float32).reshape(q.shape)
+    assert q.scale is not None, f"{q.dtype} without a scale"
+    n = int(np.prod(q.shape, dtype=np.int64))
+    if q.dtype == "F8_E4M3":  # one scale for the tensor
+        codes, values, scales = q.data.reshape(-1, 1), "E4M3 values", "E8M0 values"
+    elif q.dtype == "F4":  # two codes a byte, low nibble first, a scale per block
+        codes = torch.stack([q.data & 15, q.data >> 4], dim=1).reshape(-1, quant.F4_BLOCK)
+        values, scales = "E2M1 values", "E8M0 values"
+    elif q.dtype == "I2":  # four codes a byte, lowest bits first, a scale per block
+        codes = torch.stack([(q.data >> s) & 3 for s in (0, 2, 4, 6)], dim=1).reshape(-1, quant_i2.I2_BLOCK)
+        values, scales = "I2 values", "I2 scale values"
+    else:
+        raise ValueError(f"unknown payload dtype {q.dtype!r}, expected one of {quant.DTYPES}")
+    vals = _table(values, device)[codes.long()] * _table(scales, device)[q.scale.long()][:, None]
+    return vals.clamp_(-_F32_MAX, _F32_MAX).reshape(-1)[:n].reshape(q.shape)

@@ -125,8 +125,9 @@ def compress(blob: Any, itemsize: int, *, level: int | None = None, threads: int
     return b"".join(parts)
 
 
-def decompress_array(data: Any, itemsize: int, max_size: int) -> np.ndarray:
-    """Inverse of ``compress`` as a writable uint8 array, never producing more than ``max_size``."""
+def decompress(data: Any, itemsize: int, max_size: int) -> np.ndarray:
+    """Inverse of ``compress``, as a writable uint8 array. Raises ``PayloadCorrupt`` for anything
+    but one valid frame of at most ``max_size`` bytes (never producing more)."""
     z = _zstd()
     try:
         size = z.frame_content_size(data)
@@ -145,9 +146,3 @@ def decompress_array(data: Any, itemsize: int, max_size: int) -> np.ndarray:
     if len(raw) != size:
         raise PayloadCorrupt(f"zstd frame declared {size} bytes but produced {len(raw)}")
     return unshuffle(np.frombuffer(raw, dtype=np.uint8), itemsize)
-
-
-def decompress(data: Any, itemsize: int, max_size: int) -> bytes:
-    """Inverse of ``compress``. Raises ``PayloadCorrupt`` for anything but one valid frame of at
-    most ``max_size`` bytes."""
-    return decompress_array(data, itemsize, max_size).tobytes()

@@ -1,6 +1,6 @@
 """The payload format: named float32 tensors in their storage dtypes, in a safetensors file. This
 module says what a payload of given tensors stores and declares, and checks a header read back;
-``stream.py`` writes and reads the bytes, ``payload.py`` does so for whole ``bytes``.
+``payload.py`` writes and reads the bytes.
 
 Byte layout of ``.safetensors`` (``compression=""``): a standard safetensors file (8-byte
 little-endian header length, canonical JSON header padded with spaces to 8-byte alignment, tensor
@@ -25,7 +25,7 @@ I2         U8 [8 * nblocks]: 2-bit codes, four a byte,  U8 [nblocks]: scale per 
 logical shapes are there because the stored ones cannot always carry them (packed F4/I2, zstd).
 '#' never occurs in parameter names, so auxiliary tensors cannot collide with them.
 
-A chunk of a chunked payload (``docs/protocol.md``, "Chunked payloads"; ``chunked.py``) is the
+A chunk of a chunked payload (``docs/protocol.md``, "Chunked payloads"; ``plan.py``) is the
 same format holding its pieces: a piece that is part of a tensor is stored under the tensor's
 name with the 1-D logical shape ``[stop - start]``, and the metadata gains ``"pieces"`` (canonical
 JSON ``{name: [start, stop]}`` of the partial pieces) and ``"chunk"`` (``"k/n"`` when ``n > 1``).
@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..errors import PayloadCorrupt, PayloadLayoutMismatch
-from . import quant, safetensors_io
+from . import quant, quant_i2, safetensors_io
 
 FORMAT = "gradientmail/1"
 SCALE = "#scale"
@@ -101,7 +101,7 @@ def storage_layout(shape: Sequence[int], dtype: str) -> list[tuple[str, str, tup
         nbytes, nscales = quant.f4_sizes(safetensors_io.numel(shape))
         return [("", "U8", (nbytes,)), (SCALE, "U8", (nscales,))]
     if dtype == "I2":
-        nbytes, nscales = quant.i2_sizes(safetensors_io.numel(shape))
+        nbytes, nscales = quant_i2.i2_sizes(safetensors_io.numel(shape))
         return [("", "U8", (nbytes,)), (SCALE, "U8", (nscales,))]
     return [("", quant.STORAGE[dtype], shape)]
 

@@ -11,6 +11,13 @@ manifest has no ``chunk_elements`` (``None``: every run created before chunks ex
 chunk of whole tensors per fragment. A payload whose line is at most ``C`` is one chunk of whole
 tensors too, and that chunk has exactly the bytes of a whole payload.
 
+A chunk is stored as an ordinary payload holding its pieces (``ChunkSpec``: what chunk ``k`` of
+``n`` stores and declares; ``payload.encode_payload``/``decode_payload`` with ``chunk=`` and a
+``ChunkSpec`` write and read it): a whole tensor under its name and shape, part of a tensor under
+the tensor's name with the 1-D shape ``[stop - start]``, plus the metadata ``"pieces"``
+(canonical JSON ``{name: [start, stop]}`` of the partial pieces) and ``"chunk"`` (``"k/n"``, when
+``n > 1``). One chunk of whole tensors has neither: it is the whole-fragment payload, byte for byte.
+
 Pure (numpy at most): every node computes the same plan from (shapes, ``C``). Which rank of a
 sharded node builds which chunk is not the plan's business (``protocol/chunks.py``).
 """
@@ -25,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import PayloadCorrupt
+from .header import canonical, default_payload_cap
 
 BLOCK = 32  # the F4 and I2 quantizer blocks (quant.F4_BLOCK, quant_i2.I2_BLOCK)
 
@@ -95,6 +103,46 @@ def fragment_plan(shapes: Mapping[str, Sequence[int]] | Shapes, chunk_elements: 
     if chunk_elements is None:
         return [[Piece(n, 0, numel(s)) for n, s in pairs]]
     return chunk_plan(pairs, chunk_elements)
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """Chunk ``k`` of ``n`` of a payload: its pieces, and the full shapes of the payload's tensors."""
+
+    k: int
+    n: int
+    pieces: tuple[Piece, ...]
+    shapes: Mapping[str, tuple[int, ...]]
+
+    @property
+    def expected(self) -> dict[str, tuple[int, ...]]:
+        """Stored tensor name -> the logical shape it is stored with."""
+        return {p.name: piece_shape(p, self.shapes) for p in self.pieces}
+
+    @property
+    def meta(self) -> dict[str, str]:
+        """The chunk's layout metadata: empty for one chunk of whole tensors."""
+        out = {}
+        partial = {p.name: [p.start, p.stop] for p in self.pieces if not is_whole(p, self.shapes)}
+        if partial:
+            out["pieces"] = canonical(partial)
+        if self.n > 1:
+            out["chunk"] = f"{self.k}/{self.n}"
+        return out
+
+    def cap(self) -> int:
+        """The largest acceptable payload of this chunk (F32 data, scales, zstd framing, header)."""
+        return default_payload_cap(self.expected)
+
+
+def chunk_spec(pieces: Sequence[Piece], shapes: Mapping[str, Sequence[int]], k: int, n: int) -> ChunkSpec:
+    return ChunkSpec(k, n, tuple(pieces), {name: tuple(int(d) for d in s) for name, s in shapes.items()})
+
+
+def chunk_specs(shapes: Mapping[str, Sequence[int]], chunk_elements: int | None) -> list[ChunkSpec]:
+    """Every chunk of a payload of these tensors (in this order)."""
+    plan = fragment_plan(shapes, chunk_elements)
+    return [chunk_spec(pieces, shapes, k, len(plan)) for k, pieces in enumerate(plan)]
 
 
 def is_whole(piece: Piece, shapes: Mapping[str, Sequence[int]]) -> bool:

@@ -33,11 +33,13 @@ import numpy as np
 from .e8m0 import E8M0_VALUES
 from .e8m0 import inv_pow2 as _inv_pow2
 from .e8m0 import pow2_exponent as _pow2_exponent
-from .quant_i2 import I2_BLOCK, dequantize_i2, i2_sizes, quantize_i2  # noqa: F401 (re-exported)
+from .quant_i2 import dequantize_i2, quantize_i2
 
 DTYPES = ("F32", "F16", "BF16", "F8_E4M3", "F4", "I2")
 # Safetensors dtype each logical dtype is stored as.
 STORAGE = {"F32": "F32", "F16": "F16", "BF16": "BF16", "F8_E4M3": "F8_E4M3", "F4": "U8", "I2": "U8"}
+# Quantized elementwise: a slice of the input quantizes to the same slice of the output.
+ELEMENTWISE = ("F32", "F16", "BF16")
 F4_BLOCK = 32
 F32_MAX = np.float32(np.finfo(np.float32).max)
 
@@ -220,7 +222,7 @@ def _grid_codes(y: np.ndarray, grid: Grid, table: np.ndarray, out: np.ndarray, s
 # F8 E4M3 (fn)
 
 E4M3_MAX = 448.0
-_E4M3_FLOATS = np.concatenate([E4M3_VALUES, [np.nan], -E4M3_VALUES, [np.nan]]).astype(np.float32)
+E4M3_FLOATS = np.concatenate([E4M3_VALUES, [np.nan], -E4M3_VALUES, [np.nan]]).astype(np.float32)
 
 
 def _e4m3_encode(flat: np.ndarray, inv_scale: np.float32 | None) -> np.ndarray:
@@ -236,24 +238,15 @@ def _e4m3_encode(flat: np.ndarray, inv_scale: np.float32 | None) -> np.ndarray:
     return out
 
 
-def e4m3_codes(y: np.ndarray) -> np.ndarray:
-    """float32 already scaled into [-448, 448] -> E4M3fn codes (uint8), RNE.
-
-    Larger magnitudes saturate to +-448; NaN and inf give the NaN code 0x7F (E4M3fn has no inf).
-    """
-    y = np.asarray(y, dtype=_F32, order="C")
-    return _e4m3_encode(y.reshape(-1), None).reshape(y.shape)
-
-
 def e4m3_values(codes: np.ndarray, scale: float = 1.0) -> np.ndarray:
     """E4M3fn codes (uint8) -> float32 (exact), times a power-of-two ``scale``."""
     codes = np.asarray(codes, dtype=np.uint8)
-    table = _E4M3_FLOATS
+    table = E4M3_FLOATS
     if scale != 1.0:
         # Folding the scale into the table is exact, except that top codes times the largest
         # scales pass float32's max: saturate there.
         with np.errstate(over="ignore"):
-            table = np.clip(_E4M3_FLOATS * np.float32(scale), -F32_MAX, F32_MAX)
+            table = np.clip(E4M3_FLOATS * np.float32(scale), -F32_MAX, F32_MAX)
     return np.take(table, codes.reshape(-1)).reshape(codes.shape)  # flat: take() on 0-d gives a scalar
 
 
@@ -302,21 +295,9 @@ def dequantize_e4m3(codes: np.ndarray, scale_byte: int) -> np.ndarray:
 
 E2M1_MAX = 6.0
 # Every packed byte -> its two values (low nibble first) as one uint64: one gather decodes two.
-_E2M1_FLOATS = np.concatenate([E2M1_VALUES, -E2M1_VALUES]).astype(np.float32)
-_E2M1_PAIRS = np.stack([_E2M1_FLOATS[np.arange(256) & 15], _E2M1_FLOATS[np.arange(256) >> 4]], axis=1)
+E2M1_FLOATS = np.concatenate([E2M1_VALUES, -E2M1_VALUES]).astype(np.float32)
+_E2M1_PAIRS = np.stack([E2M1_FLOATS[np.arange(256) & 15], E2M1_FLOATS[np.arange(256) >> 4]], axis=1)
 _E2M1_PAIRS64 = _E2M1_PAIRS.reshape(-1).view(np.uint64)
-
-
-def e2m1_codes(y: np.ndarray) -> np.ndarray:
-    """float32 already scaled into [-6, 6] -> E2M1 codes (uint8, 0..15), RNE; saturates at 6."""
-    y = np.asarray(y, dtype=_F32, order="C")
-    flat = y.reshape(-1)
-    out = np.empty(flat.size, np.uint8)
-    scratch = _Scratch(flat.size)
-    with _quiet_nan():
-        for i in range(0, flat.size, _CHUNK):
-            _grid_codes(flat[i : i + _CHUNK], E2M1_GRID, E2M1_CODES, out[i : i + _CHUNK], scratch)
-    return out.reshape(y.shape)
 
 
 def f4_sizes(n: int) -> tuple[int, int]:

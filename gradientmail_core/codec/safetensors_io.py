@@ -1,4 +1,4 @@
-"""The safetensors container, written and read in pure Python + numpy.
+"""The safetensors container in pure Python + numpy: written, and its header read and checked.
 
 Layout (the public safetensors format): an 8-byte little-endian header length ``N``, ``N`` bytes
 of UTF-8 JSON (padded with spaces so the data starts 8-byte aligned), then the tensor data. The
@@ -231,34 +231,6 @@ def read_header(
             f"safetensors data section is {data_len} bytes but its tensors cover {end}: trailing bytes"
         )
     return header, data_offset
-
-
-def read(
-    data: bytes | memoryview,
-    *,
-    expected: Mapping[str, tuple[str, Sequence[int]]] | None = None,
-    max_bytes: int,
-    max_header_bytes: int = 1 << 20,
-) -> dict[str, np.ndarray]:
-    """Read tensors as raw numpy arrays (read-only views into ``data``).
-
-    With ``expected`` (``{name: (dtype, shape)}``) the header must describe exactly those
-    tensors, checked before any array is built. BF16 comes back as uint16 bit patterns and F8
-    as uint8 codes.
-    """
-    if len(data) > max_bytes:
-        raise PayloadCorrupt(f"payload is {len(data)} bytes, above the cap of {max_bytes}")
-    header, start = read_header(data, max_header_bytes=max_header_bytes)
-    entries = {k: v for k, v in header.items() if k != METADATA_KEY}
-    if expected is not None:
-        check_layout(entries, expected)
-    buf = memoryview(data)
-    out: dict[str, np.ndarray] = {}
-    for name, entry in entries.items():
-        begin, stop = entry["data_offsets"]
-        arr = np.frombuffer(buf[start + begin : start + stop], dtype=NUMPY_DTYPES[entry["dtype"]])
-        out[name] = arr.reshape(entry["shape"])
-    return out
 
 
 def check_layout(entries: Mapping[str, Any], expected: Mapping[str, tuple[str, Sequence[int]]]) -> None:

@@ -38,7 +38,7 @@ Refs and digests (``protocol/records.py``):
   ``theta_digest`` and ``outer_digest`` hold), ``digest_of(shas)``, ``ref_size(ref)`` (bytes of
   all chunks).
 
-Encoding one chunk (``codec/chunked.py``, ``codec/quant.py``):
+Encoding one chunk (``codec/plan.py``, ``codec/payload.py``, ``codec/quant.py``):
 
 - ``ChunkSpec(k, n, pieces, shapes)``: ``.expected`` (stored name -> logical shape) and ``.meta``
   (the ``"pieces"``/``"chunk"`` metadata; empty for one chunk of whole tensors);
@@ -47,13 +47,14 @@ Encoding one chunk (``codec/chunked.py``, ``codec/quant.py``):
   tensor-wide scale byte, ``f8_scales={name: quant.e4m3_scale_byte(amax)}``, where ``amax`` is the
   tensor's finite absolute maximum: ``all_reduce(MAX)`` over the ranks of ``quant.e4m3_amax(local
   part)`` (exact). Whole tensors, and F4/I2/BF16/F16/F32 pieces, need nothing.
-- ``stream_chunk(values, spec, dtypes, *, kind, compression, f8_scales=None) -> PayloadStream``:
-  ``values[name]`` is the piece's float32 values (flat, ``piece.size`` elements; a whole tensor
-  may have its shape) or a ``quant.QTensor`` of the piece (quantized already: for F4/I2 pieces the
-  byte slice ``slice_quantized(whole_q, piece, shape)`` of the whole tensor's codes and scales).
-- ``fragment_streams(tensors, shapes, dtypes, chunk_elements, *, kind, compression)``: every chunk
-  of a whole fragment (float32 arrays or ``QTensor``s), one ``PayloadStream`` at a time.
-- ``decode_chunk(...)``: one chunk's stream checked against its spec and decoded.
+- ``encode_payload(values, dtypes, *, kind, compression, chunk=spec, f8_scales=None,
+  stream=True) -> PayloadStream``: ``values[name]`` is the piece's float32 values (flat,
+  ``piece.size`` elements; a whole tensor may have its shape), its whole tensor's (cut there), or
+  a ``quant.QTensor`` of either (quantized already: an F4/I2 piece is the byte slice of the whole
+  tensor's codes and scales). Every chunk of a whole fragment: one such call per
+  ``chunk_specs(shapes, chunk_elements)``.
+- ``decode_payload(parts, spec, *, size, sha256, ...)``: one chunk's stream checked against its
+  spec and decoded.
 
 The store (``protocol/store.py``, ``RunStore``):
 
@@ -62,16 +63,16 @@ The store (``protocol/store.py``, ``RunStore``):
   the plan); ``None`` if any chunk is gone; ``PayloadCorrupt`` for a wrong chunk count, order, or
   any bad chunk; nothing half-assembled is ever returned. ``expected``: ordered shapes (the plan
   follows the order). ``max_bytes`` bounds the chunks' total; each chunk is also capped by its
-  own largest size (``payload.default_payload_cap`` of its pieces).
+  own largest size (``header.default_payload_cap`` of its pieces).
 - ``get_chunk(ref, pieces, *, shapes, k, n, dtypes=None, max_bytes=None, kind=None) ->
   dict[str, np.ndarray] | None``: one chunk (``ref``: that chunk's ref, e.g. ``chunk_refs(r)[k]``),
   verified, as ``{piece name: flat float32 values of the piece}``; ``None`` if gone.
 - ``put_chunk(key_for_sha, values, pieces, *, shapes, k, n, dtypes, kind, compression,
-  f8_scales=None) -> PayloadRef``: encodes one chunk (``stream_chunk``) and uploads it under
+  f8_scales=None) -> PayloadRef``: encodes one chunk (``encode_payload``) and uploads it under
   ``key_for_sha(sha256)`` (e.g. ``functools.partial(keys.snapshot_blob_key, round, learner,
   compression=compression)``, ``keys.round_blob_key(r, kind, sha, compression)``,
   ``keys.init_blob_key(f, sha, compression)``). Equivalent: ``put_payload(key_for_sha,
-  stream_chunk(...))``. Join the chunk refs in chunk order with ``join_refs``.
+  encode_payload(..., chunk=spec, stream=True))``. Join the chunk refs in chunk order with ``join_refs``.
 - ``put_fragment(key_for_sha, tensors, *, shapes, dtypes, chunk_elements, kind, compression,
   on_chunk=None) -> PayloadRef``: every chunk of a whole fragment (float32 or ``QTensor``s),
   uploaded in order, refs joined.

@@ -14,7 +14,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ..codec.chunked import fragment_streams
+from ..codec.payload import encode_payload
+from ..codec.plan import chunk_specs
 from ..codec.quant import dequantize, quantize
 from ..errors import ProtocolError
 from . import keys
@@ -66,8 +67,8 @@ def payload_digest(
     """``ref_digest`` of the plain (uncompressed) payload of ``values``, chunked by the plan of
     ``shapes`` (in that order), computed without writing it."""
     shas = []
-    for _, s in fragment_streams(values, shapes, dtypes, chunk_elements, kind=kind, compression=""):
-        with s:
+    for c in chunk_specs(shapes, chunk_elements):
+        with encode_payload(values, dtypes, kind=kind, chunk=c, stream=True) as s:
             shas.append(s.sha256)
     return digest_of(shas)
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..codec.payload import encode_payload, schema_digest
+from ..codec.header import schema_digest
+from ..codec.payload import encode_payload
 from ..config import DiLoCo
 from ..errors import ProtocolError
 from ..mailbox import CreateOutcome

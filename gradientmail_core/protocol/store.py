@@ -6,7 +6,7 @@ secret, authentication) and the handling of create-once conflicts happen in one 
 
 Payloads move as streams (``mailbox.write_stream`` / ``read_stream``): a ``PayloadStream`` goes
 out as it is produced, and a payload read is verified and decoded as its parts arrive
-(``codec.stream``), so moving one never needs a joined copy of it.
+(``codec.payload``), so moving one never needs a joined copy of it.
 
 A chunked payload (``docs/protocol.md``, "Chunked payloads") is one object per chunk; its ref
 lists them (``PayloadRef.more``). ``get_payload`` given the run's ``chunk_elements`` reads every
@@ -22,9 +22,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ..codec import chunked
-from ..codec.payload import sha256_hex
-from ..codec.stream import PayloadStream, decode_stream
+from ..codec.header import sha256_hex
+from ..codec.payload import PayloadStream, Values, decode_payload, encode_payload
+from ..codec.plan import ChunkSpec, chunk_spec, chunk_specs
 from ..errors import MailboxUnavailable, PayloadCorrupt, RecordInvalid
 from ..mailbox import Chunk, CreateOutcome, Mailbox, create_once, read_many, read_stream, write_stream
 from . import keys
@@ -189,24 +189,11 @@ class RunStore:
         ``CHUNK_HEADER_ALLOWANCE`` per chunk after the first); each chunk is also held to its own
         cap. A fragment that is one chunk of whole tensors (always, with ``chunk_elements`` None)
         is read exactly as a whole payload always was."""
-        specs = chunked.chunk_specs(expected, chunk_elements)
+        specs = chunk_specs(expected, chunk_elements)
         if len(specs) == 1 and not specs[0].meta:
             if ref.more:
                 raise PayloadCorrupt(f"{ref.key}: the ref lists {len(ref.more) + 1} chunks, the plan one")
-            return self._read(
-                ref,
-                lambda chunks, compression: decode_stream(
-                    chunks,
-                    expected,
-                    size=ref.size,
-                    sha256=ref.sha256,
-                    compression=compression,
-                    max_bytes=max_bytes,
-                    dtypes=dtypes,
-                    key=ref.key,
-                ),
-                max_bytes,
-            )
+            return self._get_chunk(ref, specs[0], dtypes=dtypes, max_bytes=max_bytes)
         refs = chunk_refs(ref)
         if len(refs) != len(specs):
             raise PayloadCorrupt(f"{ref.key}: the ref lists {len(refs)} chunks, the plan {len(specs)}")
@@ -248,14 +235,14 @@ class RunStore:
         if ref.more:
             raise PayloadCorrupt(f"{ref.key}: a chunk's ref lists chunks of its own")
         got = self._get_chunk(
-            ref, chunked.spec(pieces, shapes, k, n), dtypes=dtypes, max_bytes=max_bytes, kind=kind, tee=tee
+            ref, chunk_spec(pieces, shapes, k, n), dtypes=dtypes, max_bytes=max_bytes, kind=kind, tee=tee
         )
         return None if got is None else {name: v.reshape(-1) for name, v in got.items()}
 
     def _get_chunk(
         self,
         ref: PayloadRef,
-        s: chunked.ChunkSpec,
+        s: ChunkSpec,
         *,
         dtypes: Mapping[str, str] | None,
         max_bytes: int | None,
@@ -265,7 +252,7 @@ class RunStore:
         cap = s.cap() if max_bytes is None else min(max_bytes, s.cap())
         return self._read(
             ref,
-            lambda chunks, compression: chunked.decode_chunk(
+            lambda chunks, compression: decode_payload(
                 chunks,
                 s,
                 size=ref.size,
@@ -308,7 +295,7 @@ class RunStore:
     def put_chunk(
         self,
         key_for_sha: Callable[[str], str],
-        values: chunked.Values,
+        values: Values,
         pieces: Sequence[Piece],
         *,
         shapes: Mapping[str, Sequence[int]],
@@ -319,35 +306,36 @@ class RunStore:
         compression: str,
         f8_scales: Mapping[str, int] | None = None,
     ) -> PayloadRef:
-        """Encode chunk ``k`` of ``n`` from its pieces' values (``codec.chunked.stream_chunk``:
-        float32 values of each piece, or its ``QTensor``; an F8 piece of float values needs its
-        whole tensor's scale byte in ``f8_scales``) and upload it under ``key_for_sha(sha256)``.
+        """Encode chunk ``k`` of ``n`` from its pieces' values (``codec.payload.encode_payload``
+        with ``chunk=``: float32 values of each piece, or its ``QTensor``; an F8 piece of float
+        values needs its whole tensor's scale byte in ``f8_scales``) and upload it under
+        ``key_for_sha(sha256)``.
         The ref of that one chunk; ``join_refs`` puts a payload's chunk refs together."""
-        s = chunked.spec(pieces, shapes, k, n)
-        with chunked.stream_chunk(values, s, dtypes, kind=kind, compression=compression, f8_scales=f8_scales) as data:
+        s = chunk_spec(pieces, shapes, k, n)
+        with encode_payload(
+            values, dtypes, kind=kind, compression=compression, chunk=s, f8_scales=f8_scales, stream=True
+        ) as data:
             return self.put_payload(key_for_sha, data)
 
     def put_fragment(
         self,
         key_for_sha: Callable[[str], str],
-        tensors: chunked.Values,
+        tensors: Values,
         *,
         shapes: Mapping[str, Sequence[int]],
         dtypes: Mapping[str, str] | str,
         chunk_elements: int | None,
         kind: str,
         compression: str,
-        on_chunk: Callable[[chunked.ChunkSpec, PayloadStream, PayloadRef], None] | None = None,
+        on_chunk: Callable[[ChunkSpec, PayloadStream, PayloadRef], None] | None = None,
     ) -> PayloadRef:
         """Write a whole fragment (float32 arrays, or ``QTensor``s quantized already) as the chunks
         of its plan (``shapes``' order), one at a time, and return the ref naming them all.
         ``on_chunk(spec, stream, ref)`` is called after each chunk is written (the stream can be
         produced again then: a closer decodes its own contribution from it)."""
         out = []
-        for s, data in chunked.fragment_streams(
-            tensors, shapes, dtypes, chunk_elements, kind=kind, compression=compression
-        ):
-            with data:
+        for s in chunk_specs(shapes, chunk_elements):
+            with encode_payload(tensors, dtypes, kind=kind, compression=compression, chunk=s, stream=True) as data:
                 ref = self.put_payload(key_for_sha, data)
                 if on_chunk is not None:
                     on_chunk(s, data, ref)

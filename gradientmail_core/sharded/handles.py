@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from ..adapters.handles import Contribution, Incoming
 from ..adapters.torch_sharded import ShardedParams, ShardingUnsupported
+from ..codec.payload import PayloadStream
 from ..codec.quant import QTensor
-from ..codec.stream import PayloadStream
 from ..config import Adaptive, Carry, DiLoCo
 from ..errors import SessionFailed
 from ..protocol.records import PayloadRef, join_refs

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..codec.chunked import chunk_specs
-from ..codec.payload import decode_payload, sha256_hex
+from ..codec.header import sha256_hex
+from ..codec.payload import decode_payload
+from ..codec.plan import chunk_specs
 from ..errors import GradientMailError
 from ..protocol import keys
 from ..protocol.chunks import assemble
@@ -56,7 +57,7 @@ class Captured:
             if data is None or sha256_hex(data) != ref.sha256 or len(data) != ref.size:
                 return None
             try:
-                parts.append(decode_payload(data, s.expected, compression=keys.compression_of(ref.key), meta=s.meta))
+                parts.append(decode_payload(data, s, compression=keys.compression_of(ref.key)))
             except GradientMailError:
                 return None
         if len(parts) == 1 and not specs[0].meta:

@@ -16,8 +16,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..codec.chunked import fragment_streams
-from ..codec.payload import sha256_hex
+from ..codec.header import sha256_hex
+from ..codec.payload import encode_payload
+from ..codec.plan import chunk_specs
 from ..protocol import keys
 from ..protocol.faults import Fault, Op, Phase
 from ..protocol.records import PayloadRef, Snapshot, encode, join_refs
@@ -174,8 +175,8 @@ class Chaos(NodeActions):
         mb = AuditMailbox(self.store, self.auditor, GHOST)
         refs = []
         chunks = [
-            s.read()
-            for _, s in fragment_streams(delta, run.shapes[f], run.delta_dtypes(f), run.chunk_elements, kind="delta")
+            encode_payload(delta, run.delta_dtypes(f), kind="delta", chunk=s)
+            for s in chunk_specs(run.shapes[f], run.chunk_elements)
         ]
         for i, data in enumerate(chunks):
             sha = sha256_hex(data)

@@ -117,9 +117,8 @@ def remote_clock_lease() -> contextlib.AbstractContextManager[None]:
 
 def skip_sha_check() -> contextlib.AbstractContextManager[None]:
     """Payloads are decoded without checking their sha256: bytes damaged in transit are trusted."""
-    from ..codec.chunked import chunk_specs
-    from ..codec.chunked import spec as chunk_spec
     from ..codec.payload import decode_payload
+    from ..codec.plan import chunk_spec, chunk_specs
     from ..protocol.chunks import assemble
     from ..protocol.records import chunk_refs
 
@@ -139,14 +138,7 @@ def skip_sha_check() -> contextlib.AbstractContextManager[None]:
                 return None
             ds = None if dtypes is None else {n: dtypes[n] for n in s.expected}
             parts.append(
-                decode_payload(
-                    data,
-                    s.expected,
-                    compression=keys.compression_of(r.key),
-                    max_bytes=max_bytes,
-                    dtypes=ds,
-                    meta=s.meta,
-                )
+                decode_payload(data, s, compression=keys.compression_of(r.key), max_bytes=max_bytes, dtypes=ds)
             )
         return parts[0] if len(specs) == 1 else assemble([list(s.pieces) for s in specs], parts, expected)
 
@@ -161,9 +153,7 @@ def skip_sha_check() -> contextlib.AbstractContextManager[None]:
         if tee is not None:
             tee(data)
         ds = None if dtypes is None else {p.name: dtypes[p.name] for p in s.pieces}
-        got = decode_payload(
-            data, s.expected, compression=keys.compression_of(ref.key), max_bytes=max_bytes, dtypes=ds, meta=s.meta
-        )
+        got = decode_payload(data, s, compression=keys.compression_of(ref.key), max_bytes=max_bytes, dtypes=ds)
         return {name: v.reshape(-1) for name, v in got.items()}
 
     return _patched((store.RunStore, "get_payload", get_payload), (store.RunStore, "get_chunk", get_chunk))

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ..codec.stream import PayloadStream
+from ..codec.payload import PayloadStream
 from ..errors import MailboxUnavailable
 from ..protocol.records import PayloadRef
 from ..protocol.run import RunInfo

@@ -32,8 +32,9 @@ from ..aggregators.acceptance import PayloadStatus
 from ..aggregators.leaves import Pooled
 from ..ahead import call, ordered
 from ..codec import quant
-from ..codec.chunked import ChunkSpec, chunk_specs, stream_chunk
-from ..codec.stream import ELEMENTWISE, PayloadStream
+from ..codec.payload import PayloadStream, encode_payload
+from ..codec.plan import ChunkSpec, chunk_specs
+from ..codec.quant import ELEMENTWISE
 from ..config import RDA
 from ..errors import MailboxUnavailable, MissingExtra, PayloadCorrupt, PayloadLayoutMismatch
 from ..protocol import keys
@@ -433,7 +434,9 @@ def write_commit(
             if pc.name in scales and not is_whole(pc, shapes):
                 parted[pc.name] = scales[pc.name]
         assert cd is not None
-        return stream_chunk(values, specs[k], cd, kind="change", compression=compression, f8_scales=parted)
+        return encode_payload(
+            values, cd, kind="change", compression=compression, chunk=specs[k], f8_scales=parted, stream=True
+        )
 
     owners: dict[str, Owned] = {"theta": theta, "outer": owned_outer, "change": owned_master}
     makers: dict[str, Callable[[int, str], PayloadStream]] = {
@@ -493,4 +496,4 @@ def write_commit(
 
 
 def _stream(pieces: list[tuple[Any, np.ndarray]], s: Any, dtypes: Any, kind: str, z: str) -> PayloadStream:
-    return stream_chunk({pc.name: v for pc, v in pieces}, s, dtypes, kind=kind, compression=z)
+    return encode_payload({pc.name: v for pc, v in pieces}, dtypes, kind=kind, compression=z, chunk=s, stream=True)

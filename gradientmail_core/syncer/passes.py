@@ -26,7 +26,7 @@ from ..aggregators import outer as outer_mod
 from ..aggregators.fused import cosine_from, cosine_into, cosine_units, merge_into, norm_of
 from ..aggregators.leaves import Pooled, combine_leaves, dot_range, dot_total
 from ..ahead import ordered
-from ..codec.chunked import ChunkSpec
+from ..codec.plan import ChunkSpec
 from ..config import DiLoCo
 from ..protocol.chunks import numel
 from .commit import CommitOp, FragmentState

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .. import events as ev
-from ..codec.chunked import ChunkSpec
-from ..codec.stream import PayloadStream, decode_stream
+from ..codec.payload import PayloadStream, decode_payload
+from ..codec.plan import ChunkSpec
 from ..errors import PayloadCorrupt, PayloadLayoutMismatch
 from ..mailbox import CreateOutcome
 from ..protocol import keys
@@ -117,7 +117,7 @@ class Publishing(NodeState):
         if it does not decode: then it is read back like any contribution."""
         f = pub.fragment
         try:
-            own = decode_stream(
+            own = decode_payload(
                 data.chunks(),
                 self.run.shapes[f],
                 size=data.size,

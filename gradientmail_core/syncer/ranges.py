@@ -19,7 +19,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from ..codec.chunked import ChunkSpec
+from ..codec.plan import ChunkSpec
 from ..protocol.chunks import Layout, Piece, fragment_plan, numel
 
 T = TypeVar("T")

@@ -8,7 +8,7 @@ storage policy the reader chooses (``reading.read_chunk``):
 - **on disk**, the encoded bytes as they arrived, in a temporary directory of this node, for the
   chunks of a fragment of several chunks: the later passes read the local disk instead of the
   store. Nothing read back from disk is trusted: every read is checked against the sha256 again
-  (``decode_chunk``), and a file that does not match is dropped and the chunk downloaded again.
+  (``decode_payload``), and a file that does not match is dropped and the chunk downloaded again.
 - **decoded in memory** (``hold``), read-only float32 arrays, for a fragment of one chunk: what a
   closer merging whole fragments always held, so a small fragment costs no disk and no second
   decode. They were decoded from bytes this process verified.
@@ -36,7 +36,8 @@ from typing import IO
 
 import numpy as np
 
-from ..codec.chunked import ChunkSpec, decode_chunk
+from ..codec.payload import decode_payload
+from ..codec.plan import ChunkSpec
 from ..errors import PayloadCorrupt, PayloadLayoutMismatch
 from ..mailbox import Chunk
 from ..protocol import keys
@@ -170,7 +171,7 @@ class Spool:
         except ValueError as e:
             raise PayloadCorrupt(str(e)) from None
         try:
-            got = decode_chunk(
+            got = decode_payload(
                 self.chunks(ref.sha256), s, size=ref.size, sha256=ref.sha256, compression=compression,
                 max_bytes=cap, dtypes=dtypes, key=ref.key,
             )  # fmt: skip
@@ -182,7 +183,7 @@ class Spool:
         return {name: v.reshape(-1) for name, v in got.items()}
 
     def chunks(self, sha256: str) -> Iterator[bytes]:
-        """The bytes of entry ``sha256``, as they are on disk (the reader checks them: ``decode_chunk``)."""
+        """The bytes of entry ``sha256``, as they are on disk (the reader checks them: ``decode_payload``)."""
         assert self.dir is not None and sha256 in self.entries, sha256
         left = self.entries[sha256][0]
         with open(self.dir / sha256, "rb", buffering=0) as f:
@@ -227,7 +228,7 @@ class Spool:
 
 class Writer:
     """One entry being written: a temporary file, renamed to its sha256 when complete. The bytes
-    are hashed by whoever hands them over (``decode_chunk`` as it decodes them, a
+    are hashed by whoever hands them over (``decode_payload`` as it decodes them, a
     ``PayloadStream`` as it produces them again), not a second time here; every later read of
     the entry checks them against the sha256 anyway."""
 
