@@ -25,10 +25,10 @@ from gradientmail_core.mailbox.memory import MemoryMailbox
 from gradientmail_core.protocol.run import open_run
 from gradientmail_core.protocol.store import RunStore
 from gradientmail_core.protocol.tape import fetch_theta
-from gradientmail_core.sim.audit import AuditMailbox, Auditor
 from gradientmail_core.syncer.bridge import Bridge
 from gradientmail_core.syncer.learner import Learner
 from gradientmail_core.syncer.node import Node, NodeOptions
+from gradientmail_sim.audit import AuditMailbox, Auditor
 
 SHAPES = {"embed.weight": (6, 4), "layers.0.w": (4, 4), "layers.1.w": (4, 4), "head.b": (4,)}
 

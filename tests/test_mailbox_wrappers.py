@@ -35,10 +35,10 @@ from gradientmail_core.mailbox import (
 from gradientmail_core.mailbox.memory import MemoryMailbox
 from gradientmail_core.protocol import keys
 from gradientmail_core.protocol.auth import RunAuth
-from gradientmail_core.protocol.faults import Fault, FaultyMailbox, InjectedCrash
 from gradientmail_core.protocol.guard import GuardedMailbox
 from gradientmail_core.protocol.records import MAX_RECORD_BYTES
-from gradientmail_core.sim.audit import AuditMailbox, Auditor
+from gradientmail_sim.audit import AuditMailbox, Auditor
+from gradientmail_sim.faults import Fault, FaultyMailbox, InjectedCrash
 
 KEY = "blobs/object.bin"
 DATA = b"0123456789"

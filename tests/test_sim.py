@@ -16,7 +16,7 @@ from collections import Counter
 
 import pytest
 
-from gradientmail_core.sim import SimResult, run_many, run_seed
+from gradientmail_sim import SimResult, run_many, run_seed
 
 SEEDS = int(os.environ.get("GM_SIM_SEEDS", "200"))
 ROUNDS = int(os.environ.get("GM_SIM_ROUNDS", "50"))

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from gradientmail_core.sim import run_seed
-from gradientmail_core.sim.mutants import MUTANTS
+from gradientmail_sim import run_seed
+from gradientmail_sim.mutants import MUTANTS
 
 MAX_SEEDS = 300
 

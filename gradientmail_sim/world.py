@@ -35,9 +35,9 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 
-from ..protocol.faults import FaultyMailbox
 from .audit import AuditMailbox
 from .chaos import Chaos
+from .faults import FaultyMailbox
 from .scenario import SimConfig, SimResult
 from .state import SimNode, _Abort
 

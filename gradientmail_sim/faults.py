@@ -48,11 +48,11 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..clock import Clock
-from ..errors import MailboxUnavailable
-from ..mailbox.contract import Chunk, Mailbox, close_stream
-from ..mailbox.forwarding import ForwardingMailbox
-from . import keys
+from gradientmail_core.clock import Clock
+from gradientmail_core.errors import MailboxUnavailable
+from gradientmail_core.mailbox.contract import Chunk, Mailbox, close_stream
+from gradientmail_core.mailbox.forwarding import ForwardingMailbox
+from gradientmail_core.protocol import keys
 
 Op = Literal["put", "get", "list", "delete"]
 Kind = Literal["error", "retry_412", "crash", "latency", "flip"]
