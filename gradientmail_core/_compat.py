@@ -30,8 +30,6 @@ MOVED = {
     "memory_mailbox": "mailbox.memory",
     "file_mailbox": "mailbox.file",
     "s3_mailbox": "mailbox.s3",
-    "faults": "protocol.faults",
-    "mailbox.faults": "protocol.faults",
     "node": "syncer.node",
     "closer": "syncer.closer",
     "learner": "syncer.learner",

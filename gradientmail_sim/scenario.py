@@ -77,7 +77,7 @@ class SimConfig:
         extra += " --fleet" if self.fleet else ""
         extra += f" --nodes {self.nodes}" if self.nodes else ""
         extra += f" --mutant {self.mutant}" if self.mutant else ""
-        return f"python -m gradientmail_core.sim --seed {self.seed} --rounds {self.rounds}{extra} -v"
+        return f"python -m gradientmail_sim --seed {self.seed} --rounds {self.rounds}{extra} -v"
 
 
 @dataclass

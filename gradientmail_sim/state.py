@@ -32,7 +32,7 @@ from .audit import Auditor
 from .faults import FaultLog, FaultyMailbox
 from .scenario import SimConfig, _views, draw_scenario
 
-# The trace of a verbose run (``python -m gradientmail_core.sim --seed N -v`` shows it on stdout).
+# The trace of a verbose run (``python -m gradientmail_sim --seed N -v`` shows it on stdout).
 _trace_log = logging.getLogger("gradientmail.sim.trace")
 
 

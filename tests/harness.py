@@ -1,7 +1,7 @@
 """A small deterministic cluster for engine tests: N learners with numpy models over one
 MemoryMailbox and one FakeClock, driven single-threaded (train step, tick, advance).
 
-``Cluster(..., audit=True)`` puts the simulation's auditor (``gradientmail_core/sim/audit.py``)
+``Cluster(..., audit=True)`` puts the simulation's auditor (``gradientmail_sim/audit.py``)
 between every member and the store: each commit is recomputed as it is written, from the
 contributions its record lists, bit for bit with the engine's functions and within float32
 rounding with an independent float64 reference, and deletions of what the run still needs are

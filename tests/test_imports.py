@@ -74,8 +74,14 @@ def _offenders(package: str, forbidden: tuple[str, ...]) -> list[str]:
 
 
 def test_dependencies_run_one_way_between_the_packages():
-    # The core never reaches up into the integrations.
-    assert not _offenders("gradientmail_core", ("gradientmail_lightning", "lightning", "accelerate"))
+    # The core never reaches up into the integrations, nor into the development package beside it
+    # (the simulation and the fault injector, outside the wheel) or the tests.
+    assert not _offenders(
+        "gradientmail_core", ("gradientmail_lightning", "lightning", "accelerate", "gradientmail_sim", "tests")
+    )
+    assert not _offenders("gradientmail_lightning", ("gradientmail_sim", "tests"))
+    # The simulation drives the product from outside: it imports the core, never the integrations.
+    assert not _offenders("gradientmail_sim", ("gradientmail_lightning", "tests"))
     # The protocol is below the engine: keys, records, the store and the tape never import the syncer,
     # nor the adapters (a run is opened with a schema and a read function, not a model).
     assert not _offenders(
@@ -147,7 +153,7 @@ LAYERS = (
     ("protocol", "aggregators"),
     ("adapters", "workqueue", "data"),
     ("syncer",),
-    ("sharded", "sim", "cli"),
+    ("sharded", "cli"),
     ("session",),
 )
 MAX_LINES = 450
@@ -256,13 +262,12 @@ def test_old_import_paths_of_public_names_keep_working():
         "from gradientmail_core.mailbox import CountingMailbox, Mailbox, open_mailbox, create_once, CreateOutcome\n"
         "from gradientmail_core.config import DiLoCo, RDA, WeightedMean, Strided, Balanced\n"
         "from gradientmail_core.session import Session, align, Progress\n"
-        "from gradientmail_core.faults import FaultyMailbox\n"
         "from gradientmail_core.keys import validate_key\n"
         "import gradientmail_core as gm, gradientmail_core.node as old, gradientmail_core.syncer.node as new\n"
         "assert old is new and old.__name__ == 'gradientmail_core.syncer.node'\n"
         "assert FileMailbox is gm.FileMailbox and MemoryMailbox is gm.MemoryMailbox and S3Mailbox is gm.S3Mailbox\n"
         "for name in ('keys','records','schedule','run','lease','store','guard','auth','partition','overview',"
-        "'memory_mailbox','file_mailbox','s3_mailbox','faults','node','closer','learner','bridge','timing',"
+        "'memory_mailbox','file_mailbox','s3_mailbox','node','closer','learner','bridge','timing',"
         "'merge','outer','acceptance','payload','safetensors_io','quant','compress'):\n"
         "    __import__('gradientmail_core.' + name)\n"
         "import sys; print('boto3' in sys.modules)\n"

@@ -1,4 +1,4 @@
-"""Mutation check: each deliberately broken engine (gradientmail_core/sim/mutants.py) is caught
+"""Mutation check: each deliberately broken engine (gradientmail_sim/mutants.py) is caught
 by the simulation within a few hundred seeds, so its power to find these bugs cannot decay."""
 
 from __future__ import annotations
