@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 
 from ..config import DiLoCo
-from ..protocol import bill
+from . import bill
 
 GIB = 1 << 30  # the price sheets' GB
 
