@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _compat, events
+from . import events
 from .clock import Clock, FakeClock, SystemClock
 from .config import RDA, Adaptive, Balanced, Blend, Carry, DiLoCo, Overwrite, Strided, WeightedMean
 from .errors import (
@@ -39,8 +39,6 @@ from .syncer.standalone import Syncer
 from .workqueue import HoldLost, WorkQueue
 
 __version__ = "0.1.0"
-
-_compat.install(__name__)
 
 
 def __getattr__(name: str) -> Any:

@@ -1,4 +1,4 @@
-"""The store bill: ``protocol/bill.py``'s model of a run's requests and bytes, held against what
+"""The store bill: ``cli/bill.py``'s model of a run's requests and bytes, held against what
 ``bench/fleet.py`` counts on a simulated store, and ``gradientmail cost`` printing its price."""
 
 from __future__ import annotations
