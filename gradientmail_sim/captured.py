@@ -9,9 +9,9 @@ import numpy as np
 
 from gradientmail_core.codec.chunked import chunk_specs
 from gradientmail_core.codec.payload import decode_payload, sha256_hex
+from gradientmail_core.codec.plan import assemble
 from gradientmail_core.errors import GradientMailError
 from gradientmail_core.protocol import keys
-from gradientmail_core.protocol.chunks import assemble
 from gradientmail_core.protocol.records import PayloadRef, RoundRecord, chunk_refs, ref_digest
 from gradientmail_core.protocol.run import RunInfo
 from gradientmail_core.protocol.schedule import fragment_of, round_of

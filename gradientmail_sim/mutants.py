@@ -120,7 +120,7 @@ def skip_sha_check() -> contextlib.AbstractContextManager[None]:
     from gradientmail_core.codec.chunked import chunk_specs
     from gradientmail_core.codec.chunked import spec as chunk_spec
     from gradientmail_core.codec.payload import decode_payload
-    from gradientmail_core.protocol.chunks import assemble
+    from gradientmail_core.codec.plan import assemble
     from gradientmail_core.protocol.records import chunk_refs
 
     def get_payload(

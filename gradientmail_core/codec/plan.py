@@ -12,7 +12,7 @@ chunk of whole tensors per fragment. A payload whose line is at most ``C`` is on
 tensors too, and that chunk has exactly the bytes of a whole payload.
 
 Pure (numpy at most): every node computes the same plan from (shapes, ``C``). Which rank of a
-sharded node builds which chunk is not the plan's business (``protocol/chunks.py``).
+sharded node builds which chunk is not the plan's business (``protocol/layout.py``).
 """
 
 from __future__ import annotations

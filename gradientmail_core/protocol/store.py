@@ -11,8 +11,8 @@ out as it is produced, and a payload read is verified and decoded as its parts a
 A chunked payload (``docs/protocol.md``, "Chunked payloads") is one object per chunk; its ref
 lists them (``PayloadRef.more``). ``get_payload`` given the run's ``chunk_elements`` reads every
 chunk and returns the assembled fragment; ``get_chunk``/``put_chunk`` move one chunk (a sharded
-node's ranks), ``put_fragment`` writes every chunk of a whole fragment. The API is summed up in
-``protocol/chunks.py``'s docstring.
+node's ranks), ``put_fragment`` writes every chunk of a whole fragment; where each part of a chunked payload
+lives is listed in ``protocol/layout.py``'s docstring.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ import numpy as np
 
 from ..codec import chunked
 from ..codec.payload import sha256_hex
+from ..codec.plan import Piece, assemble, fragment_plan, is_one_whole_chunk
 from ..codec.stream import PayloadStream, decode_stream
 from ..errors import MailboxUnavailable, PayloadCorrupt, RecordInvalid
 from ..mailbox import Chunk, CreateOutcome, Mailbox, create_once, read_many, read_stream, write_stream
 from . import keys
-from .chunks import Piece, assemble, fragment_plan, is_one_whole_chunk
 from .records import PayloadRef, chunk_refs, decode, encode, join_refs
 
 R = TypeVar("R")

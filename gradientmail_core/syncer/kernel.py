@@ -19,9 +19,10 @@ import numpy as np
 
 from ..aggregators.leaves import Pooled
 from ..codec.chunked import ChunkSpec, chunk_specs
+from ..codec.plan import Piece, numel
 from ..config import RDA
 from ..errors import MailboxUnavailable, MissingExtra, PayloadCorrupt, PayloadLayoutMismatch
-from ..protocol.chunks import Layout, Piece, numel
+from ..protocol.layout import Layout
 from ..protocol.records import PayloadRef, chunk_refs
 from ..protocol.run import RunInfo
 from ..protocol.store import RunStore

@@ -27,8 +27,8 @@ from ..aggregators.fused import cosine_from, cosine_into, cosine_units, merge_in
 from ..aggregators.leaves import Pooled, combine_leaves, dot_range, dot_total
 from ..ahead import ordered
 from ..codec.chunked import ChunkSpec
+from ..codec.plan import numel
 from ..config import DiLoCo
-from ..protocol.chunks import numel
 from .fragment import CommitOp, FragmentState
 from .ranks import Ranks, flat
 from .reading import Visit

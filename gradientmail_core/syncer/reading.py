@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 
 from ..codec.chunked import ChunkSpec
+from ..codec.plan import Piece
 from ..errors import PayloadCorrupt
-from ..protocol.chunks import Piece
 from ..protocol.records import PayloadRef
 from ..protocol.run import RunInfo, payload_cap
 from ..protocol.store import CHUNK_HEADER_ALLOWANCE, RunStore

@@ -18,9 +18,10 @@ import numpy as np
 from ..ahead import call, ordered
 from ..codec import quant
 from ..codec.chunked import chunk_specs, stream_chunk
+from ..codec.plan import is_whole
 from ..codec.stream import ELEMENTWISE, PayloadStream
 from ..protocol import keys
-from ..protocol.chunks import Layout, is_whole
+from ..protocol.layout import Layout
 from ..protocol.records import PayloadRef, digest_of, join_refs
 from ..protocol.run import RunInfo
 from .fragment import CommitOp, FragmentState, Written
