@@ -1,6 +1,6 @@
 """The codec sits below the protocol: payload bytes and the chunk plan know nothing of keys,
 records, stores, nodes or frameworks; ``protocol/layout.py`` adds rank ownership on top of the
-codec's plan and re-exports the plan under the names its importers use."""
+codec's plan."""
 
 from __future__ import annotations
 
