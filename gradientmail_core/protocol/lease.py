@@ -198,10 +198,6 @@ class Liveness:
         when its role allows."""
         return {n for n in self.live_nodes() if self.role_of(n) in keys.CLOSER_ROLES}
 
-    def closer_live(self) -> bool:
-        """Is any node that may close rounds live (this one included when its role allows)?"""
-        return bool(self.closers())
-
     def abandoned(self, factor: float = 10.0) -> list[str]:
         """Lease keys unchanged for ``factor`` timeouts: their owners are long gone."""
         now = self.clock.now()
