@@ -36,7 +36,7 @@ from .mailbox.file import FileMailbox
 from .mailbox.memory import MemoryMailbox
 from .session import Progress, Session, align
 from .syncer.standalone import Syncer
-from .workqueue import HoldLost, WorkQueue
+from .workqueue.queue import HoldLost, WorkQueue
 
 __version__ = "0.1.0"
 

@@ -13,9 +13,9 @@ import gradientmail_core as gm
 from gradientmail_core.errors import MailboxUnavailable
 from gradientmail_core.protocol import keys
 from gradientmail_core.protocol.records import decode
-from gradientmail_core.protocol.work import read_queues, scan_queue
-from gradientmail_core.protocol.work_records import UnitDone
-from gradientmail_core.workqueue import QueueMismatch
+from gradientmail_core.workqueue.queue import QueueMismatch
+from gradientmail_core.workqueue.records import UnitDone
+from gradientmail_core.workqueue.scan import read_queues, scan_queue
 
 TIMEOUT = 10.0
 
@@ -323,7 +323,7 @@ def test_the_simulation_kills_holders_for_most_seeds():
 def test_work_records_round_trip_and_refuse_bad_fields():
     from gradientmail_core.errors import RecordInvalid
     from gradientmail_core.protocol.records import encode
-    from gradientmail_core.protocol.work_records import QueueInfo, UnitClaim, UnitHold, UnitRelease
+    from gradientmail_core.workqueue.records import QueueInfo, UnitClaim, UnitHold, UnitRelease
 
     recs = [
         QueueInfo(queue="data", units=10, lease_timeout=5.0, created_by="a"),

@@ -17,7 +17,7 @@ from gradientmail_core.protocol import keys
 from gradientmail_core.protocol.identity import Identity
 from gradientmail_core.protocol.members import MemberAuth, change
 from gradientmail_core.protocol.records import Manifest, encode
-from gradientmail_core.protocol.work_records import QueueInfo, UnitDone
+from gradientmail_core.workqueue.records import QueueInfo, UnitDone
 
 SECRET = "q" * 32
 CFG = gm.DiLoCo(sync_every=2, fragments=1)

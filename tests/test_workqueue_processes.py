@@ -15,8 +15,8 @@ from pathlib import Path
 import gradientmail_core as gm
 from gradientmail_core.protocol import keys
 from gradientmail_core.protocol.records import decode
-from gradientmail_core.protocol.work import scan_queue
-from gradientmail_core.protocol.work_records import UnitDone
+from gradientmail_core.workqueue.records import UnitDone
+from gradientmail_core.workqueue.scan import scan_queue
 
 TESTS = Path(__file__).resolve().parent
 UNITS = 16

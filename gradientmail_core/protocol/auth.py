@@ -29,9 +29,9 @@ import os
 from typing import Any
 
 from ..errors import RecordInvalid
+from ..workqueue.records import QueueInfo, UnitClaim, UnitDone, UnitHold, UnitRelease
 from . import keys
 from .records import Claim, Lease, Manifest, RoundRecord, Snapshot, signing_bytes
-from .work_records import QueueInfo, UnitClaim, UnitDone, UnitHold, UnitRelease
 
 MIN_SECRET_BYTES = 16
 MAX_SECRET_BYTES = 4096

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import ProtocolError, RecordInvalid
+from ..workqueue.records import QueueInfo, UnitClaim, UnitDone, UnitHold, UnitRelease
 from . import identity as ids
 from . import keys
 from .records import (
@@ -26,7 +27,6 @@ from .records import (
     encode,
     identity_bytes,
 )
-from .work_records import QueueInfo, UnitClaim, UnitDone, UnitHold, UnitRelease
 
 _DOMAIN = b"gradientmail/1\x00"
 NO_PREV = "0" * 64

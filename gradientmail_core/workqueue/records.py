@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .keys import MAX_ATTEMPT, MAX_SEQ, MAX_UNIT
-from .records import _LEARNER, _MAC, _NONCE, _PUBKEY, _SIG, FORMAT, learner_field, nonneg
+from ..protocol.keys import MAX_ATTEMPT, MAX_SEQ, MAX_UNIT
+from ..protocol.records import _LEARNER, _MAC, _NONCE, _PUBKEY, _SIG, FORMAT, learner_field, nonneg
 
 __all__ = ["QueueInfo", "UnitClaim", "UnitDone", "UnitHold", "UnitRelease"]
 

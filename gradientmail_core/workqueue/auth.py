@@ -21,10 +21,10 @@ from typing import Any, TypeVar
 
 from ..errors import ProtocolError, RecordInvalid
 from ..mailbox import Mailbox
-from . import keys
-from .records import Manifest, decode, encode
-from .store import RunStore
-from .work_records import QueueInfo, UnitClaim, UnitDone, UnitHold, UnitRelease
+from ..protocol import keys
+from ..protocol.records import Manifest, decode, encode
+from ..protocol.store import RunStore
+from .records import QueueInfo, UnitClaim, UnitDone, UnitHold, UnitRelease
 
 R = TypeVar("R")
 _CACHE = 65536

@@ -26,14 +26,14 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from .clock import Clock, SystemClock
-from .errors import GradientMailError, MailboxUnavailable, RecordInvalid
-from .mailbox import CreateOutcome, Mailbox, create_once
-from .protocol import keys
-from .protocol.guard import GuardedMailbox
-from .protocol.work import QueueProgress, QueueScan, progress_of, scan_queue
-from .protocol.work_auth import QueueRecords
-from .protocol.work_records import QueueInfo, UnitClaim, UnitDone, UnitHold, UnitRelease
+from ..clock import Clock, SystemClock
+from ..errors import GradientMailError, MailboxUnavailable, RecordInvalid
+from ..mailbox import CreateOutcome, Mailbox, create_once
+from ..protocol import keys
+from ..protocol.guard import GuardedMailbox
+from .auth import QueueRecords
+from .records import QueueInfo, UnitClaim, UnitDone, UnitHold, UnitRelease
+from .scan import QueueProgress, QueueScan, progress_of, scan_queue
 
 __all__ = ["Hold", "HoldLost", "QueueMismatch", "WorkQueue"]
 
@@ -107,7 +107,7 @@ class WorkQueue:
         keys.queue_prefix(name)  # validates the name
         self._records = QueueRecords()
         if secret is not None or secret_file is not None or identity is not None:
-            from .protocol.members import node_policy
+            from ..protocol.members import node_policy
 
             auth, me = node_policy(secret, secret_file, identity)
             holder = me.learner_id(holder) if me is not None else holder

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 from ..errors import RecordInvalid
 from ..mailbox import Mailbox
-from . import keys
-from .records import decode
-from .work_records import QueueInfo
+from ..protocol import keys
+from ..protocol.records import decode
+from .records import QueueInfo
 
 
 @dataclass
