@@ -36,9 +36,9 @@ from gradientmail_core.mailbox import (  # noqa: E402
     create_once,
     open_mailbox,
 )
+from gradientmail_core.mailbox.contract import validate_prefix  # noqa: E402
 from gradientmail_core.mailbox.file import TMP_DIR, FileMailbox  # noqa: E402
 from gradientmail_core.mailbox.memory import MemoryMailbox  # noqa: E402
-from gradientmail_core.protocol.keys import validate_prefix  # noqa: E402
 
 if TYPE_CHECKING:
     from conftest import MailboxTarget

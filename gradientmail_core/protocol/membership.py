@@ -12,12 +12,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import ProtocolError, RecordInvalid
-from ..workqueue.records import QueueInfo, UnitClaim, UnitDone, UnitHold, UnitRelease
 from . import identity as ids
 from . import keys
 from .records import (
     MAX_RECORD_BYTES,
     Claim,
+    KeyedRecord,
     Lease,
     Manifest,
     MemberEntry,
@@ -73,10 +73,8 @@ def who(record: Any) -> str | None:
         return record.closer
     if isinstance(record, Snapshot | Lease | Claim):
         return record.learner
-    if isinstance(record, QueueInfo):
-        return record.created_by
-    if isinstance(record, UnitClaim | UnitHold | UnitRelease | UnitDone):
-        return record.holder
+    if isinstance(record, KeyedRecord):  # a work queue's
+        return record.speaker()
     return None
 
 

@@ -21,9 +21,10 @@ from typing import Any, TypeVar
 
 from ..errors import ProtocolError, RecordInvalid
 from ..mailbox import Mailbox
-from ..protocol import keys
+from ..protocol.keys import MANIFEST
 from ..protocol.records import Manifest, decode, encode
 from ..protocol.store import RunStore
+from . import keys
 from .records import QueueInfo, UnitClaim, UnitDone, UnitHold, UnitRelease
 
 R = TypeVar("R")
@@ -56,10 +57,10 @@ class QueueRecords:
 
     def bind(self, mailbox: Mailbox) -> None:
         """Read and verify the run's manifest (which keys every MAC, tag and signature to the run)."""
-        manifest = RunStore(mailbox, auth=self.auth).read_record(keys.MANIFEST, Manifest)
+        manifest = RunStore(mailbox, auth=self.auth).read_record(MANIFEST, Manifest)
         if manifest is None:
             raise ProtocolError(
-                f"an authenticated work queue belongs to a run, and this mailbox has none yet ({keys.MANIFEST} is "
+                f"an authenticated work queue belongs to a run, and this mailbox has none yet ({MANIFEST} is "
                 "missing): open the queue once this node's Session has joined the run"
             )
         if getattr(self.auth, "members_only", False) and getattr(self.auth, "identity", None) is None:

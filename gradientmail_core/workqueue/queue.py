@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 from ..clock import Clock, SystemClock
 from ..errors import GradientMailError, MailboxUnavailable, RecordInvalid
 from ..mailbox import CreateOutcome, Mailbox, create_once
-from ..protocol import keys
 from ..protocol.guard import GuardedMailbox
+from ..protocol.keys import validate_learner_id
+from . import keys
 from .auth import QueueRecords
 from .records import QueueInfo, UnitClaim, UnitDone, UnitHold, UnitRelease
 from .scan import QueueProgress, QueueScan, progress_of, scan_queue
@@ -103,7 +104,7 @@ class WorkQueue:
             raise ValueError(f"units={units!r}: expected an integer in 1..{keys.MAX_UNIT + 1}")
         if not lease_timeout > 0 or not poll_interval > 0:
             raise ValueError("lease_timeout and poll_interval must be positive")
-        keys.validate_learner_id(holder)
+        validate_learner_id(holder)
         keys.queue_prefix(name)  # validates the name
         self._records = QueueRecords()
         if secret is not None or secret_file is not None or identity is not None:
@@ -111,7 +112,7 @@ class WorkQueue:
 
             auth, me = node_policy(secret, secret_file, identity)
             holder = me.learner_id(holder) if me is not None else holder
-            mailbox, self._records = GuardedMailbox(mailbox, auth=auth), QueueRecords(auth)
+            mailbox, self._records = GuardedMailbox(mailbox, auth=auth, known=keys.is_known), QueueRecords(auth)
         self._mailbox, self.units, self.holder, self.name = mailbox, units, holder, name
         self.lease_timeout = float(lease_timeout)
         self._renew_every = renew_every
