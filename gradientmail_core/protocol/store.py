@@ -73,6 +73,18 @@ class RunStore:
         self.bytes_up += len(data)
         return create_once(self.mailbox, key, data)
 
+    def put_own(self, key: str, record: Any, nonce: str) -> bool:
+        """Create ``record`` (a record with a ``nonce``) at ``key`` once. True if the key holds this
+        writer's record: created now, or found with ``nonce``, our own earlier attempt whose reply
+        was lost (a lost acknowledgement, not another writer). False: another writer's."""
+        outcome, existing = self.put_record(key, record)
+        if outcome is not CreateOutcome.TAKEN:
+            return True
+        try:
+            return self.decode_record(existing, type(record), key).nonce == nonce
+        except RecordInvalid:
+            return False
+
     def decode_record(self, data: bytes | None, cls: type[R], key: str) -> R:
         record = decode(data, cls, key=key)
         if self.auth is not None:
