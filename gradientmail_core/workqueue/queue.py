@@ -25,6 +25,7 @@ import secrets
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from ..clock import Clock, SystemClock
 from ..errors import GradientMailError, MailboxUnavailable
@@ -41,6 +42,7 @@ from .scan import QueueProgress, QueueScan, progress_of, scan_queue
 __all__ = ["Hold", "HoldLost", "QueueMismatch", "WorkQueue"]
 
 log = logging.getLogger("gradientmail.workqueue")
+U = TypeVar("U", UnitClaim, UnitHold, UnitRelease, UnitDone)
 
 
 class HoldLost(GradientMailError):
@@ -254,9 +256,8 @@ class WorkQueue:
 
     def _try_claim(self, unit: int, attempt: int) -> Hold | None:
         started = self.clock.now()
-        rec = UnitClaim(queue=self.name, unit=unit, attempt=attempt, holder=self.holder, nonce=self.nonce)
-        key = keys.unit_claim_key(self.name, unit, attempt)
-        outcome, _ = self.store.put_record(key, rec)
+        rec = self._record(UnitClaim, unit, attempt)
+        outcome, _ = self.store.put_record(rec.logical_key(), rec)
         if outcome is CreateOutcome.TAKEN:
             return None  # another node took this attempt first
         if self._records.exists(keys.unit_done_key(self.name, unit), UnitDone):
@@ -330,16 +331,18 @@ class WorkQueue:
             self._delete_beats(hold)
             raise HoldLost(f"work queue {self.name!r}: unit {u} was recorded done by another holder")
         seq = hold.seq + 1
-        key = keys.unit_hold_key(self.name, u, n, seq)
-        rec = UnitHold(
-            queue=self.name, unit=u, attempt=n, holder=self.holder, nonce=self.nonce, seq=seq, consumed=hold.consumed
-        )
+        rec = self._record(UnitHold, u, n, seq=seq, consumed=hold.consumed)
+        key = rec.logical_key()
         if not self.store.put_own(key, rec, self.nonce):
             self._forget(hold)
             raise HoldLost(f"work queue {self.name!r}: another process wrote our heartbeat {key}")
         hold.seq, hold.renewed_at = seq, now
         hold._beats.append(key)
         self._delete_beats(hold, keep=key)
+
+    def _record(self, cls: type[U], unit: int, attempt: int, **fields: Any) -> U:
+        """This holder's record ``cls`` of its attempt ``attempt`` at ``unit``."""
+        return cls(queue=self.name, unit=unit, attempt=attempt, holder=self.holder, nonce=self.nonce, **fields)
 
     def _forget(self, hold: Hold) -> None:
         self._held.pop(hold.unit, None)
@@ -382,8 +385,8 @@ class WorkQueue:
                 return True
 
     def _record_done(self, hold: Hold) -> bool:
-        rec = UnitDone(queue=self.name, unit=hold.unit, attempt=hold.attempt, holder=self.holder, nonce=self.nonce)
-        outcome, _ = self.store.put_record(keys.unit_done_key(self.name, hold.unit), rec)
+        rec = self._record(UnitDone, hold.unit, hold.attempt)
+        outcome, _ = self.store.put_record(rec.logical_key(), rec)
         self._forget(hold)
         self._delete_beats(hold)
         return outcome is not CreateOutcome.TAKEN
@@ -405,16 +408,9 @@ class WorkQueue:
 
     def _give_back(self, hold: Hold) -> None:
         self._forget(hold)
-        rec = UnitRelease(
-            queue=self.name,
-            unit=hold.unit,
-            attempt=hold.attempt,
-            holder=self.holder,
-            nonce=self.nonce,
-            consumed=hold.consumed,
-        )
+        rec = self._record(UnitRelease, hold.unit, hold.attempt, consumed=hold.consumed)
         try:
-            self.store.put_record(keys.unit_release_key(self.name, hold.unit, hold.attempt), rec)
+            self.store.put_record(rec.logical_key(), rec)
         except MailboxUnavailable:
             pass  # the unit comes back once its heartbeat lapses instead
         self._delete_beats(hold)
