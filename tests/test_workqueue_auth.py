@@ -1,4 +1,4 @@
-"""The work queue in authenticated runs (``protocol/work_auth.py``): its records signed and checked
+"""The work queue in authenticated runs (``workqueue/auth.py``): its records signed and checked
 as the run's own, its keys secret-tagged with a run secret; an open run's queue unchanged."""
 
 from __future__ import annotations

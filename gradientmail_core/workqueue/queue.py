@@ -78,7 +78,7 @@ class WorkQueue:
     ``poll_interval``: how long ``next_unit`` sleeps while every unit left is held by others.
     ``secret``, ``secret_file``, ``identity``: the run's, as its ``Session`` was given them: in an
     authenticated run the queue's records are signed and checked like the run's own
-    (``protocol/work_auth.py``), and ``holder`` carries the identity's fingerprint.
+    (``workqueue/auth.py``), and ``holder`` carries the identity's fingerprint.
     """
 
     def __init__(
