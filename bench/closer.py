@@ -44,9 +44,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gradientmail_core as gm  # noqa: E402
-from gradientmail_core import keys  # noqa: E402
 from gradientmail_core.adapters.base import NumpyAdapter  # noqa: E402
 from gradientmail_core.mailbox import CreateOutcome, create_once  # noqa: E402
+from gradientmail_core.protocol import keys  # noqa: E402
 from gradientmail_core.protocol.records import Snapshot  # noqa: E402
 from gradientmail_core.protocol.run import open_run  # noqa: E402
 from gradientmail_core.protocol.store import RunStore  # noqa: E402

@@ -354,7 +354,7 @@ def takeover(n: int, **kw: float | int | None) -> dict:
 
 
 def _record_bytes(store: gm.MemoryMailbox) -> dict:
-    """Mean stored size of each kind of record (what ``protocol/bill.py``'s constants come from)."""
+    """Mean stored size of each kind of record (what ``cli/bill.py``'s constants come from)."""
     kinds = {"round": keys.ROUNDS, "snapshot": keys.SNAPSHOTS, "claim": keys.CLAIMS, "lease": keys.LEASES}
     out = {}
     for name, prefix in kinds.items():

@@ -292,6 +292,7 @@ def sharded_worker(device: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from gradientmail_core.adapters import torch_sharded as ts
+    from gradientmail_core.adapters import torch_transfer as tt
 
     if device == "cuda":
         torch.cuda.set_device(0)
@@ -310,14 +311,14 @@ def sharded_worker(device: str) -> None:
     assert sharded is not None, "fully_shard gave no DTensor parameters"
     names, chunk, meter = list(sharded.shapes), 4096, ts.Meter()
     local = {n: sharded.local(n) for n in names}
-    owned = ts.gather_chunks(sharded, names, chunk, local, meter=meter)
+    owned = tt.gather_chunks(sharded, names, chunk, local, meter=meter)
     ref = {n: p.detach().reshape(-1) for n, p in model().named_parameters()}
     for k, pieces in owned.items():
         for p, values in pieces:
             if not torch.equal(values, ref[p.name][p.start : p.stop]):
                 raise SystemExit(f"chunk {k} piece {p}: differs from the unsharded model")
     commit = {k: [(p, v * 2 + 1) for p, v in pieces] for k, pieces in owned.items()}
-    ts.scatter_chunks(sharded, names, chunk, commit, local, meter=meter)
+    tt.scatter_chunks(sharded, names, chunk, commit, local, meter=meter)
     for n, p in sharded.params.items():
         if not torch.equal(p.full_tensor().reshape(-1), ref[n] * 2 + 1):
             raise SystemExit(f"{n}: the scattered commit did not land")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _compat, events
+from . import events
 from .clock import Clock, FakeClock, SystemClock
 from .config import RDA, Adaptive, Balanced, Blend, Carry, DiLoCo, Overwrite, Strided, WeightedMean
 from .errors import (
@@ -36,11 +36,9 @@ from .mailbox.file import FileMailbox
 from .mailbox.memory import MemoryMailbox
 from .session import Progress, Session, align
 from .syncer.standalone import Syncer
-from .workqueue import HoldLost, WorkQueue
+from .workqueue.queue import HoldLost, WorkQueue
 
 __version__ = "0.1.0"
-
-_compat.install(__name__)
 
 
 def __getattr__(name: str) -> Any:

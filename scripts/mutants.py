@@ -16,7 +16,7 @@ the one imported, in the subprocesses the tests start too. It prints one line pe
 
 and last ``mutants: K of N caught``. It exits 0 only when every mutation was caught.
 
-``SIM_MUTANTS`` are the simulation's own broken engines (``gradientmail_core/sim/mutants.py``,
+``SIM_MUTANTS`` are the simulation's own broken engines (``gradientmail_sim/mutants.py``,
 patched in at run time): they run through their harness, ``tests/test_sim_mutants.py``, whose test
 passes when the simulation caught the mutant, so for them a passing test is ``caught``.
 
@@ -171,7 +171,7 @@ MUTATIONS: list[Mutation] = [
       "        if key.startswith(keys.ROUNDS + 'never/') and self.left > 0:\n",
       (f"{T_CLOSER}::test_a_commit_whose_record_could_not_be_written_is_computed_again_from_the_same_state",),
       "finding 8: the record writes never fail (records written another way): the test must say so"),
-    M("sim-runs-without-error-feedback", "gradientmail_core/sim/actors.py",
+    M("sim-runs-without-error-feedback", "gradientmail_sim/actors.py",
       "                self.draw.cfg,\n                sn.clock,\n",
       '                __import__("dataclasses").replace(self.draw.cfg, error_feedback=False),\n                sn.clock,\n',
       ("tests/test_sim.py::test_the_sweep_mixes_checkpoints_error_feedback_and_chunks",),
@@ -344,7 +344,7 @@ MUTATIONS: list[Mutation] = [
 ]
 # fmt: on
 
-# The simulation's mutants (gradientmail_core/sim/mutants.py): name, in the --quick subset.
+# The simulation's mutants (gradientmail_sim/mutants.py): name, in the --quick subset.
 SIM_MUTANTS: list[tuple[str, bool]] = [
     # (the whole harness runs in the test suite already: --quick keeps two of the fast ones)
     ("skip_readback", False),
@@ -370,7 +370,7 @@ def sim_mutations() -> list[Mutation]:
     return [
         Mutation(
             f"sim:{name}",
-            "gradientmail_core/sim/mutants.py",
+            "gradientmail_sim/mutants.py",
             "",
             "",
             (f"tests/test_sim_mutants.py::test_mutant_is_caught[{name}]",),

@@ -35,9 +35,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gradientmail_core import keys  # noqa: E402
 from gradientmail_core.codec.header import sha256_hex  # noqa: E402
 from gradientmail_core.codec.payload import encode_payload  # noqa: E402
+from gradientmail_core.protocol import keys  # noqa: E402
 from gradientmail_core.protocol.records import (  # noqa: E402
     Claim,
     Lease,

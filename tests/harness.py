@@ -1,7 +1,7 @@
 """A small deterministic cluster for engine tests: N learners with numpy models over one
 MemoryMailbox and one FakeClock, driven single-threaded (train step, tick, advance).
 
-``Cluster(..., audit=True)`` puts the simulation's auditor (``gradientmail_core/sim/audit.py``)
+``Cluster(..., audit=True)`` puts the simulation's auditor (``gradientmail_sim/audit.py``)
 between every member and the store: each commit is recomputed as it is written, from the
 contributions its record lists, bit for bit with the engine's functions and within float32
 rounding with an independent float64 reference, and deletions of what the run still needs are
@@ -25,10 +25,10 @@ from gradientmail_core.mailbox.memory import MemoryMailbox
 from gradientmail_core.protocol.run import open_run
 from gradientmail_core.protocol.store import RunStore
 from gradientmail_core.protocol.tape import fetch_theta
-from gradientmail_core.sim.audit import AuditMailbox, Auditor
 from gradientmail_core.syncer.bridge import Bridge
 from gradientmail_core.syncer.learner import Learner
 from gradientmail_core.syncer.node import Node, NodeOptions
+from gradientmail_sim.audit import AuditMailbox, Auditor
 
 SHAPES = {"embed.weight": (6, 4), "layers.0.w": (4, 4), "layers.1.w": (4, 4), "head.b": (4,)}
 

@@ -28,7 +28,7 @@ import torch
 import gradientmail_core as gm
 from gradientmail_core.mailbox.forwarding import ForwardingMailbox
 from gradientmail_core.protocol import keys
-from gradientmail_core.protocol.chunks import transfers
+from gradientmail_core.protocol.layout import transfers
 from gradientmail_core.sharded.rank_host import RankHost
 
 DIMS = (12, 60, 36, 2)  # shard boundaries fall inside chunks of 64

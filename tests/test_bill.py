@@ -1,4 +1,4 @@
-"""The store bill: ``protocol/bill.py``'s model of a run's requests and bytes, held against what
+"""The store bill: ``cli/bill.py``'s model of a run's requests and bytes, held against what
 ``bench/fleet.py`` counts on a simulated store, and ``gradientmail cost`` printing its price."""
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 
 import gradientmail_core as gm
-from gradientmail_core.cli import main
+from gradientmail_core.cli import bill, main
 from gradientmail_core.cli.cost import R2, S3, egress_per_day, hf_prices, price_day
-from gradientmail_core.protocol import bill
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,12 +18,13 @@ from hypothesis import strategies as st
 
 import gradientmail_core as gm
 from gradientmail_core.adapters.base import NumpyAdapter
+from gradientmail_core.codec import plan as chunk_plans
 from gradientmail_core.codec import quant
 from gradientmail_core.codec.payload import decode_payload, encode_payload
 from gradientmail_core.codec.plan import chunk_specs
 from gradientmail_core.errors import PayloadCorrupt, PayloadLayoutMismatch, RecordInvalid
 from gradientmail_core.mailbox.memory import MemoryMailbox
-from gradientmail_core.protocol import chunks, keys
+from gradientmail_core.protocol import keys
 from gradientmail_core.protocol.records import (
     Manifest,
     Participant,
@@ -55,44 +56,35 @@ chunk_st = st.integers(1, 6).map(lambda k: 32 * k)
 @settings(max_examples=300, deadline=None)
 @given(shapes_st, chunk_st)
 def test_the_plan_covers_every_element_once_on_32_aligned_pieces(shapes, c):
-    plan = chunks.chunk_plan(shapes, c)
-    sizes = {n: chunks.numel(s) for n, s in shapes}
-    starts = dict(zip((n for n, _ in shapes), chunks.offsets(shapes), strict=True))
+    plan = chunk_plans.chunk_plan(shapes, c)
+    sizes = {n: chunk_plans.numel(s) for n, s in shapes}
+    starts = dict(zip((n for n, _ in shapes), chunk_plans.offsets(shapes), strict=True))
     end = max((starts[n] + sizes[n] for n in sizes), default=0)
     assert len(plan) == max(1, -(-end // c))
     seen = {n: np.zeros(sizes[n], int) for n in sizes}
     for k, pieces in enumerate(plan):
         for p in pieces:
-            assert p.start % chunks.BLOCK == 0  # a quantizer block never straddles two chunks
+            assert p.start % chunk_plans.BLOCK == 0  # a quantizer block never straddles two chunks
             assert k * c <= starts[p.name] + p.start and (p.size == 0 or starts[p.name] + p.stop <= (k + 1) * c)
             seen[p.name][p.start : p.stop] += 1
     assert all((v == 1).all() for v in seen.values())
     # the same plan whatever the world size: nothing in it depends on ranks (and None is one chunk)
-    assert chunks.fragment_plan(dict(shapes), c) == plan
-    whole = chunks.fragment_plan(dict(shapes), None)
-    assert len(whole) == 1 and chunks.is_one_whole_chunk(whole, dict(shapes))
+    assert chunk_plans.fragment_plan(dict(shapes), c) == plan
+    whole = chunk_plans.fragment_plan(dict(shapes), None)
+    assert len(whole) == 1 and chunk_plans.is_one_whole_chunk(whole, dict(shapes))
     # every decoded chunk assembles back into the tensors
     tensors = {n: np.arange(sizes[n], dtype=np.float32).reshape(s) for n, s in shapes}
     parts = [{p.name: tensors[p.name].reshape(-1)[p.start : p.stop] for p in pieces} for pieces in plan]
-    out = chunks.assemble(plan, parts, dict(shapes))
+    out = chunk_plans.assemble(plan, parts, dict(shapes))
     assert all(np.array_equal(out[n], tensors[n]) for n in tensors)
-
-
-def test_the_plan_functions_are_the_sharded_adapters():
-    torch_sharded = pytest.importorskip("gradientmail_core.adapters.torch_sharded")
-    shapes = [("a", (70,)), ("b", (3, 3)), ("c", (0,)), ("d", (40,))]
-    assert torch_sharded.chunk_plan(shapes, 32) == [
-        [chunks.Piece(p.name, p.start, p.stop) for p in pieces] for pieces in chunks.chunk_plan(shapes, 32)
-    ]
-    assert torch_sharded.offsets(shapes) == chunks.offsets(shapes)
 
 
 def test_assemble_refuses_missing_short_and_extra_pieces():
     shapes = {"a": (70,), "b": (3,)}
-    plan = chunks.fragment_plan(shapes, 64)  # a: 0..70 (padded to 96), b: 96..99
+    plan = chunk_plans.fragment_plan(shapes, 64)  # a: 0..70 (padded to 96), b: 96..99
     assert [[p.name for p in c] for c in plan] == [["a"], ["a", "b"]]  # the end of one, the start of the next
     good = [{"a": np.zeros(64)}, {"a": np.zeros(6), "b": np.zeros(3)}]
-    chunks.assemble(plan, good, shapes)
+    chunk_plans.assemble(plan, good, shapes)
     for bad in (
         good[:1],
         [good[0], {"a": np.zeros(6)}],
@@ -100,7 +92,7 @@ def test_assemble_refuses_missing_short_and_extra_pieces():
         [good[0], {**good[1], "c": np.zeros(1)}],
     ):
         with pytest.raises(PayloadCorrupt):
-            chunks.assemble(plan, bad, shapes)
+            chunk_plans.assemble(plan, bad, shapes)
 
 
 # ---- chunk bytes: slices of whole-tensor quantization ------------------------------------------
@@ -208,7 +200,7 @@ def _written(c: int | None = 32, dtype: str = "F4"):
 
 def test_every_chunk_is_read_verified_and_assembled():
     store, ref, t = _written()
-    plan = chunks.fragment_plan(WIDE, 32)
+    plan = chunk_plans.fragment_plan(WIDE, 32)
     assert len(chunk_refs(ref)) == len(plan) > 3
     got = store.get_payload(ref, WIDE, chunk_elements=32, dtypes=dict.fromkeys(WIDE, "F4"))
     whole = {n: quant.dequantize(quant.quantize(v, "F4")) for n, v in t.items()}
@@ -250,13 +242,13 @@ def test_a_whole_payload_reader_refuses_a_chunk():
 
 def test_chunks_put_one_by_one_are_the_fragments_chunks():
     store, ref, t = _written(dtype="F8_E4M3")
-    plan = chunks.fragment_plan(WIDE, 32)
+    plan = chunk_plans.fragment_plan(WIDE, 32)
     dtypes = dict.fromkeys(WIDE, "F8_E4M3")
     scales = {n: quant.e4m3_scale_byte(quant.e4m3_amax(v)) for n, v in t.items()}
     key = functools.partial(keys.snapshot_blob_key, 3, "a", compression="")
     mine = []
     for k, pieces in enumerate(plan):
-        values = {p.name: chunks.piece_view(t[p.name].reshape(-1), p) for p in pieces}
+        values = {p.name: chunk_plans.piece_view(t[p.name].reshape(-1), p) for p in pieces}
         mine.append(store.put_chunk(key, values, pieces, shapes=WIDE, k=k, n=len(plan), dtypes=dtypes, kind="delta",
                                     compression="", f8_scales=scales))  # fmt: skip
     assert join_refs(mine) == ref

@@ -17,8 +17,8 @@ pytest.importorskip("rich")
 pytest.importorskip("matplotlib")
 
 import gradientmail_core as gm  # noqa: E402
-from gradientmail_core import keys  # noqa: E402
 from gradientmail_core.cli import main  # noqa: E402
+from gradientmail_core.protocol import keys  # noqa: E402
 from gradientmail_core.protocol.records import RoundRecord, decode  # noqa: E402
 
 CFG = gm.DiLoCo(sync_every=4, fragments=2, quorum_size=2)

@@ -1,6 +1,6 @@
 """The codec sits below the protocol: payload bytes and the chunk plan know nothing of keys,
-records, stores, nodes or frameworks; ``protocol/chunks.py`` adds rank ownership on top of the
-codec's plan and re-exports the plan under the names its importers use."""
+records, stores, nodes or frameworks; ``protocol/layout.py`` adds rank ownership on top of the
+codec's plan."""
 
 from __future__ import annotations
 
@@ -36,17 +36,5 @@ def test_the_codec_imports_nothing_above_it() -> None:
 
 def test_the_import_check_sees_an_import_from_above(tmp_path: Path) -> None:
     fake = tmp_path / "x.py"
-    fake.write_text("def f():\n    from ..protocol.chunks import Layout\n")
-    assert "gradientmail_core.protocol.chunks.Layout" in _imports(fake)
-
-
-def test_the_protocol_chunks_names_are_the_codec_plan() -> None:
-    from gradientmail_core.codec import plan
-    from gradientmail_core.protocol import chunks
-
-    for name in ("BLOCK", "Piece", "Shapes", "numel", "check_chunk", "offsets", "chunk_plan", "fragment_plan"):
-        assert getattr(chunks, name) is getattr(plan, name), name
-    for name in ("is_whole", "is_one_whole_chunk", "piece_shape", "piece_view", "assemble"):
-        assert getattr(chunks, name) is getattr(plan, name), name
-    for name in ("Layout", "shard_range", "chunk_owner", "owned_chunks", "Transfer", "transfers"):
-        assert not hasattr(plan, name), f"rank ownership ({name}) is the protocol's, not the plan's"
+    fake.write_text("def f():\n    from ..protocol.layout import Layout\n")
+    assert "gradientmail_core.protocol.layout.Layout" in _imports(fake)

@@ -13,8 +13,8 @@ from gradientmail_core.errors import MailboxUnavailable, PayloadCorrupt
 from gradientmail_core.mailbox import CreateOutcome, create_once
 from gradientmail_core.mailbox.memory import MemoryMailbox
 from gradientmail_core.protocol import keys
-from gradientmail_core.protocol.faults import Fault, FaultLog, FaultyMailbox, InjectedCrash, round_of
 from gradientmail_core.protocol.store import RunStore
+from gradientmail_sim.faults import Fault, FaultLog, FaultyMailbox, InjectedCrash, round_of
 
 SNAP = keys.snapshot_key(3, "a")
 ROUND = keys.round_key(3)

@@ -17,8 +17,8 @@ import pytest
 from golden_runs import BY_NAME, CASES, RUNS, Outcome, differences, golden_path, run_case
 
 import gradientmail_core as gm
+from gradientmail_core.codec.plan import is_whole
 from gradientmail_core.mailbox.memory import MemoryMailbox
-from gradientmail_core.protocol.chunks import is_whole
 from gradientmail_core.protocol.store import RunStore
 
 NAMES = [c.name for c in CASES]

@@ -74,8 +74,14 @@ def _offenders(package: str, forbidden: tuple[str, ...]) -> list[str]:
 
 
 def test_dependencies_run_one_way_between_the_packages():
-    # The core never reaches up into the integrations.
-    assert not _offenders("gradientmail_core", ("gradientmail_lightning", "lightning", "accelerate"))
+    # The core never reaches up into the integrations, nor into the development package beside it
+    # (the simulation and the fault injector, outside the wheel) or the tests.
+    assert not _offenders(
+        "gradientmail_core", ("gradientmail_lightning", "lightning", "accelerate", "gradientmail_sim", "tests")
+    )
+    assert not _offenders("gradientmail_lightning", ("gradientmail_sim", "tests"))
+    # The simulation drives the product from outside: it imports the core, never the integrations.
+    assert not _offenders("gradientmail_sim", ("gradientmail_lightning", "tests"))
     # The protocol is below the engine: keys, records, the store and the tape never import the syncer,
     # nor the adapters (a run is opened with a schema and a read function, not a model).
     assert not _offenders(
@@ -142,12 +148,12 @@ def _circle_through(graph: dict[str, set[str]], start: str) -> list[str] | None:
 # The core's layers, bottom to top (docs/ENGINE_NOTES.md): a module imports only from its own
 # layer and the layers below it. The package's ``__init__`` is the layer above them all.
 LAYERS = (
-    ("errors", "clock", "events", "config", "ahead", "_compat"),
+    ("errors", "clock", "events", "config", "ahead"),
     ("codec", "mailbox"),
     ("protocol", "aggregators"),
     ("adapters", "workqueue", "data"),
     ("syncer",),
-    ("sharded", "sim", "cli"),
+    ("sharded", "cli"),
     ("session",),
 )
 
@@ -235,27 +241,3 @@ def test_the_import_check_sees_relative_and_lazy_imports(tmp_path):
     fake.write_text("def f():\n    from ..syncer import node\n\nimport gradientmail_core.syncer.closer\n")
     found = _imports_of(fake, root=tmp_path)
     assert "gradientmail_core.syncer.node" in found and "gradientmail_core.syncer.closer" in found
-
-
-def test_old_import_paths_of_public_names_keep_working():
-    code = (
-        "from gradientmail_core.file_mailbox import FileMailbox\n"
-        "from gradientmail_core.memory_mailbox import MemoryMailbox\n"
-        "from gradientmail_core.s3_mailbox import S3Mailbox\n"
-        "from gradientmail_core.mailbox import CountingMailbox, Mailbox, open_mailbox, create_once, CreateOutcome\n"
-        "from gradientmail_core.config import DiLoCo, RDA, WeightedMean, Strided, Balanced\n"
-        "from gradientmail_core.session import Session, align, Progress\n"
-        "from gradientmail_core.faults import FaultyMailbox\n"
-        "from gradientmail_core.keys import validate_key\n"
-        "import gradientmail_core as gm, gradientmail_core.node as old, gradientmail_core.syncer.node as new\n"
-        "assert old is new and old.__name__ == 'gradientmail_core.syncer.node'\n"
-        "assert FileMailbox is gm.FileMailbox and MemoryMailbox is gm.MemoryMailbox and S3Mailbox is gm.S3Mailbox\n"
-        "for name in ('keys','records','schedule','run','lease','store','guard','auth','partition','overview',"
-        "'memory_mailbox','file_mailbox','s3_mailbox','faults','node','closer','learner','bridge','timing',"
-        "'merge','outer','acceptance','payload','safetensors_io','quant','compress'):\n"
-        "    __import__('gradientmail_core.' + name)\n"
-        "import sys; print('boto3' in sys.modules)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "False"

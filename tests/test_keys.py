@@ -8,7 +8,9 @@ pytest.importorskip("hypothesis")
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from gradientmail_core.mailbox.contract import check_object_key, validate_key  # noqa: E402
 from gradientmail_core.protocol import keys  # noqa: E402
+from gradientmail_core.workqueue import keys as queue_keys  # noqa: E402
 
 rounds = st.integers(0, keys.MAX_ROUND)
 learners = st.from_regex(keys.LEARNER_ID, fullmatch=True)
@@ -45,7 +47,7 @@ def test_blob_keys_round_trip(fragment, r, learner, sha, compression, kind):
     b = keys.parse_blob_key(keys.snapshot_blob_key(r, learner, sha, compression))
     assert (b.kind, b.round, b.learner, b.sha) == ("snapshot", r, learner, sha)
     for k in (keys.init_blob_key(fragment, sha, compression), keys.round_blob_key(r, kind, sha, compression)):
-        assert keys.validate_key(k) == k
+        assert validate_key(k) == k
 
 
 @given(rounds, rounds)
@@ -73,7 +75,7 @@ def test_rounds_sort_before_snapshots_so_one_listing_returns_both():
 )
 def test_hostile_keys_are_rejected(bad):
     with pytest.raises(ValueError, match="invalid mailbox key"):
-        keys.validate_key(bad)
+        validate_key(bad)
 
 
 @pytest.mark.parametrize("bad", ["", "A", "-a", "a_b", "a.b", "a/b", "..", "a" * 65, " a", "a\n"])
@@ -117,59 +119,61 @@ def test_numbers_out_of_range_are_refused():
 # ---- the work queue -----------------------------------------------------------------------
 
 queues = learners
-units = st.integers(0, keys.MAX_UNIT)
-attempts = st.integers(1, keys.MAX_ATTEMPT)
+units = st.integers(0, queue_keys.MAX_UNIT)
+attempts = st.integers(1, queue_keys.MAX_ATTEMPT)
 seqs = st.integers(0, keys.MAX_SEQ)
 
 
 @given(queues, units, attempts, seqs)
 def test_work_keys_round_trip_and_are_valid_keys(q, u, n, seq):
-    assert keys.parse_queue_info_key(keys.queue_info_key(q)) == q
-    assert keys.parse_unit_claim_key(keys.unit_claim_key(q, u, n)) == (q, u, n)
-    assert keys.parse_unit_done_key(keys.unit_done_key(q, u)) == (q, u)
-    assert keys.parse_unit_hold_key(keys.unit_hold_key(q, u, n, seq)) == (q, u, n, seq)
-    assert keys.parse_unit_release_key(keys.unit_release_key(q, u, n)) == (q, u, n)
+    assert queue_keys.parse_queue_info_key(queue_keys.queue_info_key(q)) == q
+    assert queue_keys.parse_unit_claim_key(queue_keys.unit_claim_key(q, u, n)) == (q, u, n)
+    assert queue_keys.parse_unit_done_key(queue_keys.unit_done_key(q, u)) == (q, u)
+    assert queue_keys.parse_unit_hold_key(queue_keys.unit_hold_key(q, u, n, seq)) == (q, u, n, seq)
+    assert queue_keys.parse_unit_release_key(queue_keys.unit_release_key(q, u, n)) == (q, u, n)
     for k in (
-        keys.queue_info_key(q),
-        keys.unit_claim_key(q, u, n),
-        keys.unit_done_key(q, u),
-        keys.unit_hold_key(q, u, n, seq),
-        keys.unit_release_key(q, u, n),
+        queue_keys.queue_info_key(q),
+        queue_keys.unit_claim_key(q, u, n),
+        queue_keys.unit_done_key(q, u),
+        queue_keys.unit_hold_key(q, u, n, seq),
+        queue_keys.unit_release_key(q, u, n),
     ):
-        assert keys.check_object_key(k) == k and keys.is_known_key(k)
-        # tagged in an authenticated run, like the run's own record keys (protocol/work_auth.py)
-        assert k.startswith(keys.queue_prefix(q)) and keys.is_record_key(k)
+        assert check_object_key(k) == k and queue_keys.is_known(k) and not keys.is_known_key(k)
+        # tagged in an authenticated run, like the run's own record keys (workqueue/auth.py)
+        assert k.startswith(queue_keys.queue_prefix(q)) and keys.is_record_key(k)
         assert keys.untag_key(keys.tag_key(k, "0" * keys.TAG_HEX)) == (k, "0" * keys.TAG_HEX)
-    assert keys.unit_claim_key(q, u, n).startswith(keys.unit_claims_prefix(q, u))
-    assert keys.unit_done_key(q, u).startswith(keys.unit_done_prefix(q))
-    assert keys.unit_hold_key(q, u, n, seq).startswith(keys.unit_holds_prefix(q, u, n))
+    assert queue_keys.unit_claim_key(q, u, n).startswith(queue_keys.unit_claims_prefix(q, u))
+    assert queue_keys.unit_done_key(q, u).startswith(queue_keys.unit_done_prefix(q))
+    assert queue_keys.unit_hold_key(q, u, n, seq).startswith(queue_keys.unit_holds_prefix(q, u, n))
 
 
 @given(queues, units, units, attempts, attempts, seqs, seqs)
 def test_work_key_byte_order_is_numeric_order(q, u, v, n, m, s, t):
-    assert (keys.unit_claim_key(q, u, n) < keys.unit_claim_key(q, v, n)) == (u < v)
-    assert (keys.unit_claim_key(q, u, n) < keys.unit_claim_key(q, u, m)) == (n < m)
-    assert (keys.unit_done_key(q, u) < keys.unit_done_key(q, v)) == (u < v)
-    assert (keys.unit_hold_key(q, u, n, s) < keys.unit_hold_key(q, u, n, t)) == (s < t)
-    assert (keys.unit_hold_key(q, u, n, s) < keys.unit_hold_key(q, u, m, t)) == (n < m or (n == m and s < t))
-    assert (keys.unit_release_key(q, u, n) < keys.unit_release_key(q, v, m)) == ((u, n) < (v, m))
+    assert (queue_keys.unit_claim_key(q, u, n) < queue_keys.unit_claim_key(q, v, n)) == (u < v)
+    assert (queue_keys.unit_claim_key(q, u, n) < queue_keys.unit_claim_key(q, u, m)) == (n < m)
+    assert (queue_keys.unit_done_key(q, u) < queue_keys.unit_done_key(q, v)) == (u < v)
+    assert (queue_keys.unit_hold_key(q, u, n, s) < queue_keys.unit_hold_key(q, u, n, t)) == (s < t)
+    assert (queue_keys.unit_hold_key(q, u, n, s) < queue_keys.unit_hold_key(q, u, m, t)) == (
+        n < m or (n == m and s < t)
+    )
+    assert (queue_keys.unit_release_key(q, u, n) < queue_keys.unit_release_key(q, v, m)) == ((u, n) < (v, m))
 
 
 @given(queues, units, attempts, seqs)
 def test_one_listing_of_a_queue_returns_its_kinds_in_order(q, u, n, seq):
     # claims/ < done/ < holds/ < queue.json < released/, all under work/{queue}/
     ordered = [
-        keys.unit_claim_key(q, keys.MAX_UNIT, keys.MAX_ATTEMPT),
-        keys.unit_done_key(q, 0),
-        keys.unit_done_key(q, keys.MAX_UNIT),
-        keys.unit_hold_key(q, 0, 1, 0),
-        keys.unit_hold_key(q, keys.MAX_UNIT, keys.MAX_ATTEMPT, keys.MAX_SEQ),
-        keys.queue_info_key(q),
-        keys.unit_release_key(q, 0, 1),
+        queue_keys.unit_claim_key(q, queue_keys.MAX_UNIT, queue_keys.MAX_ATTEMPT),
+        queue_keys.unit_done_key(q, 0),
+        queue_keys.unit_done_key(q, queue_keys.MAX_UNIT),
+        queue_keys.unit_hold_key(q, 0, 1, 0),
+        queue_keys.unit_hold_key(q, queue_keys.MAX_UNIT, queue_keys.MAX_ATTEMPT, keys.MAX_SEQ),
+        queue_keys.queue_info_key(q),
+        queue_keys.unit_release_key(q, 0, 1),
     ]
     assert ordered == sorted(ordered)
-    assert keys.unit_claim_key(q, u, n) < keys.unit_done_key(q, 0)
-    assert keys.unit_hold_key(q, u, n, seq) < keys.queue_info_key(q) < keys.unit_release_key(q, u, n)
+    assert queue_keys.unit_claim_key(q, u, n) < queue_keys.unit_done_key(q, 0)
+    assert queue_keys.unit_hold_key(q, u, n, seq) < queue_keys.queue_info_key(q) < queue_keys.unit_release_key(q, u, n)
 
 
 @pytest.mark.parametrize(
@@ -189,23 +193,23 @@ def test_one_listing_of_a_queue_returns_its_kinds_in_order(q, u, n, seq):
     ],
 )
 def test_near_miss_work_keys_do_not_parse(key):
-    assert keys.parse_unit_claim_key(key) is None
-    assert keys.parse_unit_done_key(key) is None
-    assert keys.parse_unit_hold_key(key) is None
-    assert keys.parse_unit_release_key(key) is None
-    assert keys.parse_queue_info_key(key) is None
+    assert queue_keys.parse_unit_claim_key(key) is None
+    assert queue_keys.parse_unit_done_key(key) is None
+    assert queue_keys.parse_unit_hold_key(key) is None
+    assert queue_keys.parse_unit_release_key(key) is None
+    assert queue_keys.parse_queue_info_key(key) is None
 
 
 def test_work_numbers_and_names_out_of_range_are_refused():
     for bad in (
-        lambda: keys.unit_claim_key("data", 0, 0),
-        lambda: keys.unit_claim_key("data", 0, keys.MAX_ATTEMPT + 1),
-        lambda: keys.unit_done_key("data", -1),
-        lambda: keys.unit_done_key("data", keys.MAX_UNIT + 1),
-        lambda: keys.unit_done_key("data", True),
-        lambda: keys.unit_hold_key("data", 0, 1, -1),
-        lambda: keys.queue_info_key("../x"),
-        lambda: keys.queue_info_key("Data"),
+        lambda: queue_keys.unit_claim_key("data", 0, 0),
+        lambda: queue_keys.unit_claim_key("data", 0, queue_keys.MAX_ATTEMPT + 1),
+        lambda: queue_keys.unit_done_key("data", -1),
+        lambda: queue_keys.unit_done_key("data", queue_keys.MAX_UNIT + 1),
+        lambda: queue_keys.unit_done_key("data", True),
+        lambda: queue_keys.unit_hold_key("data", 0, 1, -1),
+        lambda: queue_keys.queue_info_key("../x"),
+        lambda: queue_keys.queue_info_key("Data"),
     ):
         with pytest.raises(ValueError):
             bad()
@@ -221,7 +225,7 @@ tags = st.from_regex(r"[0-9a-f]{32}", fullmatch=True)
 def test_lease_keys_with_a_role_round_trip(learner, seq, role):
     k = keys.lease_key(learner, seq, role)
     assert keys.parse_lease_key(k) == (learner, seq) and keys.lease_role(k) == role
-    assert keys.validate_key(k) == k and keys.is_known_key(k)
+    assert validate_key(k) == k and keys.is_known_key(k)
     if role == "both":  # the keys of runs from before roles
         assert k == keys.lease_key(learner, seq) == f"leases/{learner}/{seq:010d}.json"
 
@@ -237,7 +241,7 @@ def test_lease_byte_order_is_sequence_order_whatever_the_roles(learner, s, t, ra
 def test_tagged_lease_keys_with_a_role_round_trip_and_keep_their_order(la, sa, ra, lb, sb, rb, ta, tb):
     a, b = keys.lease_key(la, sa, ra), keys.lease_key(lb, sb, rb)
     pa, pb = keys.tag_key(a, ta), keys.tag_key(b, tb)
-    assert keys.untag_key(pa) == (a, ta) and keys.validate_key(pa) == pa
+    assert keys.untag_key(pa) == (a, ta) and validate_key(pa) == pa
     assert keys.parse_lease_key(pa) is None and keys.lease_role(pa) is None  # a tagged key is no plain key
     if a != b:
         assert (a < b) == (pa < pb)

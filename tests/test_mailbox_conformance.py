@@ -36,9 +36,9 @@ from gradientmail_core.mailbox import (  # noqa: E402
     create_once,
     open_mailbox,
 )
+from gradientmail_core.mailbox.contract import validate_prefix  # noqa: E402
 from gradientmail_core.mailbox.file import TMP_DIR, FileMailbox  # noqa: E402
 from gradientmail_core.mailbox.memory import MemoryMailbox  # noqa: E402
-from gradientmail_core.protocol.keys import validate_prefix  # noqa: E402
 
 if TYPE_CHECKING:
     from conftest import MailboxTarget
@@ -660,7 +660,7 @@ def test_s3_config_maps_checksums_and_pool_size(s3_server: str) -> None:
 
 def test_s3_backend_loads_boto3_lazily_and_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     probe = run_python(
-        "import sys, gradientmail_core.mailbox, gradientmail_core.s3_mailbox; "
+        "import sys, gradientmail_core.mailbox, gradientmail_core.mailbox.s3; "
         "print(sorted(m for m in ('boto3', 'botocore') if m in sys.modules))"
     )
     out, err = probe.communicate(timeout=60)

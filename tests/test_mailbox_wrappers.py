@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 import pytest
 
 import gradientmail_core
+import gradientmail_sim
 from gradientmail_core.errors import MailboxUnavailable, MissingExtra
 from gradientmail_core.mailbox import (
     Chunk,
@@ -35,10 +36,10 @@ from gradientmail_core.mailbox import (
 from gradientmail_core.mailbox.memory import MemoryMailbox
 from gradientmail_core.protocol import keys
 from gradientmail_core.protocol.auth import RunAuth
-from gradientmail_core.protocol.faults import Fault, FaultyMailbox, InjectedCrash
 from gradientmail_core.protocol.guard import GuardedMailbox
 from gradientmail_core.protocol.records import MAX_RECORD_BYTES
-from gradientmail_core.sim.audit import AuditMailbox, Auditor
+from gradientmail_sim.audit import AuditMailbox, Auditor
+from gradientmail_sim.faults import Fault, FaultyMailbox, InjectedCrash
 
 KEY = "blobs/object.bin"
 DATA = b"0123456789"
@@ -49,7 +50,9 @@ _EXTRAS = frozenset({"torch", "mlx", "boto3", "botocore", "zstandard", "lightnin
 
 def _modules() -> builtins.list[str]:
     names = []
-    for info in pkgutil.walk_packages(gradientmail_core.__path__, "gradientmail_core."):
+    # the product's wrappers and the development package's (the fault injector, the auditor)
+    packages = [(gradientmail_core.__path__, "gradientmail_core."), (gradientmail_sim.__path__, "gradientmail_sim.")]
+    for info in (i for path, prefix in packages for i in pkgutil.walk_packages(path, prefix)):
         if info.name == "gradientmail_core.adapters.mlx" or info.name.rsplit(".", 1)[-1] == "__main__":
             continue
         try:
@@ -72,7 +75,7 @@ def _subclasses(cls: type) -> builtins.list[type]:
     todo = [cls]
     while todo:
         for sub in todo.pop().__subclasses__():
-            if sub not in found and sub.__module__.startswith("gradientmail_core."):
+            if sub not in found and sub.__module__.startswith(("gradientmail_core.", "gradientmail_sim.")):
                 found[sub] = None
                 todo.append(sub)
     return builtins.list(found)

@@ -17,9 +17,9 @@ optim = pytest.importorskip("mlx.optimizers")
 
 from mlx.utils import tree_flatten  # noqa: E402
 
-from gradientmail_core import quant  # noqa: E402
 from gradientmail_core.adapters import adapter_for  # noqa: E402
 from gradientmail_core.adapters.mlx import MLXAdapter  # noqa: E402
+from gradientmail_core.codec import quant  # noqa: E402
 from gradientmail_core.codec.header import schema_digest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

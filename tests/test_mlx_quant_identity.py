@@ -21,9 +21,9 @@ torch = pytest.importorskip("torch")
 mx = pytest.importorskip("mlx.core")
 nn = pytest.importorskip("mlx.nn")
 
-from gradientmail_core import quant  # noqa: E402
 from gradientmail_core.adapters.mlx import MLXAdapter  # noqa: E402
 from gradientmail_core.adapters.torch import TorchAdapter  # noqa: E402
+from gradientmail_core.codec import quant  # noqa: E402
 from gradientmail_core.codec.payload import decode_payload, encode_payload  # noqa: E402
 
 DELTA_DTYPES = ["F32", "F16", "BF16", "F8_E4M3", "F4", "I2"]

@@ -51,7 +51,7 @@ def test_every_test_a_mutation_names_exists():
 
 
 def test_every_simulation_mutant_is_listed():
-    from gradientmail_core.sim.mutants import MUTANTS
+    from gradientmail_sim.mutants import MUTANTS
 
     assert {name for name, _ in mutants.SIM_MUTANTS} == set(MUTANTS)
 

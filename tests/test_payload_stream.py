@@ -17,9 +17,9 @@ from gradientmail_core.mailbox import Chunk, memory
 from gradientmail_core.mailbox.memory import MemoryMailbox
 from gradientmail_core.protocol import keys
 from gradientmail_core.protocol import store as store_module
-from gradientmail_core.protocol.faults import Fault, FaultyMailbox
 from gradientmail_core.protocol.records import PayloadRef
 from gradientmail_core.protocol.store import RunStore
+from gradientmail_sim.faults import Fault, FaultyMailbox
 
 CODECS = ["", "zstd"]
 

@@ -7,7 +7,6 @@ from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from gradientmail_core.protocol.schedule import (  # noqa: E402
-    first_round_at_or_after,
     fragment_of,
     gap,
     nominal_step,
@@ -62,11 +61,3 @@ def test_each_fragment_is_synced_once_per_h_steps(hp: tuple[int, int], r: int) -
     # Rounds of one block of H steps cover every fragment exactly once.
     block = r // P
     assert sorted(fragment_of(q, P) for q in range(block * P, block * P + P)) == list(range(P))
-
-
-@given(h_and_p(), st.integers(-5, 2000))
-def test_first_round_at_or_after_is_the_smallest_such_round(hp: tuple[int, int], step: int) -> None:
-    H, P = hp
-    r = first_round_at_or_after(step, H, P)
-    assert nominal_step(r, H, P) >= step
-    assert r == 0 or nominal_step(r - 1, H, P) < step

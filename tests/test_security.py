@@ -19,6 +19,7 @@ import gradientmail_core as gm  # noqa: E402
 from gradientmail_core import events as ev  # noqa: E402
 from gradientmail_core.codec.payload import encode_payload  # noqa: E402
 from gradientmail_core.errors import RecordInvalid, RunConfigMismatch  # noqa: E402
+from gradientmail_core.mailbox.contract import validate_key  # noqa: E402
 from gradientmail_core.protocol import keys  # noqa: E402
 from gradientmail_core.protocol.auth import RunAuth, Unauthenticated, load_secret, policy, record_key  # noqa: E402
 from gradientmail_core.protocol.guard import GuardedMailbox  # noqa: E402
@@ -218,7 +219,7 @@ tags = st.from_regex(r"[0-9a-f]{32}", fullmatch=True)
 @given(record_keys, record_keys, tags, tags)
 def test_tagging_preserves_byte_order_and_inverts(a, b, ta, tb):
     pa, pb = keys.tag_key(a, ta), keys.tag_key(b, tb)
-    assert keys.untag_key(pa) == (a, ta) and keys.validate_key(pa) == pa
+    assert keys.untag_key(pa) == (a, ta) and validate_key(pa) == pa
     if a != b:
         assert (a < b) == (pa < pb)
 

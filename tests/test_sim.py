@@ -1,4 +1,4 @@
-"""The deterministic simulation (gradientmail_core.sim): many seeds of many nodes under faults
+"""The deterministic simulation (gradientmail_sim): many seeds of many nodes under faults
 hold every invariant, every fault kind and critical path is reached, and a seed replays exactly.
 
 ``GM_SIM_SEEDS`` (default 200, the fewest the coverage test accepts) and ``GM_SIM_ROUNDS`` (default 50) size the sweep;
@@ -13,10 +13,13 @@ import os
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
-from gradientmail_core.sim import SimResult, run_many, run_seed
+from gradientmail_sim import SimResult, run_many, run_seed
+
+ROOT = Path(__file__).resolve().parent.parent
 
 SEEDS = int(os.environ.get("GM_SIM_SEEDS", "200"))
 ROUNDS = int(os.environ.get("GM_SIM_ROUNDS", "50"))
@@ -170,10 +173,11 @@ def test_a_seed_replays_exactly_from_the_printed_command_in_another_process():
     r = run_seed(11, 30)
     env = dict(os.environ, PYTHONHASHSEED="12345")
     out = subprocess.run(
-        [sys.executable, "-m", "gradientmail_core.sim", "--seed", "11", "--rounds", "30"],
+        [sys.executable, "-m", "gradientmail_sim", "--seed", "11", "--rounds", "30"],
         capture_output=True,
         text=True,
         env=env,
+        cwd=ROOT,
         timeout=120,
     )
     assert out.returncode == 0, out.stderr
@@ -183,7 +187,7 @@ def test_a_seed_replays_exactly_from_the_printed_command_in_another_process():
 def test_a_failing_seed_says_how_to_replay_it():
     r = run_seed(0, 20, mutant="count_twice")
     assert not r.ok
-    assert "python -m gradientmail_core.sim --seed 0 --rounds 20 --mutant count_twice -v" in r.summary()
+    assert "python -m gradientmail_sim --seed 0 --rounds 20 --mutant count_twice -v" in r.summary()
 
 
 @pytest.mark.skipif(not os.environ.get("GM_SIM_SOAK"), reason="set GM_SIM_SOAK=N for a soak of N seeds")

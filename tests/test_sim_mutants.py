@@ -1,12 +1,12 @@
-"""Mutation check: each deliberately broken engine (gradientmail_core/sim/mutants.py) is caught
+"""Mutation check: each deliberately broken engine (gradientmail_sim/mutants.py) is caught
 by the simulation within a few hundred seeds, so its power to find these bugs cannot decay."""
 
 from __future__ import annotations
 
 import pytest
 
-from gradientmail_core.sim import run_seed
-from gradientmail_core.sim.mutants import MUTANTS
+from gradientmail_sim import run_seed
+from gradientmail_sim.mutants import MUTANTS
 
 MAX_SEEDS = 300
 

@@ -14,10 +14,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import gradientmail_core as gm  # noqa: E402
-from gradientmail_core import quant  # noqa: E402
 from gradientmail_core.adapters import torch as torch_adapter  # noqa: E402
 from gradientmail_core.adapters.torch import TorchAdapter  # noqa: E402
 from gradientmail_core.clock import FakeClock  # noqa: E402
+from gradientmail_core.codec import quant  # noqa: E402
 from gradientmail_core.protocol.run import open_run  # noqa: E402
 from gradientmail_core.protocol.store import RunStore  # noqa: E402
 from gradientmail_core.syncer.bridge import Bridge  # noqa: E402

@@ -18,8 +18,8 @@ from hypothesis.extra import numpy as hnp  # noqa: E402
 
 torch = pytest.importorskip("torch")
 
-from gradientmail_core import quant  # noqa: E402
 from gradientmail_core.adapters import torch_quant as tq  # noqa: E402
+from gradientmail_core.codec import quant  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 X86 = platform.machine().lower() in ("x86_64", "amd64")

@@ -25,7 +25,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 from gradientmail_core.adapters import torch_sharded as ts  # noqa: E402
 from gradientmail_core.adapters import torch_transfer as tt  # noqa: E402
-from gradientmail_core.adapters.torch_sharded import BLOCK, Piece  # noqa: E402
+from gradientmail_core.codec.plan import BLOCK, Piece, chunk_plan, numel, offsets  # noqa: E402
+from gradientmail_core.protocol.layout import Layout, chunk_owner, owned_chunks, shard_range, transfers  # noqa: E402
 
 shapes_st = st.lists(
     st.one_of(
@@ -40,14 +41,14 @@ shapes_st = st.lists(
 
 def _full(shapes: list[tuple[str, tuple[int, ...]]]) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
-    return {n: rng.standard_normal(ts.numel(s)).astype(np.float32) for n, s in shapes}
+    return {n: rng.standard_normal(numel(s)).astype(np.float32) for n, s in shapes}
 
 
 @settings(max_examples=200, deadline=None)
 @given(shapes=shapes_st, blocks=st.integers(1, 5))
 def test_chunk_plan_cuts_every_tensor_once_on_block_boundaries(shapes, blocks):
     chunk = blocks * BLOCK
-    plan = ts.chunk_plan(shapes, chunk)
+    plan = chunk_plan(shapes, chunk)
     seen: dict[str, list[tuple[int, int]]] = {n: [] for n, _ in shapes}
     for pieces in plan:
         assert sum(p.size for p in pieces) <= chunk
@@ -56,7 +57,7 @@ def test_chunk_plan_cuts_every_tensor_once_on_block_boundaries(shapes, blocks):
             assert p.start % BLOCK == 0, "a quantizer block would straddle two chunks"
     for name, shape in shapes:
         ranges = seen[name]
-        n = ts.numel(shape)
+        n = numel(shape)
         if n == 0:
             assert ranges == [(0, 0)] and plan[0].count(Piece(name, 0, 0)) == 1
             continue
@@ -68,21 +69,21 @@ def test_chunk_plan_cuts_every_tensor_once_on_block_boundaries(shapes, blocks):
 
 def test_a_fragment_that_fits_is_one_chunk_of_whole_tensors():
     shapes = [("w", (3, 5)), ("b", (3,)), ("e", (0, 4))]
-    assert ts.chunk_plan(shapes, 96) == [[Piece("w", 0, 15), Piece("b", 0, 3), Piece("e", 0, 0)]]
+    assert chunk_plan(shapes, 96) == [[Piece("w", 0, 15), Piece("b", 0, 3), Piece("e", 0, 0)]]
     # Tensors start on a block: 15 elements of w, padding to 32, then b.
-    assert ts.offsets(shapes) == [0, 32, 64]
+    assert offsets(shapes) == [0, 32, 64]
     with pytest.raises(ValueError, match="multiple of 32"):
-        ts.chunk_plan(shapes, 48)
+        chunk_plan(shapes, 48)
 
 
 def test_shard_ranges_follow_torch_chunk():
     # 5 rows over 4 ranks: torch.chunk gives 2, 2, 1 and nothing for the last rank.
-    rows = [ts.shard_range((5, 3), 4, c) for c in range(4)]
+    rows = [shard_range((5, 3), 4, c) for c in range(4)]
     assert rows == [(0, 6), (6, 12), (12, 15), (15, 15)]
-    assert [ts.Layout.shard0({"w": (5, 3)}, 4).holder("w", e) for e in (0, 5, 6, 12, 14)] == [0, 0, 1, 2, 2]
+    assert [Layout.shard0({"w": (5, 3)}, 4).holder("w", e) for e in (0, 5, 6, 12, 14)] == [0, 0, 1, 2, 2]
     for rows_, world in [(7, 3), (1, 2), (8, 4), (3, 5)]:
         pieces = [t.shape[0] for t in torch.chunk(torch.empty(rows_), world)]
-        got = [ts.shard_range((rows_,), world, c) for c in range(world)]
+        got = [shard_range((rows_,), world, c) for c in range(world)]
         assert [b - a for a, b in got] == pieces + [0] * (world - len(pieces))
 
 
@@ -90,24 +91,24 @@ def test_shard_ranges_follow_torch_chunk():
 @given(shapes=shapes_st, blocks=st.integers(1, 4), world=st.integers(1, 5), flat=st.booleans(), data=st.data())
 def test_owned_chunks_assembled_from_shards_equal_chunks_cut_from_the_full_tensors(shapes, blocks, world, flat, data):
     chunk = blocks * BLOCK
-    plan = ts.chunk_plan(shapes, chunk)
+    plan = chunk_plan(shapes, chunk)
     shape_of = dict(shapes)
     full = _full(shapes)
     if flat:  # FSDP1: any contiguous range per rank, in rank order (empty ones too)
         cuts = {
-            n: tuple(sorted(data.draw(st.lists(st.integers(0, ts.numel(s)), min_size=world - 1, max_size=world - 1))))
+            n: tuple(sorted(data.draw(st.lists(st.integers(0, numel(s)), min_size=world - 1, max_size=world - 1))))
             for n, s in shapes
         }
-        layout = ts.Layout(world, {n: (0, *cuts[n], ts.numel(s)) for n, s in shapes})
+        layout = Layout(world, {n: (0, *cuts[n], numel(s)) for n, s in shapes})
     else:  # FSDP2: Shard(0)
-        layout = ts.Layout.shard0(shape_of, world)
+        layout = Layout.shard0(shape_of, world)
         for n, s in shapes:
-            assert [layout.range(n, c) for c in range(world)] == [ts.shard_range(s, world, c) for c in range(world)]
+            assert [layout.range(n, c) for c in range(world)] == [shard_range(s, world, c) for c in range(world)]
     local = {c: {n: full[n][slice(*layout.range(n, c))] for n, _ in shapes} for c in range(world)}  # each rank's
-    owners = [ts.chunk_owner(p, layout) for p in plan]
-    owned = [ts.owned_chunks(plan, layout, c) for c in range(world)]
+    owners = [chunk_owner(p, layout) for p in plan]
+    owned = [owned_chunks(plan, layout, c) for c in range(world)]
     assert sorted(k for ks in owned for k in ks) == list(range(len(plan))), "owned chunks do not partition"
-    moves = ts.transfers(plan, layout)
+    moves = transfers(plan, layout)
     for k, pieces in enumerate(plan):
         me = owners[k]
         got_from_others = held = 0
@@ -243,7 +244,7 @@ def test_fsdp2_ranks_build_the_chunks_of_the_unsharded_model_and_take_a_commit_b
 
     model = _model()
     shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    plan = ts.chunk_plan(shapes, CHUNK)
+    plan = chunk_plan(shapes, CHUNK)
     assert len(plan) > 4  # many chunks, some straddling the two ranks
     flat = {n: p.detach().float().reshape(-1).numpy() for n, p in model.named_parameters()}
     fragment_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -255,7 +256,7 @@ def test_fsdp2_ranks_build_the_chunks_of_the_unsharded_model_and_take_a_commit_b
         want = {str(k): [f"{k:02x}{r:02x}" * 16, 1000 + k] for r, rep in enumerate(reports) for k in rep["owned"]}
         assert report["refs"] == want
     shape_of = dict(shapes)
-    senders = {t.src for t in ts.transfers(plan, ts.Layout.shard0(shape_of, WORLD))}
+    senders = {t.src for t in transfers(plan, Layout.shard0(shape_of, WORLD))}
     assert len(senders) == WORLD, "some rank sent nothing: the exchange is not exercised"
     for r, report in enumerate(reports):
         for k in report["owned"]:

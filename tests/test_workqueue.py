@@ -11,11 +11,11 @@ import pytest
 
 import gradientmail_core as gm
 from gradientmail_core.errors import MailboxUnavailable
-from gradientmail_core.protocol import keys
 from gradientmail_core.protocol.records import decode
-from gradientmail_core.protocol.work import read_queues, scan_queue
-from gradientmail_core.protocol.work_records import UnitDone
-from gradientmail_core.workqueue import QueueMismatch
+from gradientmail_core.workqueue import keys as queue_keys
+from gradientmail_core.workqueue.queue import QueueMismatch
+from gradientmail_core.workqueue.records import UnitDone
+from gradientmail_core.workqueue.scan import read_queues, scan_queue
 
 TIMEOUT = 10.0
 
@@ -27,8 +27,8 @@ def queue(mb, clock, holder, units=6, **kw):
 
 def done_records(mb, name="data"):
     out = {}
-    for k in mb.list(keys.unit_done_prefix(name)):
-        parsed = keys.parse_unit_done_key(k)
+    for k in mb.list(queue_keys.unit_done_prefix(name)):
+        parsed = queue_keys.parse_unit_done_key(k)
         assert parsed is not None
         out[parsed[1]] = decode(mb.get(k), UnitDone, key=k)
     return out
@@ -47,7 +47,7 @@ def test_one_node_consumes_every_unit_once_and_leaves_no_heartbeats():
     assert seen == [(seen[0] + i) % 5 for i in range(5)]  # consecutive from the node's cursor
     assert sorted(done_records(mb)) == list(range(5))
     assert q.finished()
-    assert not [k for k in mb.list(keys.queue_prefix("data")) if keys.parse_unit_hold_key(k)]
+    assert not [k for k in mb.list(queue_keys.queue_prefix("data")) if queue_keys.parse_unit_hold_key(k)]
     p = q.progress()
     assert (p.done, p.in_progress, p.left, p.reissued) == (5, 0, 0, 0)
 
@@ -277,7 +277,7 @@ def simulate(seed: int, *, units: int, kills: bool, nodes: int = 4) -> dict:
             # Never two live holders of one unit at once.
             holding = Counter(x.hold.unit for x in slots if x.q is not None and x.hold is not None)
             assert not holding or max(holding.values()) == 1, holding
-        if len(mb.list(keys.unit_done_prefix("data"))) == units:
+        if len(mb.list(queue_keys.unit_done_prefix("data"))) == units:
             break
     else:
         raise AssertionError(f"seed {seed}: not every unit finished")
@@ -323,7 +323,7 @@ def test_the_simulation_kills_holders_for_most_seeds():
 def test_work_records_round_trip_and_refuse_bad_fields():
     from gradientmail_core.errors import RecordInvalid
     from gradientmail_core.protocol.records import encode
-    from gradientmail_core.protocol.work_records import QueueInfo, UnitClaim, UnitHold, UnitRelease
+    from gradientmail_core.workqueue.records import QueueInfo, UnitClaim, UnitHold, UnitRelease
 
     recs = [
         QueueInfo(queue="data", units=10, lease_timeout=5.0, created_by="a"),

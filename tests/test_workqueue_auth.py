@@ -1,4 +1,4 @@
-"""The work queue in authenticated runs (``protocol/work_auth.py``): its records signed and checked
+"""The work queue in authenticated runs (``workqueue/auth.py``): its records signed and checked
 as the run's own, its keys secret-tagged with a run secret; an open run's queue unchanged."""
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from gradientmail_core.protocol import keys
 from gradientmail_core.protocol.identity import Identity
 from gradientmail_core.protocol.members import MemberAuth, change
 from gradientmail_core.protocol.records import Manifest, encode
-from gradientmail_core.protocol.work_records import QueueInfo, UnitDone
+from gradientmail_core.workqueue import keys as queue_keys
+from gradientmail_core.workqueue.records import QueueInfo, UnitDone
 
 SECRET = "q" * 32
 CFG = gm.DiLoCo(sync_every=2, fragments=1)
@@ -46,11 +47,11 @@ def test_with_a_secret_the_queue_is_tagged_and_maced_and_planted_records_do_not_
     sim.join("a", params())
     raw = sim.mailbox
     # Before anyone opens the queue, an outsider plants done markers under the plain names.
-    plant_done(raw, keys.unit_done_key("data", 0), 0)
+    plant_done(raw, queue_keys.unit_done_key("data", 0), 0)
     q = queue(raw, "a", secret=SECRET)
     q.open()
     stored = [k for k in raw.list(keys.WORK)]
-    assert stored and all(keys.untag_key(k) is not None for k in stored if k != keys.unit_done_key("data", 0))
+    assert stored and all(keys.untag_key(k) is not None for k in stored if k != queue_keys.unit_done_key("data", 0))
     info = json.loads(raw.get(stored[-1]))
     assert info["mac"] and info["created_by"] == "a"
     got = set()
@@ -83,12 +84,12 @@ def test_in_a_members_only_run_records_are_signed_and_a_non_members_do_not_count
     assert qa.holder == a_id
     qa.open()
     # A non-member (no key of the run) plants a done marker of unit 1, unsigned.
-    plant_done(sim.mailbox, keys.unit_done_key("data", 1), 1)
+    plant_done(sim.mailbox, queue_keys.unit_done_key("data", 1), 1)
     qb = gm.WorkQueue(sim.mailbox, units=4, holder="b", clock=FakeClock(), identity=files["b"])
     assert qb.progress().done == 0
     hold = qb.claim()
     assert hold is not None
-    claim = json.loads(sim.mailbox.get(keys.unit_claim_key("data", hold.unit, 1)))
+    claim = json.loads(sim.mailbox.get(queue_keys.unit_claim_key("data", hold.unit, 1)))
     assert claim["signer"] == ids["b"].public_hex and claim["sig"]
     # Without an identity, a members-only run's queue is refused.
     with pytest.raises(ProtocolError, match="members only"):

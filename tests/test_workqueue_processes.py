@@ -13,10 +13,10 @@ from collections import Counter
 from pathlib import Path
 
 import gradientmail_core as gm
-from gradientmail_core.protocol import keys
 from gradientmail_core.protocol.records import decode
-from gradientmail_core.protocol.work import scan_queue
-from gradientmail_core.protocol.work_records import UnitDone
+from gradientmail_core.workqueue import keys as queue_keys
+from gradientmail_core.workqueue.records import UnitDone
+from gradientmail_core.workqueue.scan import scan_queue
 
 TESTS = Path(__file__).resolve().parent
 UNITS = 16
@@ -75,7 +75,7 @@ def test_four_workers_with_one_killed_mid_unit_and_restarted_finish_every_unit(t
     assert scan.done == set(range(UNITS))
     records = {}
     for u in range(UNITS):
-        k = keys.unit_done_key("data", u)
+        k = queue_keys.unit_done_key("data", u)
         records[u] = decode(mb.get(k), UnitDone, key=k)
     # The killed worker's unit was handed out again, and finished by that later attempt.
     assert scan.attempts[unit] >= 2 and records[unit].attempt >= 2

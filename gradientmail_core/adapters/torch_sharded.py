@@ -14,8 +14,9 @@ is owned by the rank holding most of its elements; the owner receives the elemen
 ranks holding them (``gather_chunks``) and, for a commit, sends each rank its part back
 (``scatter_chunks``). A rank never holds more than its own shard plus the chunks it owns.
 
-The plan functions (``chunk_plan``, ``shard_range``, ``Layout``, ``chunk_owner``, ``transfers``)
-are pure and take no tensors; the rest moves torch tensors through ``torch.distributed``.
+The plan (``codec/plan.py``) and the ranks' layout (``protocol/layout.py``: ``shard_range``,
+``Layout``, ``chunk_owner``, ``transfers``) are pure and take no tensors; this module finds a
+model's sharded parameters, and ``torch_transfer.py`` moves their pieces through ``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import GradientMailError, MissingExtra
+from ..protocol.layout import Layout
 from .naming import Names, canonical_parameters, renaming
 
 try:
@@ -35,42 +37,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without torch
     raise MissingExtra("torch") from e
 
-from ..protocol.chunks import (  # noqa: E402 (the plan, codec/plan.py, and the ranks' layout)
-    BLOCK,
-    Layout,
-    Piece,
-    Shapes,
-    Transfer,
-    check_chunk,
-    chunk_owner,
-    chunk_plan,
-    numel,
-    offsets,
-    owned_chunks,
-    shard_range,
-    transfers,
-)
-
-__all__ = [
-    "BLOCK",
-    "Meter",
-    "Piece",
-    "ShardedParams",
-    "ShardedTorchAdapter",
-    "ShardingUnsupported",
-    "Shapes",
-    "Transfer",
-    "check_chunk",
-    "chunk_owner",
-    "chunk_plan",
-    "find_sharded",
-    "Layout",
-    "numel",
-    "offsets",
-    "owned_chunks",
-    "shard_range",
-    "transfers",
-]
+__all__ = ["Meter", "ShardedParams", "ShardedTorchAdapter", "ShardingUnsupported", "find_sharded"]
 
 
 class ShardingUnsupported(GradientMailError, ValueError):

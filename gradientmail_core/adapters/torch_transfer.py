@@ -12,7 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..protocol.chunks import Piece, Transfer, chunk_plan, owned_chunks, transfers
+from ..codec.plan import Piece, chunk_plan
+from ..protocol.layout import Transfer, owned_chunks, transfers
 from .torch_sharded import Meter, ShardedParams
 
 Chunk = list[tuple[Piece, torch.Tensor]]

@@ -170,9 +170,10 @@ def _guarded(mailbox: Mailbox, secret_file: str | None) -> tuple[Mailbox, Any]:
     from ..protocol.members import MemberAuth
     from ..protocol.records import Manifest
     from ..protocol.store import RunStore
+    from ..workqueue.keys import is_known
 
     auth = MemberAuth(policy(None, secret_file))
-    guarded = GuardedMailbox(mailbox, auth=auth)
+    guarded = GuardedMailbox(mailbox, auth=auth, known=is_known)  # status lists the work queues too
     if guarded.get(MANIFEST) is not None:  # (none: the command says there is no run)
         RunStore(guarded, auth=auth).read_record(MANIFEST, Manifest)  # verifies it, binds the run key
     return guarded, auth

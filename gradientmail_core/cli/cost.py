@@ -4,7 +4,7 @@
         --delta-dtype I2 --step-seconds 1
 
 Requests by kind (PUT, GET, LIST, HEAD, DELETE), bytes uploaded, downloaded and stored, from the
-protocol's model (``protocol/bill.py``: idle polling included; ``--max-contributions K`` models the
+protocol's model (``cli/bill.py``: idle polling included; ``--max-contributions K`` models the
 bounded protocol of ``DiLoCo.max_contributions``), and their price on AWS S3
 Standard, Cloudflare R2 Standard and Hugging Face Storage Buckets. Every price is a constant
 below, with the page it was read from and the date; where no price was published, it says so and
@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 
 from ..config import DiLoCo
-from ..protocol import bill
+from . import bill
 
 GIB = 1 << 30  # the price sheets' GB
 

@@ -27,7 +27,7 @@ from ..protocol.run import read_manifest as run_manifest
 from ..protocol.schedule import fragment_of
 from ..protocol.store import RunStore
 from ..protocol.tape import newest_claim, read_newest
-from ..protocol.work import QueueProgress, read_queues
+from ..workqueue.scan import QueueProgress, read_queues
 
 # Bytes per element of the parameter dtypes a schema may hold.
 _ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2}

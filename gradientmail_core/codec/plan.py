@@ -19,7 +19,7 @@ the tensor's name with the 1-D shape ``[stop - start]``, plus the metadata ``"pi
 ``n > 1``). One chunk of whole tensors has neither: it is the whole-fragment payload, byte for byte.
 
 Pure (numpy at most): every node computes the same plan from (shapes, ``C``). Which rank of a
-sharded node builds which chunk is not the plan's business (``protocol/chunks.py``).
+sharded node builds which chunk is not the plan's business (``protocol/layout.py``).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from collections.abc import Generator, Iterator
 
 import numpy as np
 
-from ..workqueue import HoldLost, WorkQueue
+from ..workqueue.queue import HoldLost, WorkQueue
 
 
 def unit_range(unit: int, units: int, length: int) -> range:

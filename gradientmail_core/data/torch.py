@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sized
 
 from ..errors import MissingExtra
-from ..workqueue import WorkQueue
+from ..workqueue.queue import WorkQueue
 from .indices import iter_indices
 
 try:

@@ -3,7 +3,8 @@
 ``contract`` (``Mailbox``, the optional ranged read ``RangedMailbox`` and streams ``StreamingMailbox``,
 ``read_prefix``, ``write_stream``, ``read_stream``), ``retry``,
 ``create`` (``create_once``), ``forwarding`` (the base of every wrapper), ``counting``, ``urls``
-(``open_mailbox``); the backends ``memory``, ``file``, ``s3`` and the fault injector ``faults``.
+(``open_mailbox``); the backends ``memory``, ``file``, ``s3``.
+The fault injector lives outside the wheel, beside the simulation (``gradientmail_sim.faults``).
 The key checks live with the keys (``protocol.keys``). See ``docs/backends.md``.
 """
 

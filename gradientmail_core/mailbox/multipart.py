@@ -64,11 +64,6 @@ def part_sizes(part_size: int, *, equal: bool) -> Iterator[int]:
         yield part_size if equal else min(MAX_PART, part_size << (n // GROW_EVERY))
 
 
-def part_limit(part_size: int, *, equal: bool) -> int:
-    """The largest object ``part_sizes`` can carry within ``MAX_PARTS`` parts."""
-    return sum(itertools.islice(part_sizes(part_size, equal=equal), MAX_PARTS))
-
-
 def cut(chunks: Iterable[Chunk], sizes: Iterator[int]) -> Iterator[bytes | bytearray]:
     """The bytes of ``chunks`` cut into parts of ``sizes`` (the last part may be shorter).
 

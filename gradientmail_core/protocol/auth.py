@@ -30,8 +30,7 @@ from typing import Any
 
 from ..errors import RecordInvalid
 from . import keys
-from .records import Claim, Lease, Manifest, RoundRecord, Snapshot, signing_bytes
-from .work_records import QueueInfo, UnitClaim, UnitDone, UnitHold, UnitRelease
+from .records import Claim, KeyedRecord, Lease, Manifest, RoundRecord, Snapshot, signing_bytes
 
 MIN_SECRET_BYTES = 16
 MAX_SECRET_BYTES = 4096
@@ -80,16 +79,8 @@ def record_key(record: Any) -> str:
             return keys.claim_key(record.round, record.n)
         if isinstance(record, Lease):
             return keys.lease_key(record.learner, record.seq, record.role)
-        if isinstance(record, QueueInfo):
-            return keys.queue_info_key(record.queue)
-        if isinstance(record, UnitClaim):
-            return keys.unit_claim_key(record.queue, record.unit, record.attempt)
-        if isinstance(record, UnitHold):
-            return keys.unit_hold_key(record.queue, record.unit, record.attempt, record.seq)
-        if isinstance(record, UnitRelease):
-            return keys.unit_release_key(record.queue, record.unit, record.attempt)
-        if isinstance(record, UnitDone):
-            return keys.unit_done_key(record.queue, record.unit)
+        if isinstance(record, KeyedRecord):  # a work queue's
+            return record.logical_key()
     except ValueError as e:
         raise RecordInvalid(f"{type(record).__name__} names no valid key: {e}") from None
     raise TypeError(f"{type(record).__name__} is not a protocol record")

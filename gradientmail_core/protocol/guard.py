@@ -29,7 +29,16 @@ import hmac
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
-from ..mailbox.contract import Chunk, Mailbox, close_stream, read_each, read_prefix, read_stream, write_stream
+from ..mailbox.contract import (
+    Chunk,
+    Mailbox,
+    close_stream,
+    read_each,
+    read_prefix,
+    read_stream,
+    validate_key,
+    write_stream,
+)
 from ..mailbox.forwarding import ForwardingMailbox
 from . import keys
 from .auth import Policy, Unauthenticated
@@ -60,6 +69,7 @@ class GuardedMailbox(ForwardingMailbox):
         max_manifest_bytes: int = MAX_MANIFEST_BYTES,
         max_payload_bytes: int | None = None,
         max_reported: int = 4096,
+        known: Callable[[str], bool] = keys.is_known_key,
     ) -> None:
         for name, v in (("max_record_bytes", max_record_bytes), ("max_manifest_bytes", max_manifest_bytes)):
             if not isinstance(v, int) or v < 1024:
@@ -67,6 +77,9 @@ class GuardedMailbox(ForwardingMailbox):
         super().__init__(inner)
         self.auth: Policy | MemberAuth = auth if auth is not None else Unauthenticated()
         self.on_ignored = on_ignored or (lambda key, reason: None)
+        # The keys listed in the record folders that are not reported: the run's, and those of a
+        # package built on the run when its user says so (``workqueue.keys.is_known``).
+        self.known = known
         self.max_record_bytes = max_record_bytes
         self.max_manifest_bytes = max_manifest_bytes
         self.max_payload_bytes = max_payload_bytes
@@ -153,7 +166,7 @@ class GuardedMailbox(ForwardingMailbox):
         if not self.auth.authenticated:
             out = self.inner.list(prefix, after)
             for k in out:
-                if keys.is_record_key(k) and not keys.is_known_key(k):
+                if keys.is_record_key(k) and not self.known(k):
                     self._report(k, "not a key of the protocol")
             return out
         found: builtins.list[str] = []
@@ -186,7 +199,7 @@ class GuardedMailbox(ForwardingMailbox):
             return None
         logical, tag = parsed
         try:
-            keys.validate_key(logical)
+            validate_key(logical)
         except ValueError:
             return None
         return logical if hmac.compare_digest(tag, self.auth.tag(logical) or "") else None

@@ -133,16 +133,6 @@ class Identity:
         return learner_id(base, self.public_hex)
 
 
-def load_identity(identity: Identity | str | os.PathLike[str] | None) -> Identity | None:
-    """``identity=`` as the user passes it: an ``Identity``, a key file path (created on first
-    use), or None."""
-    if identity is None or isinstance(identity, Identity):
-        return identity
-    if not isinstance(identity, str | os.PathLike):
-        raise TypeError(f"identity must be a key file path or a gm Identity, found {type(identity).__name__}")
-    return Identity.load(identity)
-
-
 def _create(path: str) -> None:
     """Write a new private key to ``path`` atomically, mode 0600; if another process creates
     ``path`` first, keep theirs."""

@@ -12,13 +12,9 @@ property test holds us to that. All keys are relative to the mailbox prefix.
     blobs/rounds/{round:010d}/{kind}-{sha256}.safetensors[.zst]
     blobs/snapshots/{round:010d}/{learner}/{sha256}.safetensors[.zst]
 
-The work queue (``gm.WorkQueue``, ``docs/protocol.md`` section 7), one folder per queue:
-
-    work/{queue}/queue.json
-    work/{queue}/claims/{unit:010d}/{attempt:03d}.json
-    work/{queue}/done/{unit:010d}.json
-    work/{queue}/holds/{unit:010d}/{attempt:03d}/{seq:010d}.json
-    work/{queue}/released/{unit:010d}/{attempt:03d}.json
+``work/`` is the work queues' folder (``gm.WorkQueue``, ``docs/protocol.md`` section 7): its keys
+are formatted and parsed in ``workqueue/keys.py``; here it is only a folder whose record keys are
+secret-tagged like the run's own.
 """
 
 from __future__ import annotations
@@ -26,21 +22,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..mailbox.contract import (  # the key rules every mailbox checks (still importable from here)
-    MAX_KEY_BYTES as MAX_KEY_BYTES,
-)
-from ..mailbox.contract import check_list_args as check_list_args
-from ..mailbox.contract import check_object_key as check_object_key
-from ..mailbox.contract import check_object_keys as check_object_keys
-from ..mailbox.contract import validate_key as validate_key
-from ..mailbox.contract import validate_prefix as validate_prefix
-
 MAX_ROUND = 10**10 - 1
 MAX_CLAIM = 999
 MAX_SEQ = 10**10 - 1
 MAX_FRAGMENT = 999
-MAX_UNIT = 10**10 - 1
-MAX_ATTEMPT = 999
 
 LEARNER_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
 
@@ -77,12 +62,7 @@ _INIT_BLOB_RE = re.compile(rf"blobs/init/(\d{{3}})-({_SHA})({_EXT})")
 _ROUND_BLOB_RE = re.compile(rf"blobs/rounds/(\d{{10}})/(theta|outer|change)-({_SHA})({_EXT})")
 _MEMBER_RE = re.compile(rf"members/(\d{{10}})-({_SHA})\.json")
 _SNAPSHOT_BLOB_RE = re.compile(rf"blobs/snapshots/(\d{{10}})/({_LEARNER})/({_SHA})({_EXT})")
-WORK = "work/"
-_QUEUE_INFO_RE = re.compile(rf"work/({_LEARNER})/queue\.json")
-_UNIT_CLAIM_RE = re.compile(rf"work/({_LEARNER})/claims/(\d{{10}})/(\d{{3}})\.json")
-_UNIT_DONE_RE = re.compile(rf"work/({_LEARNER})/done/(\d{{10}})\.json")
-_UNIT_HOLD_RE = re.compile(rf"work/({_LEARNER})/holds/(\d{{10}})/(\d{{3}})/(\d{{10}})\.json")
-_UNIT_RELEASE_RE = re.compile(rf"work/({_LEARNER})/released/(\d{{10}})/(\d{{3}})\.json")
+WORK = "work/"  # the work queues' folder (workqueue/keys.py)
 
 
 def validate_learner_id(learner: str) -> str:
@@ -94,10 +74,16 @@ def validate_learner_id(learner: str) -> str:
     return learner
 
 
+def padded(value: int, what: str, lo: int, hi: int) -> str:
+    """``value``, an integer in ``lo..hi``, zero-padded to the digits of ``hi`` (so byte order is
+    numeric order); ``ValueError`` naming ``what`` otherwise."""
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise ValueError(f"{what} {value!r} out of range {lo}..{hi}")
+    return f"{value:0{len(str(hi))}d}"
+
+
 def _round(r: int) -> str:
-    if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r <= MAX_ROUND:
-        raise ValueError(f"round {r!r} out of range 0..{MAX_ROUND}")
-    return f"{r:010d}"
+    return padded(r, "round", 0, MAX_ROUND)
 
 
 def _ext(compression: str) -> str:
@@ -124,9 +110,7 @@ def claims_prefix(r: int) -> str:
 
 
 def claim_key(r: int, n: int) -> str:
-    if not 1 <= n <= MAX_CLAIM:
-        raise ValueError(f"claim number {n} out of range 1..{MAX_CLAIM}")
-    return f"{claims_prefix(r)}{n:03d}.json"
+    return f"{claims_prefix(r)}{padded(n, 'claim number', 1, MAX_CLAIM)}.json"
 
 
 def round_key(r: int) -> str:
@@ -152,16 +136,12 @@ def validate_role(role: str) -> str:
 
 
 def lease_key(learner: str, seq: int, role: str = "both") -> str:
-    if not 0 <= seq <= MAX_SEQ:
-        raise ValueError(f"lease sequence {seq} out of range")
-    return f"{lease_prefix(learner)}{seq:010d}{_ROLE_SUFFIX[validate_role(role)]}.json"
+    return f"{lease_prefix(learner)}{padded(seq, 'lease sequence', 0, MAX_SEQ)}{_ROLE_SUFFIX[validate_role(role)]}.json"
 
 
 def init_blob_key(fragment: int, sha: str, compression: str = "") -> str:
-    if not 0 <= fragment <= MAX_FRAGMENT:
-        raise ValueError(f"fragment {fragment} out of range 0..{MAX_FRAGMENT}")
     _check_sha(sha)
-    return f"{INIT_BLOBS}{fragment:03d}-{sha}{_ext(compression)}"
+    return f"{INIT_BLOBS}{padded(fragment, 'fragment', 0, MAX_FRAGMENT)}-{sha}{_ext(compression)}"
 
 
 def round_blobs_prefix(r: int) -> str:
@@ -184,80 +164,16 @@ def snapshot_blob_key(r: int, learner: str, sha: str, compression: str = "") -> 
     return f"{snapshot_blobs_prefix(r)}{validate_learner_id(learner)}/{sha}{_ext(compression)}"
 
 
-# ---- the work queue -----------------------------------------------------------------------
-# Queue names follow the learner-id rule. Inside a queue's folder ``claims/`` < ``done/`` <
-# ``holds/`` < ``queue.json`` < ``released/`` in byte order, so one listing of ``work/{queue}/``
-# returns all of it.
-
-
-def _queue(name: str) -> str:
-    if not isinstance(name, str) or not LEARNER_ID.fullmatch(name):
-        raise ValueError(f"queue name {name!r} is invalid: it must match [a-z0-9][a-z0-9-]{{0,63}}")
-    return name
-
-
-def _unit(u: int) -> str:
-    if not isinstance(u, int) or isinstance(u, bool) or not 0 <= u <= MAX_UNIT:
-        raise ValueError(f"unit {u!r} out of range 0..{MAX_UNIT}")
-    return f"{u:010d}"
-
-
-def _attempt(n: int) -> str:
-    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_ATTEMPT:
-        raise ValueError(f"attempt {n!r} out of range 1..{MAX_ATTEMPT}")
-    return f"{n:03d}"
-
-
-def queue_prefix(name: str) -> str:
-    return f"{WORK}{_queue(name)}/"
-
-
-def queue_info_key(name: str) -> str:
-    return f"{queue_prefix(name)}queue.json"
-
-
-def unit_claims_prefix(name: str, unit: int) -> str:
-    return f"{queue_prefix(name)}claims/{_unit(unit)}/"
-
-
-def unit_claim_key(name: str, unit: int, attempt: int) -> str:
-    return f"{unit_claims_prefix(name, unit)}{_attempt(attempt)}.json"
-
-
-def unit_done_prefix(name: str) -> str:
-    return f"{queue_prefix(name)}done/"
-
-
-def unit_done_key(name: str, unit: int) -> str:
-    return f"{unit_done_prefix(name)}{_unit(unit)}.json"
-
-
-def unit_holds_prefix(name: str, unit: int, attempt: int) -> str:
-    return f"{queue_prefix(name)}holds/{_unit(unit)}/{_attempt(attempt)}/"
-
-
-def unit_hold_key(name: str, unit: int, attempt: int, seq: int) -> str:
-    if not isinstance(seq, int) or isinstance(seq, bool) or not 0 <= seq <= MAX_SEQ:
-        raise ValueError(f"hold sequence {seq!r} out of range 0..{MAX_SEQ}")
-    return f"{unit_holds_prefix(name, unit, attempt)}{seq:010d}.json"
-
-
-def unit_release_key(name: str, unit: int, attempt: int) -> str:
-    return f"{queue_prefix(name)}released/{_unit(unit)}/{_attempt(attempt)}.json"
-
-
 def member_key(seq: int, sha: str) -> str:
     """Entry ``seq`` of the membership log, named by the sha256 of its bytes (no one can take the
     name of an entry the owner is about to write)."""
-    if not isinstance(seq, int) or isinstance(seq, bool) or not 0 <= seq <= MAX_SEQ:
-        raise ValueError(f"membership entry {seq!r} out of range 0..{MAX_SEQ}")
     _check_sha(sha)
-    return f"{MEMBERS}{seq:010d}-{sha}.json"
+    return f"{MEMBERS}{padded(seq, 'membership entry', 0, MAX_SEQ)}-{sha}.json"
 
 
 def member_logical_key(seq: int) -> str:
     """The name a membership entry's signature binds (its sha256 cannot be inside its own bytes)."""
-    return f"{MEMBERS}{seq:010d}.json"
+    return f"{MEMBERS}{padded(seq, 'membership entry', 0, MAX_SEQ)}.json"
 
 
 def parse_member_key(key: str) -> tuple[int, str] | None:
@@ -301,42 +217,6 @@ def lease_role(key: str) -> str | None:
     """The role of the node holding lease ``key``: "both", "learner" or "syncer"."""
     m = _LEASE_RE.fullmatch(key)
     return _SUFFIX_ROLE[m[3] or ""] if m else None
-
-
-def parse_queue_info_key(key: str) -> str | None:
-    """The queue's name."""
-    m = _QUEUE_INFO_RE.fullmatch(key)
-    return m[1] if m else None
-
-
-def parse_unit_claim_key(key: str) -> tuple[str, int, int] | None:
-    """``(queue, unit, attempt)``."""
-    m = _UNIT_CLAIM_RE.fullmatch(key)
-    if not m or int(m[3]) < 1:
-        return None
-    return m[1], int(m[2]), int(m[3])
-
-
-def parse_unit_done_key(key: str) -> tuple[str, int] | None:
-    """``(queue, unit)``."""
-    m = _UNIT_DONE_RE.fullmatch(key)
-    return (m[1], int(m[2])) if m else None
-
-
-def parse_unit_hold_key(key: str) -> tuple[str, int, int, int] | None:
-    """``(queue, unit, attempt, seq)``."""
-    m = _UNIT_HOLD_RE.fullmatch(key)
-    if not m or int(m[3]) < 1:
-        return None
-    return m[1], int(m[2]), int(m[3]), int(m[4])
-
-
-def parse_unit_release_key(key: str) -> tuple[str, int, int] | None:
-    """``(queue, unit, attempt)``."""
-    m = _UNIT_RELEASE_RE.fullmatch(key)
-    if not m or int(m[3]) < 1:
-        return None
-    return m[1], int(m[2]), int(m[3])
 
 
 @dataclass(frozen=True)
@@ -401,7 +281,8 @@ def untag_key(key: str) -> tuple[str, str] | None:
 
 
 def is_known_key(key: str) -> bool:
-    """True if ``key`` is any key the protocol writes (after untagging)."""
+    """True if ``key`` is any key the run's protocol writes (after untagging); a work queue's keys
+    are ``workqueue.keys.is_known``'s."""
     return (
         key == MANIFEST
         or parse_claim_key(key) is not None
@@ -410,9 +291,4 @@ def is_known_key(key: str) -> bool:
         or parse_lease_key(key) is not None
         or parse_blob_key(key) is not None
         or parse_member_key(key) is not None
-        or parse_queue_info_key(key) is not None
-        or parse_unit_claim_key(key) is not None
-        or parse_unit_done_key(key) is not None
-        or parse_unit_hold_key(key) is not None
-        or parse_unit_release_key(key) is not None
     )

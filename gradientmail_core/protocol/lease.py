@@ -7,13 +7,15 @@ Wall clocks are never compared across machines: a lease holds no timestamp anyon
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 from ..clock import Clock
-from ..errors import DuplicateLearner, RecordInvalid
-from ..mailbox import CreateOutcome
+from ..errors import DuplicateLearner
 from . import keys
 from .records import Lease
 from .store import RunStore
+
+K = TypeVar("K")
 
 
 class LeaseWriter:
@@ -75,11 +77,8 @@ class LeaseWriter:
             role=self.role,
             waiting_for_closer=self.waiting_for_closer,
         )
-        outcome, existing = self.store.put_record(key, lease)
-        if outcome is CreateOutcome.TAKEN and not self._ours(existing, key):
+        if not self.store.put_own(key, lease, self.nonce):
             # Our next lease key exists with someone else's bytes: another process with our id.
-            # (With our nonce it is our own earlier attempt whose reply was lost, written with
-            # an older step count: a lost acknowledgement, not a duplicate.)
             raise DuplicateLearner(
                 f"learner id {self.learner!r} is used by another live process (it wrote {key}); "
                 "give each process its own learner_id"
@@ -96,12 +95,6 @@ class LeaseWriter:
         lease = self.store.try_record(key, Lease)
         return None if lease is None else lease.nonce
 
-    def _ours(self, existing: bytes | None, key: str) -> bool:
-        try:
-            return self.store.decode_record(existing, Lease, key).nonce == self.nonce
-        except RecordInvalid:
-            return False
-
     def release(self) -> None:
         if self.key is not None:
             # With any key a failed delete left behind: it would look like our lease, unchanged,
@@ -111,9 +104,21 @@ class LeaseWriter:
 
 
 @dataclass
-class _Seen:
+class Seen:
+    """The newest key of something watched (a node's lease, a work unit's heartbeat), and when it
+    last changed on the observer's own clock: a timeout is judged by this, never by a timestamp
+    written by another machine."""
+
     key: str
     changed_at: float
+
+
+def note(seen: dict[K, Seen], name: K, key: str, now: float, *, afresh: bool = False) -> None:
+    """``name``'s newest key as listed ``now``: watched afresh when it changed (or when ``afresh``:
+    the observer was blind too long to know it stayed unchanged)."""
+    prev = seen.get(name)
+    if prev is None or prev.key != key or afresh:
+        seen[name] = Seen(key, now)
 
 
 class Liveness:
@@ -127,7 +132,7 @@ class Liveness:
     def __init__(self, clock: Clock, timeout: float, me: str | None, role: str = "both") -> None:
         self.clock, self.timeout, self.me = clock, timeout, me
         self.role = keys.validate_role(role)
-        self.seen: dict[str, _Seen] = {}
+        self.seen: dict[str, Seen] = {}
         self.roles: dict[str, str] = {}  # learner -> role, from its newest lease key
         self.listed_at = float("-inf")
         self.looked: dict[str, float] = {}  # learner -> when its leases alone were last listed
@@ -167,9 +172,7 @@ class Liveness:
     def _note(self, learner: str, key: str, now: float, blind: bool) -> None:
         """``learner``'s newest lease key as listed now: watched afresh when it changed (or when
         this node was blind for a whole timeout), its role from the key."""
-        prev = self.seen.get(learner)
-        if prev is None or prev.key != key or blind:
-            self.seen[learner] = _Seen(key, now)
+        note(self.seen, learner, key, now, afresh=blind)
         self.roles[learner] = keys.lease_role(key) or "both"
 
     def is_live(self, learner: str) -> bool:
@@ -197,10 +200,6 @@ class Liveness:
         """The live nodes that may close rounds (roles "both" and "syncer"), this one included
         when its role allows."""
         return {n for n in self.live_nodes() if self.role_of(n) in keys.CLOSER_ROLES}
-
-    def closer_live(self) -> bool:
-        """Is any node that may close rounds live (this one included when its role allows)?"""
-        return bool(self.closers())
 
     def abandoned(self, factor: float = 10.0) -> list[str]:
         """Lease keys unchanged for ``factor`` timeouts: their owners are long gone."""

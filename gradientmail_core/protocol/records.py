@@ -57,6 +57,28 @@ def nonneg(**kw: Any) -> Any:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Signed:
+    """The fields every record of a run carries for its policy (``protocol/auth.py``): the record
+    format, the run secret's MAC, and in a members-only run the signer's key and signature. A base
+    of fields only: the records that derive from it add their own and behave as plain records."""
+
+    format: int = FORMAT
+    mac: str | None = field(default=None, metadata=_meta(pattern=_MAC))
+    signer: str | None = field(default=None, metadata=_meta(pattern=_PUBKEY))
+    sig: str | None = field(default=None, metadata=_meta(pattern=_SIG))
+
+
+@typing.runtime_checkable
+class KeyedRecord(typing.Protocol):
+    """A record of a package built on the run (the work queue's) that names its own key and the
+    learner id it speaks for, so the run's policy tags, signs and checks it without knowing its kind."""
+
+    def logical_key(self) -> str: ...
+
+    def speaker(self) -> str: ...
+
+
+@dataclass(frozen=True, kw_only=True)
 class PayloadRef:
     """A payload by reference: its key, sha256 and size. A chunked payload (``docs/protocol.md``,
     "Chunked payloads") is a list of chunks: this ref is chunk 0 and ``more`` lists chunks 1..n-1
@@ -112,7 +134,7 @@ class TensorSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Manifest:
+class Manifest(Signed):
     run_id: str = field(metadata=_meta(pattern=_NONCE))
     created_by: str = learner_field()
     schema: list[TensorSpec] = field(metadata=_meta(min_len=1))
@@ -121,26 +143,18 @@ class Manifest:
     config: dict[str, Any] = field(default_factory=dict)
     init: list[PayloadRef] = field(default_factory=list)
     owner: str | None = field(default=None, metadata=_meta(pattern=_PUBKEY))  # members-only runs
-    format: int = FORMAT
-    mac: str | None = field(default=None, metadata=_meta(pattern=_MAC))
-    signer: str | None = field(default=None, metadata=_meta(pattern=_PUBKEY))
-    sig: str | None = field(default=None, metadata=_meta(pattern=_SIG))
 
 
 @dataclass(frozen=True, kw_only=True)
-class Claim:
+class Claim(Signed):
     round: int = nonneg()
     n: int = field(metadata=_meta(min=1, max=999))
     learner: str = learner_field()
     nonce: str = field(metadata=_meta(pattern=_NONCE))
-    format: int = FORMAT
-    mac: str | None = field(default=None, metadata=_meta(pattern=_MAC))
-    signer: str | None = field(default=None, metadata=_meta(pattern=_PUBKEY))
-    sig: str | None = field(default=None, metadata=_meta(pattern=_SIG))
 
 
 @dataclass(frozen=True, kw_only=True)
-class Lease:
+class Lease(Signed):
     learner: str = learner_field()
     nonce: str = field(metadata=_meta(pattern=_NONCE))
     seq: int = nonneg()
@@ -152,14 +166,10 @@ class Lease:
     # A learner-only node sees no live node that may close rounds: the run waits (for
     # ``gradientmail status``, which reads one look and cannot judge liveness). Left out when False.
     waiting_for_closer: bool = field(default=False, metadata={"omit_default": True})
-    format: int = FORMAT
-    mac: str | None = field(default=None, metadata=_meta(pattern=_MAC))
-    signer: str | None = field(default=None, metadata=_meta(pattern=_PUBKEY))
-    sig: str | None = field(default=None, metadata=_meta(pattern=_SIG))
 
 
 @dataclass(frozen=True, kw_only=True)
-class Snapshot:
+class Snapshot(Signed):
     learner: str = learner_field()
     round: int = nonneg()
     local_step: int = nonneg()
@@ -171,10 +181,6 @@ class Snapshot:
     payload: PayloadRef = field(metadata=_meta())
     final: bool = False
     nonce: str = field(default="00000000", metadata=_meta(pattern=_NONCE))
-    format: int = FORMAT
-    mac: str | None = field(default=None, metadata=_meta(pattern=_MAC))
-    signer: str | None = field(default=None, metadata=_meta(pattern=_PUBKEY))
-    sig: str | None = field(default=None, metadata=_meta(pattern=_SIG))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -194,7 +200,7 @@ class Rejection:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RoundRecord:
+class RoundRecord(Signed):
     round: int = nonneg()
     step: int = nonneg()
     fragment: int = nonneg()
@@ -226,10 +232,6 @@ class RoundRecord:
     contributions: list[PayloadRef] | None = field(
         default=None, metadata={**_meta(min_len=1, max_len=MAX_LIST), "omit_default": True}
     )
-    format: int = FORMAT
-    mac: str | None = field(default=None, metadata=_meta(pattern=_MAC))
-    signer: str | None = field(default=None, metadata=_meta(pattern=_PUBKEY))
-    sig: str | None = field(default=None, metadata=_meta(pattern=_SIG))
 
     @property
     def is_checkpoint(self) -> bool:

@@ -12,15 +12,15 @@ import numpy as np
 
 from ..codec.header import schema_digest
 from ..codec.payload import encode_payload
+from ..codec.plan import Piece, fragment_plan
 from ..config import DiLoCo
 from ..errors import ProtocolError
 from ..mailbox import CreateOutcome
 from . import keys
-from .chunks import Piece, fragment_plan
 from .partition import plan
 from .records import MAX_RECORD_BYTES, Manifest, PayloadRef, TensorSpec, canonical_json, chunk_refs, to_dict
 from .schedule import is_checkpoint
-from .schema import check_schema, schema_differences  # noqa: F401 (schema_differences: its old home)
+from .schema import check_schema
 from .store import RunStore
 
 # The JSON of one chunk's ref in a round record, at its longest (a compressed round payload of the
@@ -106,7 +106,7 @@ class RunInfo:
         return self.cfg.chunk_elements
 
     def plan(self, f: int) -> list[list[Piece]]:
-        """The chunks of fragment ``f``'s parameters, deltas and changes (``protocol/chunks.py``)."""
+        """The chunks of fragment ``f``'s parameters, deltas and changes (``codec/plan.py``)."""
         return fragment_plan(self.shapes[f], self.chunk_elements)
 
     def outer_plan(self, f: int) -> list[list[Piece]]:

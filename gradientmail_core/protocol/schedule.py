@@ -58,22 +58,6 @@ def version_after(r: int, P: int) -> int:
     return version_before(r, P) + 1
 
 
-def first_round_at_or_after(step: int, H: int, P: int) -> int:
-    """The smallest round whose nominal step is ``>= step`` (round 0 for any ``step <= 0``).
-
-    Useful for a learner joining at global step ``step``: it contributes from this round on.
-    """
-    assert 1 <= P <= H, (H, P)
-    if step <= 0:
-        return 0
-    # Rounds (k-1)*P .. k*P-1 end the block of H steps that finishes at k*H; start one round before
-    # the block holding ``step`` and walk forward: at most P + 1 iterations.
-    r = max(0, (step // H) * P - 1)
-    while nominal_step(r, H, P) < step:
-        r += 1
-    return r
-
-
 def round_of(f: int, v: int, P: int) -> int:
     """The round that committed version ``v >= 1`` of fragment ``f`` (the inverse of ``slot``)."""
     assert 0 <= f < P and v >= 1, (f, v, P)

@@ -49,24 +49,29 @@ def _prefixes(names: Iterable[str]) -> list[str]:
     return [".".join(common[: i + 1]) for i in range(len(common))]
 
 
+def _one_level_deeper(names: list[str], other: set[str]) -> str | None:
+    """The module ``p`` such that ``names`` less their ``p.`` are ``other``; None if there is none."""
+    for p in _prefixes(names):
+        if {n[len(p) + 1 :] for n in names} == other:
+            return p
+    return None
+
+
 def suggest_fix(run: list[TensorSpec], mine: list[TensorSpec]) -> str | None:
     """What makes this node's schema the run's, when a rule explains the difference; else None."""
     theirs = [s.name for s in run]
     ours = [s.name for s in mine]
-    want = set(theirs)
-    for p in _prefixes(ours):
-        if {n[len(p) + 1 :] for n in ours} == want:
-            return (
-                f"every name of this node starts with '{p}.' and the run's do not: pass module='{p}' "
-                f"(gm.Session: open it on that submodule, model.{p})"
-            )
-    have = set(ours)
-    for p in _prefixes(theirs):
-        if {n[len(p) + 1 :] for n in theirs} == have:
-            return (
-                f"every name of the run starts with '{p}.' and this node's do not: the run's nodes hold this "
-                f"model as '{p}'; give this node that structure, or pass names=lambda n: '{p}.' + n"
-            )
+    want, have = set(theirs), set(ours)
+    if (p := _one_level_deeper(ours, want)) is not None:
+        return (
+            f"every name of this node starts with '{p}.' and the run's do not: pass module='{p}' "
+            f"(gm.Session: open it on that submodule, model.{p})"
+        )
+    if (p := _one_level_deeper(theirs, have)) is not None:
+        return (
+            f"every name of the run starts with '{p}.' and this node's do not: the run's nodes hold this "
+            f"model as '{p}'; give this node that structure, or pass names=lambda n: '{p}.' + n"
+        )
     if want == have:
         differing = {d.split(":")[0] for d in schema_differences(run, mine)}
         if differing and all(_adapter_tensor(n) for n in differing):

@@ -11,8 +11,8 @@ out as it is produced, and a payload read is verified and decoded as its parts a
 A chunked payload (``docs/protocol.md``, "Chunked payloads") is one object per chunk; its ref
 lists them (``PayloadRef.more``). ``get_payload`` given the run's ``chunk_elements`` reads every
 chunk and returns the assembled fragment; ``get_chunk``/``put_chunk`` move one chunk (a sharded
-node's ranks), ``put_fragment`` writes every chunk of a whole fragment. The API is summed up in
-``protocol/chunks.py``'s docstring.
+node's ranks), ``put_fragment`` writes every chunk of a whole fragment; where each part of a chunked payload
+lives is listed in ``protocol/layout.py``'s docstring.
 """
 
 from __future__ import annotations
@@ -24,11 +24,10 @@ import numpy as np
 
 from ..codec.header import sha256_hex
 from ..codec.payload import PayloadStream, Values, decode_payload, encode_payload
-from ..codec.plan import ChunkSpec, chunk_spec, chunk_specs
+from ..codec.plan import ChunkSpec, Piece, assemble, chunk_spec, chunk_specs, fragment_plan, is_one_whole_chunk
 from ..errors import MailboxUnavailable, PayloadCorrupt, RecordInvalid
 from ..mailbox import Chunk, CreateOutcome, Mailbox, create_once, read_many, read_stream, write_stream
 from . import keys
-from .chunks import Piece, assemble, fragment_plan, is_one_whole_chunk
 from .records import PayloadRef, chunk_refs, decode, encode, join_refs
 
 R = TypeVar("R")
@@ -72,6 +71,18 @@ class RunStore:
         data = self.encode_record(record)
         self.bytes_up += len(data)
         return create_once(self.mailbox, key, data)
+
+    def put_own(self, key: str, record: Any, nonce: str) -> bool:
+        """Create ``record`` (a record with a ``nonce``) at ``key`` once. True if the key holds this
+        writer's record: created now, or found with ``nonce``, our own earlier attempt whose reply
+        was lost (a lost acknowledgement, not another writer). False: another writer's."""
+        outcome, existing = self.put_record(key, record)
+        if outcome is not CreateOutcome.TAKEN:
+            return True
+        try:
+            return self.decode_record(existing, type(record), key).nonce == nonce
+        except RecordInvalid:
+            return False
 
     def decode_record(self, data: bytes | None, cls: type[R], key: str) -> R:
         record = decode(data, cls, key=key)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ..adapters.torch_sharded import ShardedParams
 from ..adapters.torch_transfer import gather_chunks, scatter_chunks
 from ..errors import MailboxUnavailable, SessionFailed
-from ..protocol.chunks import Layout
+from ..protocol.layout import Layout
 from ..syncer.commit import Lost
 from ..syncer.ranges import Local, Owned, Shapes, flat
 from .wire import pack, unpack, wire

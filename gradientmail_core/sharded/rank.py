@@ -38,9 +38,10 @@ import torch.distributed as dist
 from ..adapters.torch_sharded import Meter, ShardedParams, ShardingUnsupported
 from ..adapters.torch_transfer import Chunk, gather_chunks, scatter_chunks
 from ..codec import quant
+from ..codec.plan import fragment_plan
 from ..errors import MailboxUnavailable, SessionFailed
 from ..protocol import keys
-from ..protocol.chunks import fragment_plan, owned_chunks
+from ..protocol.layout import owned_chunks
 from ..protocol.records import PayloadRef
 from ..protocol.run import RunInfo
 from ..protocol.store import RunStore

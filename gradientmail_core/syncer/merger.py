@@ -33,12 +33,12 @@ from ..aggregators.leaves import Pooled
 from ..ahead import call, ordered
 from ..codec import quant
 from ..codec.payload import PayloadStream, encode_payload
-from ..codec.plan import ChunkSpec, chunk_specs
+from ..codec.plan import ChunkSpec, Piece, chunk_specs, is_whole, numel
 from ..codec.quant import ELEMENTWISE
 from ..config import RDA
 from ..errors import MailboxUnavailable, MissingExtra, PayloadCorrupt, PayloadLayoutMismatch
 from ..protocol import keys
-from ..protocol.chunks import Layout, Piece, is_whole, numel
+from ..protocol.layout import Layout
 from ..protocol.records import PayloadRef, chunk_refs, digest_of, join_refs
 from ..protocol.run import RunInfo, payload_cap
 from ..protocol.store import CHUNK_HEADER_ALLOWANCE, RunStore

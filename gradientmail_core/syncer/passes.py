@@ -26,9 +26,8 @@ from ..aggregators import outer as outer_mod
 from ..aggregators.fused import cosine_from, cosine_into, cosine_units, merge_into, norm_of
 from ..aggregators.leaves import Pooled, combine_leaves, dot_range, dot_total
 from ..ahead import ordered
-from ..codec.plan import ChunkSpec
+from ..codec.plan import ChunkSpec, numel
 from ..config import DiLoCo
-from ..protocol.chunks import numel
 from .commit import CommitOp, FragmentState
 from .ranges import Ranks, Visit, flat
 

@@ -19,8 +19,8 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from ..codec.plan import ChunkSpec
-from ..protocol.chunks import Layout, Piece, fragment_plan, numel
+from ..codec.plan import ChunkSpec, Piece, fragment_plan, numel
+from ..protocol.layout import Layout
 
 T = TypeVar("T")
 Owned = dict[int, list[tuple[Piece, np.ndarray]]]  # chunk -> its pieces' values, at the chunk's owner

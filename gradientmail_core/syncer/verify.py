@@ -33,7 +33,7 @@ from ..aggregators.merge import contribution_weight
 from ..errors import MailboxUnavailable, PayloadCorrupt, ProtocolError, RecordInvalid
 from ..protocol import identity as ids
 from ..protocol import keys
-from ..protocol.membership import signature_ok
+from ..protocol.members import signature_ok
 from ..protocol.records import PayloadRef, RoundRecord, Snapshot, chunk_refs, decode, ref_digest
 from ..protocol.run import RunInfo
 from ..protocol.schedule import round_of, slot, version_before

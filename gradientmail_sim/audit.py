@@ -29,16 +29,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..aggregators.merge import contribution_weight, merge
-from ..aggregators.outer import drop_pullback, final_step, outer_step
-from ..config import RDA
-from ..errors import GradientMailError
-from ..mailbox import ForwardingMailbox, Mailbox
-from ..protocol import keys
-from ..protocol.rebuild import cast, payload_digest, rebuild_theta, theta_digest
-from ..protocol.records import Claim, Manifest, RoundRecord, Snapshot, chunk_refs, decode, ref_digest
-from ..protocol.run import RunInfo
-from ..protocol.schedule import draw, fragment_of, slot, version_before
+from gradientmail_core.aggregators.merge import contribution_weight, merge
+from gradientmail_core.aggregators.outer import drop_pullback, final_step, outer_step
+from gradientmail_core.config import RDA
+from gradientmail_core.errors import GradientMailError
+from gradientmail_core.mailbox import ForwardingMailbox, Mailbox
+from gradientmail_core.protocol import keys
+from gradientmail_core.protocol.rebuild import cast, payload_digest, rebuild_theta, theta_digest
+from gradientmail_core.protocol.records import Claim, Manifest, RoundRecord, Snapshot, chunk_refs, decode, ref_digest
+from gradientmail_core.protocol.run import RunInfo
+from gradientmail_core.protocol.schedule import draw, fragment_of, slot, version_before
+
 from . import reference as ref
 from .captured import Captured
 

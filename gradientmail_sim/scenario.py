@@ -17,10 +17,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..config import RDA, DiLoCo, WeightedMean
-from ..protocol import keys
-from ..protocol.faults import Op
-from ..syncer.node import NodeOptions
+from gradientmail_core.config import RDA, DiLoCo, WeightedMean
+from gradientmail_core.protocol import keys
+from gradientmail_core.syncer.node import NodeOptions
+
+from .faults import Op
 
 GHOST = "ghost"
 SHAPES = {"embed.weight": (4, 3), "layers.0.w": (3, 3), "layers.1.w": (3, 3), "head.b": (3,)}
@@ -76,7 +77,7 @@ class SimConfig:
         extra += " --fleet" if self.fleet else ""
         extra += f" --nodes {self.nodes}" if self.nodes else ""
         extra += f" --mutant {self.mutant}" if self.mutant else ""
-        return f"python -m gradientmail_core.sim --seed {self.seed} --rounds {self.rounds}{extra} -v"
+        return f"python -m gradientmail_sim --seed {self.seed} --rounds {self.rounds}{extra} -v"
 
 
 @dataclass

@@ -1,10 +1,10 @@
 """Deterministic many-node simulation of the engine with fault injection (SPEC 9).
 
-    from gradientmail_core.sim import run_seed
+    from gradientmail_sim import run_seed
     result = run_seed(123, rounds=50)
     assert result.ok, result.summary()
 
-or from a shell: ``python -m gradientmail_core.sim --seed 123 --rounds 50 -v``. See
+or from a shell: ``python -m gradientmail_sim --seed 123 --rounds 50 -v``. See
 ``docs/reliability.md``.
 """
 

@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 
 from ..errors import RecordInvalid
 from ..mailbox import Mailbox
+from ..protocol.keys import WORK
+from ..protocol.records import decode
 from . import keys
-from .records import decode
-from .work_records import QueueInfo
+from .records import QueueInfo
 
 
 @dataclass
@@ -103,7 +104,7 @@ def read_queues(mailbox: Mailbox) -> list[QueueProgress]:
     """Every work queue of the mailbox, from one listing of ``work/``. A queue whose record
     is unreadable is left out."""
     by_queue: dict[str, list[str]] = {}
-    for k in mailbox.list(keys.WORK):
+    for k in mailbox.list(WORK):
         parts = k.split("/", 2)
         if len(parts) == 3:
             by_queue.setdefault(parts[1], []).append(k)

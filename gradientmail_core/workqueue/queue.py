@@ -25,19 +25,24 @@ import secrets
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
-from .clock import Clock, SystemClock
-from .errors import GradientMailError, MailboxUnavailable, RecordInvalid
-from .mailbox import CreateOutcome, Mailbox, create_once
-from .protocol import keys
-from .protocol.guard import GuardedMailbox
-from .protocol.work import QueueProgress, QueueScan, progress_of, scan_queue
-from .protocol.work_auth import QueueRecords
-from .protocol.work_records import QueueInfo, UnitClaim, UnitDone, UnitHold, UnitRelease
+from ..clock import Clock, SystemClock
+from ..errors import GradientMailError, MailboxUnavailable
+from ..mailbox import CreateOutcome, Mailbox
+from ..protocol.guard import GuardedMailbox
+from ..protocol.keys import validate_learner_id
+from ..protocol.lease import Seen, note
+from ..protocol.store import RunStore
+from . import keys
+from .auth import QueueRecords
+from .records import QueueInfo, UnitClaim, UnitDone, UnitHold, UnitRelease
+from .scan import QueueProgress, QueueScan, progress_of, scan_queue
 
 __all__ = ["Hold", "HoldLost", "QueueMismatch", "WorkQueue"]
 
 log = logging.getLogger("gradientmail.workqueue")
+U = TypeVar("U", UnitClaim, UnitHold, UnitRelease, UnitDone)
 
 
 class HoldLost(GradientMailError):
@@ -63,12 +68,6 @@ class Hold:
     _beats: list[str] = field(default_factory=list)  # our heartbeat keys not deleted yet
 
 
-@dataclass
-class _Watch:
-    key: str
-    changed_at: float
-
-
 class WorkQueue:
     """One node's handle on a work queue of ``units`` units in ``mailbox``.
 
@@ -79,7 +78,7 @@ class WorkQueue:
     ``poll_interval``: how long ``next_unit`` sleeps while every unit left is held by others.
     ``secret``, ``secret_file``, ``identity``: the run's, as its ``Session`` was given them: in an
     authenticated run the queue's records are signed and checked like the run's own
-    (``protocol/work_auth.py``), and ``holder`` carries the identity's fingerprint.
+    (``workqueue/auth.py``), and ``holder`` carries the identity's fingerprint.
     """
 
     def __init__(
@@ -103,16 +102,17 @@ class WorkQueue:
             raise ValueError(f"units={units!r}: expected an integer in 1..{keys.MAX_UNIT + 1}")
         if not lease_timeout > 0 or not poll_interval > 0:
             raise ValueError("lease_timeout and poll_interval must be positive")
-        keys.validate_learner_id(holder)
+        validate_learner_id(holder)
         keys.queue_prefix(name)  # validates the name
-        self._records = QueueRecords()
+        store = RunStore(mailbox)
         if secret is not None or secret_file is not None or identity is not None:
-            from .protocol.members import node_policy
+            from ..protocol.members import node_policy
 
             auth, me = node_policy(secret, secret_file, identity)
             holder = me.learner_id(holder) if me is not None else holder
-            mailbox, self._records = GuardedMailbox(mailbox, auth=auth), QueueRecords(auth)
-        self._mailbox, self.units, self.holder, self.name = mailbox, units, holder, name
+            store = RunStore(GuardedMailbox(mailbox, auth=auth, known=keys.is_known), auth=auth)
+        self._records = QueueRecords(store)
+        self.units, self.holder, self.name = units, holder, name
         self.lease_timeout = float(lease_timeout)
         self._renew_every = renew_every
         self.poll_interval = poll_interval
@@ -122,7 +122,7 @@ class WorkQueue:
         self.info: QueueInfo | None = None
         self._held: dict[int, Hold] = {}
         self._unrecorded: dict[int, Hold] = {}  # finished, done marker not written yet (store down)
-        self._watch: dict[int, _Watch] = {}
+        self._watch: dict[int, Seen] = {}  # unit -> its newest sign of life, on this node's clock
         self._cursor = int.from_bytes(hashlib.sha256(holder.encode()).digest()[:8], "big") % units
         self._retry_at = float("-inf")
         self._done_seen = 0  # done markers in the newest listing
@@ -132,11 +132,15 @@ class WorkQueue:
         return f"WorkQueue({self.name!r}, units={self.units}, holder={self.holder!r})"
 
     @property
-    def mailbox(self) -> Mailbox:
-        """The queue's store (an authenticated run's is bound to the run on first use)."""
+    def store(self) -> RunStore:
+        """The queue's records (an authenticated run's are bound to the run on first use)."""
         if not self._records.bound:
-            self._records.bind(self._mailbox)
-        return self._mailbox
+            self._records.bind()
+        return self._records.store
+
+    @property
+    def mailbox(self) -> Mailbox:
+        return self.store.mailbox
 
     @property
     def renew_every(self) -> float:
@@ -159,8 +163,8 @@ class WorkQueue:
             mine = QueueInfo(
                 queue=self.name, units=self.units, lease_timeout=self.lease_timeout, created_by=self.holder
             )
-            outcome, existing = create_once(self.mailbox, key, self._records.encode(mine))
-            info = mine if outcome is not CreateOutcome.TAKEN else self._records.decode(existing, QueueInfo, key)
+            outcome, existing = self.store.put_record(key, mine)
+            info = mine if outcome is not CreateOutcome.TAKEN else self.store.decode_record(existing, QueueInfo, key)
             if info.queue != self.name or info.units != self.units:
                 raise QueueMismatch(
                     f"work queue {self.name!r} has {info.units} units, this node asked for {self.units}; "
@@ -187,9 +191,7 @@ class WorkQueue:
                     continue
                 pulse = scan.pulse(u)
                 assert pulse is not None
-                w = self._watch.get(u)
-                if w is None or w.key != pulse:
-                    self._watch[u] = _Watch(pulse, now)
+                note(self._watch, u, pulse, now)
         return scan
 
     def lapsed(self, scan: QueueScan, unit: int) -> bool:
@@ -211,8 +213,7 @@ class WorkQueue:
         return len(self._scan().done) >= self.units
 
     def _scan(self) -> QueueScan:
-        mb = self.mailbox
-        return scan_queue(mb, self.name, keep=lambda k: self._records.trusted(mb, k))
+        return scan_queue(self.mailbox, self.name, keep=self._records.trusted)
 
     # ---- taking a unit -----------------------------------------------------------------
 
@@ -255,12 +256,11 @@ class WorkQueue:
 
     def _try_claim(self, unit: int, attempt: int) -> Hold | None:
         started = self.clock.now()
-        rec = UnitClaim(queue=self.name, unit=unit, attempt=attempt, holder=self.holder, nonce=self.nonce)
-        key = keys.unit_claim_key(self.name, unit, attempt)
-        outcome, _ = create_once(self.mailbox, key, self._records.encode(rec))
+        rec = self._record(UnitClaim, unit, attempt)
+        outcome, _ = self.store.put_record(rec.logical_key(), rec)
         if outcome is CreateOutcome.TAKEN:
             return None  # another node took this attempt first
-        if self._records.exists(self.mailbox, keys.unit_done_key(self.name, unit), UnitDone):
+        if self._records.exists(keys.unit_done_key(self.name, unit), UnitDone):
             return None  # finished after our listing: our claim is moot, nothing to undo
         hold = Hold(unit=unit, attempt=attempt, renewed_at=started)
         self._held[unit] = hold
@@ -318,7 +318,7 @@ class WorkQueue:
             (
                 p[2]
                 for k in self.mailbox.list(keys.unit_claims_prefix(self.name, u))
-                if (p := keys.parse_unit_claim_key(k)) and self._records.trusted(self.mailbox, k)
+                if (p := keys.parse_unit_claim_key(k)) and self._records.trusted(k)
             ),
             default=n,
         )
@@ -326,32 +326,27 @@ class WorkQueue:
             self._forget(hold)
             self._delete_beats(hold)
             raise HoldLost(f"work queue {self.name!r}: unit {u} was handed out again (attempt {newest} > ours, {n})")
-        if self._records.exists(self.mailbox, keys.unit_done_key(self.name, u), UnitDone):
+        if self._records.exists(keys.unit_done_key(self.name, u), UnitDone):
             self._forget(hold)
             self._delete_beats(hold)
             raise HoldLost(f"work queue {self.name!r}: unit {u} was recorded done by another holder")
         seq = hold.seq + 1
-        key = keys.unit_hold_key(self.name, u, n, seq)
-        rec = UnitHold(
-            queue=self.name, unit=u, attempt=n, holder=self.holder, nonce=self.nonce, seq=seq, consumed=hold.consumed
-        )
-        outcome, existing = create_once(self.mailbox, key, self._records.encode(rec))
-        if outcome is CreateOutcome.TAKEN and not self._ours(existing, key):
+        rec = self._record(UnitHold, u, n, seq=seq, consumed=hold.consumed)
+        key = rec.logical_key()
+        if not self.store.put_own(key, rec, self.nonce):
             self._forget(hold)
             raise HoldLost(f"work queue {self.name!r}: another process wrote our heartbeat {key}")
         hold.seq, hold.renewed_at = seq, now
         hold._beats.append(key)
         self._delete_beats(hold, keep=key)
 
+    def _record(self, cls: type[U], unit: int, attempt: int, **fields: Any) -> U:
+        """This holder's record ``cls`` of its attempt ``attempt`` at ``unit``."""
+        return cls(queue=self.name, unit=unit, attempt=attempt, holder=self.holder, nonce=self.nonce, **fields)
+
     def _forget(self, hold: Hold) -> None:
         self._held.pop(hold.unit, None)
         self._unrecorded.pop(hold.unit, None)
-
-    def _ours(self, existing: bytes | None, key: str) -> bool:
-        try:
-            return self._records.decode(existing, UnitHold, key).nonce == self.nonce
-        except RecordInvalid:
-            return False
 
     def _delete_beats(self, hold: Hold, keep: str | None = None) -> None:
         doomed = [k for k in hold._beats if k != keep]
@@ -390,8 +385,8 @@ class WorkQueue:
                 return True
 
     def _record_done(self, hold: Hold) -> bool:
-        rec = UnitDone(queue=self.name, unit=hold.unit, attempt=hold.attempt, holder=self.holder, nonce=self.nonce)
-        outcome, _ = create_once(self.mailbox, keys.unit_done_key(self.name, hold.unit), self._records.encode(rec))
+        rec = self._record(UnitDone, hold.unit, hold.attempt)
+        outcome, _ = self.store.put_record(rec.logical_key(), rec)
         self._forget(hold)
         self._delete_beats(hold)
         return outcome is not CreateOutcome.TAKEN
@@ -413,18 +408,9 @@ class WorkQueue:
 
     def _give_back(self, hold: Hold) -> None:
         self._forget(hold)
-        rec = UnitRelease(
-            queue=self.name,
-            unit=hold.unit,
-            attempt=hold.attempt,
-            holder=self.holder,
-            nonce=self.nonce,
-            consumed=hold.consumed,
-        )
+        rec = self._record(UnitRelease, hold.unit, hold.attempt, consumed=hold.consumed)
         try:
-            create_once(
-                self.mailbox, keys.unit_release_key(self.name, hold.unit, hold.attempt), self._records.encode(rec)
-            )
+            self.store.put_record(rec.logical_key(), rec)
         except MailboxUnavailable:
             pass  # the unit comes back once its heartbeat lapses instead
         self._delete_beats(hold)

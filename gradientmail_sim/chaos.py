@@ -16,15 +16,16 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..codec.header import sha256_hex
-from ..codec.payload import encode_payload
-from ..codec.plan import chunk_specs
-from ..protocol import keys
-from ..protocol.faults import Fault, Op, Phase
-from ..protocol.records import PayloadRef, Snapshot, encode, join_refs
-from ..protocol.schedule import fragment_of, version_before
+from gradientmail_core.codec.header import sha256_hex
+from gradientmail_core.codec.payload import encode_payload
+from gradientmail_core.codec.plan import chunk_specs
+from gradientmail_core.protocol import keys
+from gradientmail_core.protocol.records import PayloadRef, Snapshot, encode, join_refs
+from gradientmail_core.protocol.schedule import fragment_of, version_before
+
 from .actors import NodeActions
 from .audit import AuditMailbox
+from .faults import Fault, Op, Phase
 from .scenario import BROWNOUT_PREFIXES, CRASH_TARGETS, GHOST
 from .state import SimNode
 

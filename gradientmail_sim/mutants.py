@@ -15,14 +15,14 @@ from typing import Any
 
 import numpy as np
 
-from .. import mailbox
-from ..aggregators import fused, merge, outer
-from ..errors import MailboxUnavailable, ProtocolError
-from ..mailbox import CreateOutcome
-from ..protocol import keys, store
-from ..protocol.lease import LeaseWriter
-from ..protocol.records import Lease
-from ..syncer import collector, merger, node, passes, replay
+from gradientmail_core import mailbox
+from gradientmail_core.aggregators import fused, merge, outer
+from gradientmail_core.errors import MailboxUnavailable, ProtocolError
+from gradientmail_core.mailbox import CreateOutcome
+from gradientmail_core.protocol import keys, store
+from gradientmail_core.protocol.lease import LeaseWriter
+from gradientmail_core.protocol.records import Lease
+from gradientmail_core.syncer import collector, merger, node, passes, replay  # noqa: F401
 
 
 @contextlib.contextmanager
@@ -117,10 +117,9 @@ def remote_clock_lease() -> contextlib.AbstractContextManager[None]:
 
 def skip_sha_check() -> contextlib.AbstractContextManager[None]:
     """Payloads are decoded without checking their sha256: bytes damaged in transit are trusted."""
-    from ..codec.payload import decode_payload
-    from ..codec.plan import chunk_spec, chunk_specs
-    from ..protocol.chunks import assemble
-    from ..protocol.records import chunk_refs
+    from gradientmail_core.codec.payload import decode_payload
+    from gradientmail_core.codec.plan import assemble, chunk_spec, chunk_specs
+    from gradientmail_core.protocol.records import chunk_refs
 
     def get_payload(
         self: store.RunStore,

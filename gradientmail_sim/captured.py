@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..codec.header import sha256_hex
-from ..codec.payload import decode_payload
-from ..codec.plan import chunk_specs
-from ..errors import GradientMailError
-from ..protocol import keys
-from ..protocol.chunks import assemble
-from ..protocol.records import PayloadRef, RoundRecord, chunk_refs, ref_digest
-from ..protocol.run import RunInfo
-from ..protocol.schedule import fragment_of, round_of
+from gradientmail_core.codec.header import sha256_hex
+from gradientmail_core.codec.payload import decode_payload
+from gradientmail_core.codec.plan import assemble, chunk_specs
+from gradientmail_core.errors import GradientMailError
+from gradientmail_core.protocol import keys
+from gradientmail_core.protocol.records import PayloadRef, RoundRecord, chunk_refs, ref_digest
+from gradientmail_core.protocol.run import RunInfo
+from gradientmail_core.protocol.schedule import fragment_of, round_of
 
 State = tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]]  # master, momentum, theta
 

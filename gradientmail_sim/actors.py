@@ -14,14 +14,15 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .. import events as ev
-from ..adapters.base import NumpyAdapter
-from ..clock import FakeClock
-from ..errors import MailboxUnavailable
-from ..protocol.faults import InjectedCrash
-from ..protocol.store import RunStore
-from ..syncer.join import join_run
+from gradientmail_core import events as ev
+from gradientmail_core.adapters.base import NumpyAdapter
+from gradientmail_core.clock import FakeClock
+from gradientmail_core.errors import MailboxUnavailable
+from gradientmail_core.protocol.store import RunStore
+from gradientmail_core.syncer.join import join_run
+
 from .checks import Checks
+from .faults import InjectedCrash
 from .scenario import _views
 from .state import SimNode, _Abort
 

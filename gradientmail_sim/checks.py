@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import events as ev
-from ..protocol import keys
+from gradientmail_core import events as ev
+from gradientmail_core.protocol import keys
+
 from .state import SimNode, SimState, _Abort
 
 

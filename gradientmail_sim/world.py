@@ -18,7 +18,7 @@ A run has three phases:
    surviving node must hold bit-identical parameters equal to the newest committed ones.
 
 The trace (who did what when, every engine event, every fault) is hashed: a seed replays
-exactly, and ``python -m gradientmail_core.sim --seed N -v`` prints it.
+exactly, and ``python -m gradientmail_sim --seed N -v`` prints it.
 
 The simulation's parts, each building on the one before: ``scenario.py`` (the config, the result,
 what the seed draws), ``state.py`` (the shared state, the event queue, the trace), ``checks.py``
@@ -35,9 +35,9 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 
-from ..protocol.faults import FaultyMailbox
 from .audit import AuditMailbox
 from .chaos import Chaos
+from .faults import FaultyMailbox
 from .scenario import SimConfig, SimResult
 from .state import SimNode, _Abort
 

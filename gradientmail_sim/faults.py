@@ -1,6 +1,6 @@
-"""A mailbox that injects faults: a real, shipped backend wrapper for tests, simulations and
-chaos drills, never a mock. It knows the protocol's keys (a rule may target a round), so it lives
-above the mailbox layer (``gradientmail_core.mailbox.faults`` still imports it).
+"""A mailbox that injects faults: a real backend wrapper (never a mock) for the simulation, the
+tests and chaos drills. It knows the protocol's keys (a rule may target a round), and it is a
+development tool, not part of the product, so it lives beside the simulation, outside the wheel.
 
 ``FaultyMailbox(inner, rules, rng=..., node=..., clock=...)`` forwards the four operations (and
 the ranged read ``get_prefix``, which is a GET to the rules) to ``inner`` and, driven by a seeded
@@ -48,11 +48,11 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..clock import Clock
-from ..errors import MailboxUnavailable
-from ..mailbox.contract import Chunk, Mailbox, close_stream
-from ..mailbox.forwarding import ForwardingMailbox
-from . import keys
+from gradientmail_core.clock import Clock
+from gradientmail_core.errors import MailboxUnavailable
+from gradientmail_core.mailbox.contract import Chunk, Mailbox, close_stream
+from gradientmail_core.mailbox.forwarding import ForwardingMailbox
+from gradientmail_core.protocol import keys
 
 Op = Literal["put", "get", "list", "delete"]
 Kind = Literal["error", "retry_412", "crash", "latency", "flip"]

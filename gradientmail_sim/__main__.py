@@ -1,10 +1,10 @@
-"""``python -m gradientmail_core.sim``: run one seed (verbose trace), a range, or a soak.
+"""``python -m gradientmail_sim``: run one seed (verbose trace), a range, or a soak.
 
-python -m gradientmail_core.sim --seed 123 --rounds 50 -v     # replay one seed, print its trace
-python -m gradientmail_core.sim --seeds 0:1000                 # a range, summary at the end
-python -m gradientmail_core.sim --soak 100000                  # a long soak from a random start
-python -m gradientmail_core.sim --seeds 0:300 --mutant accept_stale   # is this mutant caught?
-python -m gradientmail_core.sim --seeds 0:8 --fleet --rounds 12  # fleets of 64..96 learners
+python -m gradientmail_sim --seed 123 --rounds 50 -v     # replay one seed, print its trace
+python -m gradientmail_sim --seeds 0:1000                 # a range, summary at the end
+python -m gradientmail_sim --soak 100000                  # a long soak from a random start
+python -m gradientmail_sim --seeds 0:300 --mutant accept_stale   # is this mutant caught?
+python -m gradientmail_sim --seeds 0:8 --fleet --rounds 12  # fleets of 64..96 learners
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from .world import SimResult, run_many, run_seed
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m gradientmail_core.sim",
+        prog="python -m gradientmail_sim",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -23,15 +23,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..clock import FakeClock
-from ..mailbox.memory import MemoryMailbox
-from ..protocol.faults import FaultLog, FaultyMailbox
-from ..syncer.learner import Learner
-from ..syncer.node import Node
+from gradientmail_core.clock import FakeClock
+from gradientmail_core.mailbox.memory import MemoryMailbox
+from gradientmail_core.syncer.learner import Learner
+from gradientmail_core.syncer.node import Node
+
 from .audit import Auditor
+from .faults import FaultLog, FaultyMailbox
 from .scenario import SimConfig, _views, draw_scenario
 
-# The trace of a verbose run (``python -m gradientmail_core.sim --seed N -v`` shows it on stdout).
+# The trace of a verbose run (``python -m gradientmail_sim --seed N -v`` shows it on stdout).
 _trace_log = logging.getLogger("gradientmail.sim.trace")
 
 

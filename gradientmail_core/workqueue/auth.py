@@ -11,8 +11,9 @@ writes through ``GuardedMailbox`` with the run's policy, bound to the run by its
   bucket writer can still create keys: each listed claim, heartbeat, release and done marker is
   then read and checked once (cached) before it counts.
 
-``QueueRecords()`` (no policy) is an open run's queue: records unsigned, nothing checked beyond
-their fields, exactly as before.
+Records are written and read through a ``RunStore`` (``put_record``, ``put_own``,
+``decode_record``: signed and checked with the run's policy, as the run's own); with no policy it is
+an open run's queue: records unsigned, nothing checked beyond their fields.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 from ..errors import ProtocolError, RecordInvalid
-from ..mailbox import Mailbox
+from ..protocol.keys import MANIFEST
+from ..protocol.records import Manifest
+from ..protocol.store import RunStore
 from . import keys
-from .records import Manifest, decode, encode
-from .store import RunStore
-from .work_records import QueueInfo, UnitClaim, UnitDone, UnitHold, UnitRelease
+from .records import QueueInfo, UnitClaim, UnitDone, UnitHold, UnitRelease
 
 R = TypeVar("R")
 _CACHE = 65536
@@ -46,37 +47,28 @@ def record_class(key: str) -> type | None:
 
 
 class QueueRecords:
-    """How one node's work queue writes and reads its records (module docstring). ``auth``: the
-    run's policy (``members.node_policy``); None for an open run."""
+    """Which of a queue's records count, for one node (module docstring). ``store``: the queue's
+    ``RunStore``, with the run's policy (``members.node_policy``), or none for an open run."""
 
-    def __init__(self, auth: Any = None) -> None:
-        self.auth = auth
-        self.bound = auth is None
+    def __init__(self, store: RunStore) -> None:
+        self.store = store
+        self.auth: Any = store.auth
+        self.bound = self.auth is None
         self._ok: dict[str, bool] = {}
 
-    def bind(self, mailbox: Mailbox) -> None:
+    def bind(self) -> None:
         """Read and verify the run's manifest (which keys every MAC, tag and signature to the run)."""
-        manifest = RunStore(mailbox, auth=self.auth).read_record(keys.MANIFEST, Manifest)
+        manifest = self.store.read_record(MANIFEST, Manifest)
         if manifest is None:
             raise ProtocolError(
-                f"an authenticated work queue belongs to a run, and this mailbox has none yet ({keys.MANIFEST} is "
+                f"an authenticated work queue belongs to a run, and this mailbox has none yet ({MANIFEST} is "
                 "missing): open the queue once this node's Session has joined the run"
             )
         if getattr(self.auth, "members_only", False) and getattr(self.auth, "identity", None) is None:
             raise ProtocolError("this run admits members only: open the work queue with identity= as well")
         self.bound = True
 
-    def encode(self, record: Any) -> bytes:
-        return encode(self.auth.sign(record) if self.auth is not None else record)
-
-    def decode(self, data: bytes | None, cls: type[R], key: str) -> R:
-        """Decode and check a record (``RecordInvalid`` when it fails)."""
-        record = decode(data, cls, key=key)
-        if self.auth is not None:
-            self.auth.verify(record, key)
-        return record
-
-    def trusted(self, mailbox: Mailbox, key: str) -> bool:
+    def trusted(self, key: str) -> bool:
         """Whether a listed key counts. Only a members-only run without a secret reads each one
         (once: its record is create-once): elsewhere a listed key was written by the run."""
         if not getattr(self.auth, "members_only", False) or getattr(self.auth, "authenticated", False):
@@ -86,11 +78,11 @@ class QueueRecords:
             cls = record_class(key)
             if cls is None:
                 return False
-            data = mailbox.get(key)
+            data = self.store.mailbox.get(key)
             if data is None:
                 return False  # deleted meanwhile (a heartbeat renewed): not cached
             try:
-                self.decode(data, cls, key)
+                self.store.decode_record(data, cls, key)
                 ok = True
             except RecordInvalid:
                 ok = False
@@ -99,15 +91,15 @@ class QueueRecords:
             self._ok[key] = ok
         return ok
 
-    def exists(self, mailbox: Mailbox, key: str, cls: type) -> bool:
+    def exists(self, key: str, cls: type) -> bool:
         """Whether a record that counts is at ``key`` (a done marker, before claiming or renewing)."""
-        data = mailbox.get(key)
+        data = self.store.mailbox.get(key)
         if data is None:
             return False
         if self.auth is None:
             return True
         try:
-            self.decode(data, cls, key)
+            self.store.decode_record(data, cls, key)
             return True
         except RecordInvalid:
             return False
