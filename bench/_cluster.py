@@ -14,9 +14,10 @@ from typing import Any
 import gradientmail_core as gm
 from gradientmail_core.adapters import adapter_for
 from gradientmail_core.protocol.store import RunStore
-from gradientmail_core.syncer.join import join_run
+from gradientmail_core.syncer.host import join_run
 from gradientmail_core.syncer.learner import Learner
-from gradientmail_core.syncer.node import Node, NodeOptions
+from gradientmail_core.syncer.node import Node
+from gradientmail_core.syncer.options import NodeOptions
 
 
 @dataclass
@@ -73,4 +74,4 @@ def join(
 def see_each_other(members: list[Member]) -> None:
     """Let every node list every lease (what ``session.wait_for`` waits for)."""
     for m in members:
-        m.node._list_leases()
+        m.node.state.list_leases(m.node.store)

@@ -2,7 +2,7 @@
 
 The session checks its arguments and keeps the user's view (``progress``, ``batch_size``); the
 engine runs in its host (``syncer/host.EngineHost``), chosen once, here, from the model: one
-process (``syncer/process_host.ProcessHost``) or one rank of a sharded node
+process (``syncer/host.ProcessHost``) or one rank of a sharded node
 (``sharded/runtime.sharded_host``).
 """
 
@@ -31,9 +31,8 @@ from .protocol.guard import GuardedMailbox
 from .protocol.members import MemberAuth, node_policy
 from .protocol.store import RunStore
 from .protocol.tape import load_newest
-from .syncer.host import EngineHost, HostSetup, Progress
-from .syncer.node import NodeOptions
-from .syncer.process_host import ProcessHost
+from .syncer.host import EngineHost, HostSetup, ProcessHost, Progress
+from .syncer.options import NodeOptions
 
 if TYPE_CHECKING:
     from .adapters.torch_sharded import ShardedParams

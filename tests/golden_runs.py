@@ -61,9 +61,10 @@ from gradientmail_core.protocol import keys
 from gradientmail_core.protocol.records import RoundRecord, Snapshot, TensorSpec, canonical_json, decode
 from gradientmail_core.protocol.run import RunInfo
 from gradientmail_core.protocol.store import RunStore
-from gradientmail_core.syncer.join import join_run
+from gradientmail_core.syncer.host import join_run
 from gradientmail_core.syncer.learner import Learner
-from gradientmail_core.syncer.node import Node, NodeOptions
+from gradientmail_core.syncer.node import Node
+from gradientmail_core.syncer.options import NodeOptions
 
 RUNS = Path(__file__).parent / "golden" / "runs"
 F32 = np.float32
@@ -427,7 +428,7 @@ def run_case(case: Case) -> Outcome:
     mailbox, clock = Recording(MemoryMailbox()), FakeClock()
     members = [_join(case, mailbox, clock, name, seed) for seed, name in enumerate(case.learners)]
     for m in members:
-        m.node._list_leases()  # every node sees every lease before the first step (``Session.wait_for``)
+        m.node.state.list_leases(m.node.store)  # every node sees every lease before the first step (``Session.wait_for``)
     for _ in range(MAX_ITERATIONS):
         live = [m for m in members if m.alive]
         if not live:

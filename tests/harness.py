@@ -28,7 +28,8 @@ from gradientmail_core.protocol.tape import fetch_theta
 from gradientmail_core.sim.audit import AuditMailbox, Auditor
 from gradientmail_core.syncer.bridge import Bridge
 from gradientmail_core.syncer.learner import Learner
-from gradientmail_core.syncer.node import Node, NodeOptions
+from gradientmail_core.syncer.node import Node
+from gradientmail_core.syncer.options import NodeOptions
 
 SHAPES = {"embed.weight": (6, 4), "layers.0.w": (4, 4), "layers.1.w": (4, 4), "head.b": (4,)}
 
@@ -157,9 +158,9 @@ class Cluster:
         )
         # As join_run: the learner first (it tells the node whether to lend what it reads).
         learner = Learner(adapter, run, bridge, self.clock, learner=name, emit=events.append)
-        learner.reload = lambda f: fetch_theta(store, run, f, node.newest.get(f))
+        learner.reload = lambda f: fetch_theta(store, run, f, node.state.newest.get(f))
         thetas = node.join(created=created)
-        learner.start(node.head, thetas, {f: v for f, (v, _) in node.thetas.items()}, lent=node.lent)
+        learner.start(node.state.head, thetas, {f: v for f, (v, _) in node.state.thetas.items()}, lent=node.state.lent)
         target = make_params(7, self.shapes)
         m = Member(name, params, node, learner, events, np.random.default_rng(seed), target)
         self.members[name] = m
@@ -169,7 +170,7 @@ class Cluster:
         """Join several learners, then let every node see every lease (like ``wait_for``)."""
         ms = [self.join(n) for n in names]
         for m in self.live():
-            m.node._list_leases()
+            m.node.state.list_leases(m.node.store)
         return ms
 
     def live(self) -> list[Member]:

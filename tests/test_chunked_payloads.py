@@ -428,7 +428,7 @@ def test_a_takeover_between_checkpoints_replays_a_chunked_run_bit_for_bit(monkey
     assert _chunk_counts(whole.c.mailbox) == {1} and max(_chunk_counts(split.c.mailbox)) >= 2
     _same_params(whole.learners, split.learners)
     for f in range(2):  # the outer state the new closer rebuilt is the whole-payload run's
-        a, b = whole.syncers["s1"].closer.held(f), split.syncers["s2"].closer.held(f)
+        a, b = whole.syncers["s1"].merger.held(f), split.syncers["s2"].merger.held(f)
         assert a.version == b.version
         for n in a.master:
             assert np.array_equal(a.master[n], b.master[n]) and np.array_equal(a.momentum[n], b.momentum[n])
@@ -488,8 +488,8 @@ def test_torch_nodes_on_the_host_and_device_paths_store_the_same_chunks():
 def test_nodes_over_s3_move_chunked_payloads(s3_server: str, s3_bucket: str) -> None:
     pytest.importorskip("boto3")
     from gradientmail_core.adapters import adapter_for
-    from gradientmail_core.syncer.join import join_run
-    from gradientmail_core.syncer.node import NodeOptions
+    from gradientmail_core.syncer.host import join_run
+    from gradientmail_core.syncer.options import NodeOptions
 
     cfg = gm.DiLoCo(sync_every=2, fragments=1, quorum_size=2, delta_dtype="BF16", chunk_elements=64)
     clock = gm.FakeClock()
@@ -502,7 +502,7 @@ def test_nodes_over_s3_move_chunked_payloads(s3_server: str, s3_bucket: str) -> 
                                  rng=random.Random(i), node_rng=random.Random(i))  # fmt: skip
         members.append((params, node, learner))
     for _, node, _ in members:
-        node._list_leases()
+        node.state.list_leases(node.store)
     rng = np.random.default_rng(1)
     for step in range(4 * cfg.sync_every + 5):
         for params, _, learner in members:
@@ -515,7 +515,7 @@ def test_nodes_over_s3_move_chunked_payloads(s3_server: str, s3_bucket: str) -> 
                 node.tick()
                 learner.drain()
         clock.advance(1.0)
-    assert min(node.head for _, node, _ in members) >= 2
+    assert min(node.state.head for _, node, _ in members) >= 2
     (a, *_), (b, *_) = members
     assert all(a[n].tobytes() == b[n].tobytes() for n in WIDE)
     mailbox = members[0][1].store.mailbox

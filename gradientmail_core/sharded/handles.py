@@ -96,8 +96,9 @@ class ShardIncoming:
 
 
 class ShardContribution:
-    """Rank 0's handle on one publish: ``upload`` (the node's hook, on its thread) uploads rank 0's
-    chunks once every rank captured them, adds the other ranks' refs and returns the joined ref."""
+    """Rank 0's handle on one publish: ``upload`` (``lead_rank.OverRanks.upload``, on the node's
+    thread) uploads rank 0's chunks once every rank captured them, adds the other ranks' refs and
+    returns the joined ref."""
 
     def __init__(self, rt: Recorder, f: int, r: int, seq: int) -> None:
         self.rt, self.fragment, self.round, self.seq = rt, f, r, seq
@@ -154,4 +155,4 @@ class RecordingIO:
         pass
 
     def stage(self, theta: Mapping[str, np.ndarray]) -> Incoming:
-        raise AssertionError("a sharded node's follower hands records to bridge.follow, never whole parameters")
+        raise AssertionError("a sharded node's follower hands records to LeadRank.announce, never whole parameters")

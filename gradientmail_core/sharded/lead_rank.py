@@ -5,9 +5,10 @@ learner blocks for a commit (``before_wait``), so the publish a commit waits for
 Every rank, this one too, then performs the actions on its shards (``RankHost._execute``).
 
 It is also the engine's way to the other ranks: ``record_publish`` and ``record`` (the handles of
-``handles.py``), ``follow`` (``Bridge.follow``: a commit's chunk refs, sent down), and the closer
-(``Bridge.closer``, built here: its ops go down to the other ranks' closer threads). Its own failure goes to the other ranks as a
-failed exchange (``fail``).
+``handles.py``), and the node's placement (``OverRanks``): a commit's chunk refs sent down
+(``announce``), each contribution uploaded by its ranks, and the merger, built here, whose ops go
+down to the other ranks' merger threads. Its own failure goes to the other ranks as a failed
+exchange (``fail``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from .. import events as ev
 from ..adapters.handles import Incoming
 from ..adapters.torch_sharded import ShardedParams
@@ -26,10 +29,12 @@ from ..protocol.records import PayloadRef, RoundRecord, chunk_refs
 from ..protocol.run import RunInfo, create_run, max_payload_bytes, read_manifest
 from ..protocol.schema import check_schema
 from ..protocol.store import RunStore
-from ..syncer.host import HostSetup, Progress
+from ..protocol.tape import newest_records, round_keys
+from ..syncer.bridge import Publish
+from ..syncer.host import HostSetup, ProcessHost, Progress
+from ..syncer.kernel import FragmentCloser
 from ..syncer.learner import Learner
 from ..syncer.node import Node
-from ..syncer.process_host import ProcessHost
 from .handles import RecordingIO, ShardContribution, ShardIncoming, Together, check_config
 from .rank import chunk_elements
 from .rank_host import LINGER, RankHost
@@ -81,11 +86,10 @@ class LeadRank(RankHost):
         store.limit_payloads(max_payload_bytes(run))
         self.io = self._rank_io(run, store, s.options.compression)
         self.io.start()
-        engine.bridge.follow = self.follow
         if s.role == "both":  # this node closes rounds too: every rank its ranges
             self.ranker = self._ranker(run, store, relay=True)  # announces each op to the other ranks
-            engine.bridge.closer = self.ranker
-        engine.join(store, io=RecordingIO(self))
+        merger = self.ranker if self.ranker is not None else FragmentCloser.one_process(run, store)
+        engine.join(store, io=RecordingIO(self), placement=OverRanks(self, store, run, merger))
         opening = {"learner": self.learner_id, "compression": s.options.compression, "run": run.manifest.run_id}
         self.flush(done=True, extra={"open": opening})
 
@@ -107,7 +111,7 @@ class LeadRank(RankHost):
         self.record({"a": "publish", "f": f, "r": r, "seq": self.seq}, c)
         return c
 
-    def follow(self, f: int, rec: RoundRecord | None) -> Incoming:
+    def announce(self, f: int, rec: RoundRecord | None) -> Incoming:
         """The node thread: a commit of fragment ``f`` (None: the initial parameters) is on the
         tape; every rank starts fetching its chunks of the theta."""
         io = self.io
@@ -220,3 +224,37 @@ class LeadRank(RankHost):
 
     def _threads(self) -> list[Any]:
         return [*(self.io.threads if self.io is not None else []), self.engine.thread]
+
+
+class OverRanks:
+    """A sharded node's ``syncer.placement.Placement``: every rank reads and uploads the chunks it
+    owns; the node thread on rank 0 reads records only, and hands each commit's record to
+    ``LeadRank.announce`` (nothing whole is fetched)."""
+
+    fleet_polls = False  # (its follower lists every poll, as before fleets were polled by rounds only)
+
+    def __init__(self, lead: LeadRank, store: RunStore, run: RunInfo, merger: FragmentCloser) -> None:
+        self.lead, self.store, self.run, self.merger = lead, store, run, merger
+
+    def read_newest(self) -> tuple[dict[int, RoundRecord], dict[int, dict[str, np.ndarray]]]:
+        recs = newest_records(self.store, self.run, round_keys(self.store))
+        return recs, {f: {} for f in range(self.run.P)}
+
+    def joining(self, newest: Mapping[int, RoundRecord], fragments: list[int]) -> dict[int, Incoming]:
+        return {f: self.lead.announce(f, newest.get(f)) for f in fragments}
+
+    def upload(self, pub: Publish, *, learner: str, compression: str, keep: bool) -> tuple[PayloadRef, bool]:
+        delta = pub.delta
+        assert isinstance(delta, ShardContribution)  # (what RecordingIO captures)
+        return delta.upload(self.store, self.run, pub.fragment, pub.round, learner, compression), False
+
+    def prefetch_contributions(self, r: int, snapshots: Mapping[str, str]) -> None:
+        pass  # the ranks read their own chunks of each payload
+
+    def fetch_commit(
+        self, rec: RoundRecord, prev: tuple[int, dict[str, np.ndarray] | None] | None
+    ) -> dict[str, np.ndarray]:
+        return {}  # the ranks fetch their own chunks (``incoming``)
+
+    def incoming(self, f: int, rec: RoundRecord, theta: dict[str, np.ndarray]) -> Incoming:
+        return self.lead.announce(f, rec)

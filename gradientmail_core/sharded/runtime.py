@@ -16,10 +16,10 @@ through ``protocol/run.create_run``, stopping) is ``rank_host.py``.
 
 Payloads never pass through the training threads: each rank uploads the chunks it owns from its
 own background thread and sends the refs to rank 0 (``up``), whose contribution
-(``ShardContribution.upload``, the node's upload hook) uploads rank 0's chunks, collects the
-others' refs and returns the joined ref; rank 0's follower hands each commit's record to
-``follow`` (``bridge.follow``: nothing whole is fetched), which sends the theta's chunk refs to
-every rank (``down``), whose downloader fetches the chunks it owns.
+(``ShardContribution.upload``, asked by the node's placement, ``lead_rank.OverRanks``) uploads
+rank 0's chunks, collects the others' refs and returns the joined ref; rank 0's follower hands
+each commit's record to ``LeadRank.announce`` (nothing whole is fetched), which sends the theta's
+chunk refs to every rank (``down``), whose downloader fetches the chunks it owns.
 
 A failure on any rank becomes ``SessionFailed`` on every rank at the same exchange: rank 0's
 own (its node thread's, or an error in its step) is sent as a failed exchange; another rank's is

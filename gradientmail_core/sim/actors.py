@@ -20,7 +20,7 @@ from ..clock import FakeClock
 from ..errors import MailboxUnavailable
 from ..protocol.faults import InjectedCrash
 from ..protocol.store import RunStore
-from ..syncer.join import join_run
+from ..syncer.host import join_run
 from .checks import Checks
 from .scenario import _views
 from .state import SimNode, _Abort

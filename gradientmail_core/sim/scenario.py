@@ -20,7 +20,7 @@ import numpy as np
 from ..config import RDA, DiLoCo, WeightedMean
 from ..protocol import keys
 from ..protocol.faults import Op
-from ..syncer.node import NodeOptions
+from ..syncer.options import NodeOptions
 
 GHOST = "ghost"
 SHAPES = {"embed.weight": (4, 3), "layers.0.w": (3, 3), "layers.1.w": (3, 3), "head.b": (3,)}

@@ -187,7 +187,7 @@ class Simulation(Chaos):
             return False
         head = self.auditor.head
         return all(
-            sn.node is not None and sn.node.head == head and not sn.node.bridge.outbox
+            sn.node is not None and sn.node.state.head == head and not sn.node.bridge.outbox
             for sn in self.nodes.values()
             if sn.state == "up"
         )

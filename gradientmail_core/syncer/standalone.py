@@ -34,7 +34,8 @@ from ..protocol.members import node_policy
 from ..protocol.run import RunInfo, max_payload_bytes, read_manifest
 from ..protocol.store import RunStore
 from .marker import RestartMarker
-from .node import Node, NodeOptions
+from .node import Node
+from .options import NodeOptions
 
 _log = logging.getLogger(__name__)
 
