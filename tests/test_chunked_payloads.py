@@ -434,26 +434,29 @@ def test_a_takeover_between_checkpoints_replays_a_chunked_run_bit_for_bit(monkey
             assert np.array_equal(a.master[n], b.master[n]) and np.array_equal(a.momentum[n], b.momentum[n])
 
 
-def test_a_contribution_that_uploads_itself_is_asked_to(monkeypatch):
+def test_a_node_uploads_its_contributions_through_its_placement(monkeypatch):
+    """The seam a sharded node uses (``Placement.upload``): a placement that uploads each
+    contribution its own way is asked to for every one, and the run is the same."""
     from harness import Cluster
     from test_engine_rounds import finish
 
-    from gradientmail_core.adapters import handles
+    from gradientmail_core.syncer import placement
 
     calls: list[tuple[int, int, str]] = []
 
-    def upload(self, store, run, fragment, round, learner, compression):
-        calls.append((fragment, round, learner))
-        dtypes = run.delta_dtypes(fragment)
-        return store.put_fragment(
-            functools.partial(keys.snapshot_blob_key, round, learner, compression=compression),
-            self.quantized(dtypes),
-            shapes=run.shapes[fragment],
+    def upload(self, pub, *, learner, compression, keep):
+        calls.append((pub.fragment, pub.round, learner))
+        dtypes = self.run.delta_dtypes(pub.fragment)
+        ref = self.store.put_fragment(
+            functools.partial(keys.snapshot_blob_key, pub.round, learner, compression=compression),
+            pub.delta.quantized(dtypes),
+            shapes=self.run.shapes[pub.fragment],
             dtypes=dtypes,
-            chunk_elements=run.chunk_elements,
+            chunk_elements=self.run.chunk_elements,
             kind="delta",
             compression=compression,
         )
+        return ref, False  # (nothing kept in the spool: the closer reads it back)
 
     def run():
         cluster = Cluster(gm.DiLoCo(sync_every=4, fragments=2, quorum_size=2, chunk_elements=32), shapes=dict(WIDE))
@@ -463,7 +466,7 @@ def test_a_contribution_that_uploads_itself_is_asked_to(monkeypatch):
         return ms
 
     plain = run()
-    monkeypatch.setattr(handles._HostContribution, "upload", upload, raising=False)
+    monkeypatch.setattr(placement.OneProcess, "upload", upload)
     hooked = run()
     assert len(calls) >= 10 and {c[2] for c in calls} == {"a", "b"}
     _same_params(plain, hooked)

@@ -17,7 +17,7 @@ import gradientmail_core as gm
 from gradientmail_core import events as ev
 from gradientmail_core.mailbox import Mailbox
 from gradientmail_core.protocol import keys
-from gradientmail_core.syncer import following
+from gradientmail_core.syncer import placement
 from gradientmail_core.syncer.closer import Collector, Judged
 from gradientmail_core.syncer.options import NodeOptions
 from gradientmail_core.syncer.timing import Estimates
@@ -186,7 +186,7 @@ def test_a_change_that_rebuilds_to_the_wrong_digest_falls_back_to_the_full_theta
 
     c.mailbox.get = spy  # type: ignore[method-assign]
     rebuilt = []
-    real_rebuild = following.rebuild_theta
+    real_rebuild = placement.rebuild_theta
 
     def rebuild(run, f, prev, change):
         theta = real_rebuild(run, f, prev, change)
@@ -196,7 +196,7 @@ def test_a_change_that_rebuilds_to_the_wrong_digest_falls_back_to_the_full_theta
             theta["b"][0] = np.nextafter(theta["b"][0], np.float32(np.inf))
         return theta
 
-    monkeypatch.setattr(following, "rebuild_theta", rebuild)
+    monkeypatch.setattr(placement, "rebuild_theta", rebuild)
     ms = c.join_all("ab")
     c.run(40)
     finish(c)
