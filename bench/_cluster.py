@@ -7,6 +7,7 @@ same run, byte for byte, whatever else the machine is doing.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,7 +52,7 @@ def join(
 ) -> Member:
     """Join ``model`` (anything ``adapter_for`` accepts) to the run in ``mailbox`` as ``name``."""
     opts = options or NodeOptions(poll_interval=1.0, lease_timeout=120.0, round_timeout=60.0)
-    opts = NodeOptions(opts.poll_interval, opts.lease_timeout, opts.round_timeout, compression)
+    opts = dataclasses.replace(opts, compression=compression)
     counting = gm.CountingMailbox(mailbox)
     store = RunStore(counting)
     events: list = []

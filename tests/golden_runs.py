@@ -428,7 +428,9 @@ def run_case(case: Case) -> Outcome:
     mailbox, clock = Recording(MemoryMailbox()), FakeClock()
     members = [_join(case, mailbox, clock, name, seed) for seed, name in enumerate(case.learners)]
     for m in members:
-        m.node.state.list_leases(m.node.store)  # every node sees every lease before the first step (``Session.wait_for``)
+        m.node.state.list_leases(
+            m.node.store
+        )  # every node sees every lease before the first step (``Session.wait_for``)
     for _ in range(MAX_ITERATIONS):
         live = [m for m in members if m.alive]
         if not live:

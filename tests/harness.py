@@ -11,6 +11,7 @@ everywhere); that each commit is the right one does not."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 
@@ -141,9 +142,7 @@ class Cluster:
         run, created = open_run(
             store, adapter.schema(), adapter.read, self.cfg, learner=name, compression=comp, rng=random.Random(seed)
         )
-        opts = NodeOptions(
-            self.options.poll_interval, self.options.lease_timeout, self.options.round_timeout, comp, verify=verify
-        )
+        opts = dataclasses.replace(self.options, compression=comp, verify=verify)
         bridge = Bridge()
         node = Node(
             store,

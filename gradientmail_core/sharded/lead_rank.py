@@ -84,19 +84,19 @@ class LeadRank(RankHost):
         chunk_elements(run)  # ShardingUnsupported for a run of whole fragments, before any lease
         check_config(run.cfg)
         store.limit_payloads(max_payload_bytes(run))
-        self.io = self._rank_io(run, store, s.options.compression)
+        self.io = self._rank_io(run, store, s.options.payload_compression)
         self.io.start()
         if s.role == "both":  # this node closes rounds too: every rank its ranges
             self.ranker = self._ranker(run, store, relay=True)  # announces each op to the other ranks
         merger = self.ranker if self.ranker is not None else FragmentCloser.one_process(run, store)
         engine.join(store, io=RecordingIO(self), placement=OverRanks(self, store, run, merger))
-        opening = {"learner": self.learner_id, "compression": s.options.compression, "run": run.manifest.run_id}
+        opening = {"learner": self.learner_id, "compression": s.options.payload_compression, "run": run.manifest.run_id}
         self.flush(done=True, extra={"open": opening})
 
     def _create(self, store: RunStore, fragments: list[list[str]]) -> list[PayloadRef]:
         """``create_run``'s upload: every rank is told, then uploads the initial chunks it owns.
         (``create_run`` checked the plan's record sizes before: a refusal reaches no rank.)"""
-        compression = self.setup.options.compression
+        compression = self.setup.options.payload_compression
         self._x({"create": {"compression": compression}}, done=False, failed=False)
         return self._upload_init(store, fragments, compression)
 

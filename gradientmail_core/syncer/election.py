@@ -151,7 +151,7 @@ class Election:
         # live learner reported) must not shorten the patience with one that waits its window.
         grace = 0.0 if rec is None else max(rec.grace_seconds, rec.grace_planned or 0.0)
         predicted = 0.0 if rec is None else (rec.x_sync or 0.0) + grace + (rec.x_quorum or 0.0)
-        return max(self.opts.round_timeout, 4 * predicted)
+        return max(self.opts.round_timeout_floor, 4 * predicted)
 
     def try_claim(self, r: int, n: int, *, previous: str | None, reason: str | None) -> bool:
         """Create claim ``n`` of round ``r``; True if this node holds it."""

@@ -187,7 +187,7 @@ def join_run(
     if role not in ("both", "learner"):
         raise ValueError(f"role={role!r}: a training node's role is 'both' or 'learner' (a syncer is gm.Syncer)")
     run, created = open_run(
-        store, adapter.schema(), adapter.read, cfg, learner=learner, compression=options.compression, rng=rng
+        store, adapter.schema(), adapter.read, cfg, learner=learner, compression=options.payload_compression, rng=rng
     )
     if run.P != cfg.fragments:
         emit(ev.FragmentsClamped(learner, cfg.fragments, run.P))

@@ -67,7 +67,7 @@ class Node:
         self.merger = self.placement.merger
         self.spool = self.merger.spool  # the contributions of the rounds it closes, on local disk
         screen = CommitScreen(store, run, emit, me=learner, fraction=options.verify, rng=rng or random.Random(0))
-        s, c = self.state, options.compression
+        s, c = self.state, options.payload_compression
         self.publisher = Publisher(store, s, self.placement, self.bridge, emit, nonce=nonce, compression=c)
         self.follower = Follower(store, s, self.placement, self.bridge, screen, emit)
         self.election = Election(store, clock, s, self.lease, self.bridge, emit, options=options, nonce=nonce)

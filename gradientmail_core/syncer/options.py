@@ -1,53 +1,55 @@
-"""A node's options, declared once: what ``gm.Session``, ``gm.Syncer``, ``gradientmail syncer`` and
-the engine's host all hand the node (``NodeOptions``), checked when it is built."""
+"""A node's options, declared once (``NodeOptions``): what ``gm.Session`` and ``gm.Syncer`` build
+from their keywords, ``gradientmail syncer`` from its flags (its defaults are these), and what the
+engine's host and the ``Node`` read. Checked when built."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from .. import events as ev
+from ..clock import Clock
 
 _COMPRESSION = {"off": "", "none": "", "": "", "zstd": "zstd"}  # user-facing name -> payload suffix
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class NodeOptions:
     poll_interval: float = 1.0
     lease_timeout: float = 120.0
-    round_timeout: float = 60.0  # floor of the follower's no-record timeout
-    compression: str = ""
     lease_every: float | None = None  # lease renewal interval; None: lease_timeout / 4
+    # floor of the follower's no-record timeout; None: max(30, 10 x poll_interval)
+    round_timeout: float | None = None
+    compression: str = "off"  # of the payloads this node writes: "off" or "zstd"
     verify: float = 0.0  # share of the commits it follows that a node recomputes first (follower.CommitScreen)
+    callbacks: tuple[Callable[[ev.Event], None], ...] = (ev.log_events,)
+    clock: Clock | None = None  # None: the system's
+    seed: int | None = None  # of the node's draws (its nonce, the run id it creates); None: from the OS
+    # docs/security.md: a shared secret (or a file holding it), an identity, or neither
+    secret: bytes | str | None = None
+    secret_file: str | os.PathLike[str] | None = None
+    identity: str | os.PathLike[str] | None = None
 
     def __post_init__(self) -> None:
         if not self.poll_interval > 0 or not self.lease_timeout > self.poll_interval:
             raise ValueError(f"need 0 < poll_interval ({self.poll_interval}) < lease_timeout ({self.lease_timeout})")
         if self.lease_every is not None and not 0 < self.lease_every < self.lease_timeout:
             raise ValueError(f"need 0 < lease_every ({self.lease_every}) < lease_timeout ({self.lease_timeout})")
+        if self.compression not in _COMPRESSION:
+            raise ValueError(f"compression={self.compression!r}: expected 'off' or 'zstd'")
         if isinstance(self.verify, bool) or not isinstance(self.verify, int | float) or not 0.0 <= self.verify <= 1.0:
             raise ValueError(f"verify={self.verify!r}: expected a fraction of rounds in [0, 1] (0: verify none)")
+        object.__setattr__(self, "callbacks", tuple(self.callbacks))
 
-    @classmethod
-    def from_user(
-        cls,
-        *,
-        poll_interval: float,
-        lease_timeout: float,
-        lease_every: float | None,
-        round_timeout: float | None,
-        compression: str,
-        verify: float = 0.0,
-    ) -> NodeOptions:
-        """The options as ``gm.Session`` and ``gm.Syncer`` take them: compression by its user-facing
-        name (``"off"``/``"zstd"``), ``round_timeout`` None for ``max(30, 10 x poll_interval)``."""
-        if compression not in _COMPRESSION:
-            raise ValueError(f"compression={compression!r}: expected 'off' or 'zstd'")
-        return cls(
-            poll_interval=poll_interval,
-            lease_timeout=lease_timeout,
-            lease_every=lease_every,
-            round_timeout=round_timeout if round_timeout is not None else max(30.0, 10 * poll_interval),
-            compression=_COMPRESSION[compression],
-            verify=verify,
-        )
+    @property
+    def payload_compression(self) -> str:
+        """The compression as payload keys name it (``""`` or ``"zstd"``)."""
+        return _COMPRESSION[self.compression]
+
+    @property
+    def round_timeout_floor(self) -> float:
+        return self.round_timeout if self.round_timeout is not None else max(30.0, 10 * self.poll_interval)
 
     @property
     def lease_interval(self) -> float:
