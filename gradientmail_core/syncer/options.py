@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .. import events as ev
 from ..clock import Clock
@@ -18,18 +18,20 @@ _COMPRESSION = {"off": "", "none": "", "": "", "zstd": "zstd"}  # user-facing na
 class NodeOptions:
     poll_interval: float = 1.0
     lease_timeout: float = 120.0
-    lease_every: float | None = None  # lease renewal interval; None: lease_timeout / 4
     # floor of the follower's no-record timeout; None: max(30, 10 x poll_interval)
     round_timeout: float | None = None
     compression: str = "off"  # of the payloads this node writes: "off" or "zstd"
+    lease_every: float | None = None  # lease renewal interval; None: lease_timeout / 4
     verify: float = 0.0  # share of the commits it follows that a node recomputes first (follower.CommitScreen)
-    callbacks: tuple[Callable[[ev.Event], None], ...] = (ev.log_events,)
-    clock: Clock | None = None  # None: the system's
-    seed: int | None = None  # of the node's draws (its nonce, the run id it creates); None: from the OS
+    # (not in the repr: a simulation's trace prints the options, and a secret is no one's to print)
+    callbacks: tuple[Callable[[ev.Event], None], ...] = field(default=(ev.log_events,), repr=False)
+    clock: Clock | None = field(default=None, repr=False)  # None: the system's
+    # of the node's draws (its nonce, the run id it creates); None: from the OS
+    seed: int | None = field(default=None, repr=False)
     # docs/security.md: a shared secret (or a file holding it), an identity, or neither
-    secret: bytes | str | None = None
-    secret_file: str | os.PathLike[str] | None = None
-    identity: str | os.PathLike[str] | None = None
+    secret: bytes | str | None = field(default=None, repr=False)
+    secret_file: str | os.PathLike[str] | None = field(default=None, repr=False)
+    identity: str | os.PathLike[str] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.poll_interval > 0 or not self.lease_timeout > self.poll_interval:
