@@ -20,9 +20,9 @@ from ..syncer.bridge import View
 from ..syncer.host import HostSetup, Progress
 from ..syncer.learner import Learner
 from ..syncer.node import Node
-from .handles import Together
 from .leading import CloserThread
 from .rank_host import LINGER, RankHost
+from .recording import Together
 
 
 class FollowRank(RankHost):

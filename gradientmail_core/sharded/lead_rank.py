@@ -5,7 +5,7 @@ learner blocks for a commit (``before_wait``), so the publish a commit waits for
 Every rank, this one too, then performs the actions on its shards (``RankHost._execute``).
 
 It is also the engine's way to the other ranks: ``record_publish`` and ``record`` (the handles of
-``handles.py``), and the node's placement (``OverRanks``): a commit's chunk refs sent down
+``recording.py``), and the node's placement (``OverRanks``): a commit's chunk refs sent down
 (``announce``), each contribution uploaded by its ranks, and the merger, built here, whose ops go
 down to the other ranks' merger threads. Its own failure goes to the other ranks as a failed
 exchange (``fail``).
@@ -35,9 +35,9 @@ from ..syncer.host import HostSetup, ProcessHost, Progress
 from ..syncer.kernel import FragmentCloser
 from ..syncer.learner import Learner
 from ..syncer.node import Node
-from .handles import RecordingIO, ShardContribution, ShardIncoming, Together, check_config
-from .rank import chunk_elements
 from .rank_host import LINGER, RankHost
+from .rank_io import chunk_elements
+from .recording import RecordingIO, ShardContribution, ShardIncoming, Together, check_config
 
 _log = logging.getLogger(__name__)
 

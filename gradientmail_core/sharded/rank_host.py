@@ -30,9 +30,9 @@ from ..protocol.store import RunStore
 from ..syncer.host import HostSetup
 from ..syncer.kernel import FragmentCloser
 from ..syncer.spool import Spool
-from .handles import ShardContribution, Together
 from .pooling import GlooRanks
-from .rank import RankIO, chunk_elements_of
+from .rank_io import RankIO, chunk_elements_of
+from .recording import ShardContribution, Together
 from .wire import Channel, Exchange, new_group
 
 _log = logging.getLogger(__name__)

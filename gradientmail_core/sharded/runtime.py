@@ -3,7 +3,7 @@ one learner id, and its engine host (``syncer/host.EngineHost``) is this rank's 
 built here (``sharded_host``), which keeps the ranks in step (``docs/sharding.md``, section 6).
 
 Rank 0 (``lead_rank.py``) runs the engine as any node does (a ``ProcessHost``: ``join_run``, the
-``Node`` thread, the ``Learner``), with ``RecordingIO`` in place of ``FragmentIO`` (``handles.py``,
+``Node`` thread, the ``Learner``), with ``RecordingIO`` in place of ``FragmentIO`` (``recording.py``,
 with the contribution and commit handles the engine holds): what its learner does to the model
 (capture fragment f for round r, write commit (f, v) with ``mixing``) is recorded, not done. The records go to every
 rank in one ``Exchange`` on the training threads, and every rank (rank 0 too) then performs them
@@ -32,8 +32,8 @@ from ..adapters.torch_sharded import ShardedParams
 from ..syncer.host import HostSetup
 from .anchors import check_place
 from .follow_rank import FollowRank
-from .handles import check_config, mesh_matches
 from .lead_rank import LeadRank
+from .recording import check_config, mesh_matches
 
 
 def sharded_host(

@@ -94,14 +94,8 @@ class Follower:
         screen: CommitScreen,
         emit: Callable[[ev.Event], None],
     ) -> None:
-        self.store, self.state, self.placement, self.bridge, self.screen, self.emit = (
-            store,
-            state,
-            placement,
-            bridge,
-            screen,
-            emit,
-        )
+        self.store, self.state, self.placement, self.bridge = store, state, placement, bridge
+        self.screen, self.emit = screen, emit
         self.merger = placement.merger
         self.stuck: str | None = None  # why the next record cannot be followed (reported once)
 

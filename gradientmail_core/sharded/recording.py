@@ -18,7 +18,7 @@ from ..codec.stream import PayloadStream
 from ..config import Adaptive, Carry, DiLoCo
 from ..errors import SessionFailed
 from ..protocol.records import PayloadRef, join_refs
-from .rank import Captured, RankIO
+from .rank_io import Captured, RankIO
 
 
 class Recorder(Protocol):
