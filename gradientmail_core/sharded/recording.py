@@ -25,7 +25,8 @@ class Recorder(Protocol):
     """What the handles need of rank 0's host (``lead_rank.LeadRank``): its rank's IO,
     and the actions it sends every rank at the next exchange."""
 
-    io: RankIO | None
+    @property
+    def io(self) -> RankIO | None: ...
 
     def record(self, action: dict[str, Any], handle: ShardContribution | None = None) -> None: ...
 

@@ -33,17 +33,15 @@ from ..syncer.host import HostSetup
 from .anchors import check_place
 from .follow_rank import FollowRank
 from .lead_rank import LeadRank
+from .rank_host import RankHost
 from .recording import check_config, mesh_matches
 
 
-def sharded_host(
-    setup: HostSetup, learner_id: str, sharded: ShardedParams, *, anchors: str | None
-) -> LeadRank | FollowRank:
+def sharded_host(setup: HostSetup, learner_id: str, sharded: ShardedParams, *, anchors: str | None) -> RankHost:
     """This rank's host: rank 0 leads, the others follow. Refuses (``ShardingUnsupported``, or
     ``ValueError`` for ``anchors``) what a sharded node does not do, before any I/O, on every rank."""
     rank, world = mesh_matches(sharded)
     check_config(setup.algorithm)
     check_place(anchors)
-    if rank == 0:
-        return LeadRank(setup, learner_id, sharded, world=world, anchors=anchors)
-    return FollowRank(setup, learner_id, sharded, rank=rank, world=world, anchors=anchors)
+    role = LeadRank if rank == 0 else FollowRank
+    return RankHost(setup, learner_id, sharded, rank=rank, world=world, anchors=anchors, role=role)
