@@ -196,3 +196,25 @@ def test_a_round_this_node_was_closing_that_another_commits_is_abandoned_and_rep
     follower.on_record(rec, None)
     assert state.collector is None and state.stats.superseded == 1
     assert [(e.round, e.by) for e in events if isinstance(e, ev.Superseded)] == [(rec.round, rec.closer)]
+
+
+# ---- composed, not stacked ----------------------------------------------------------------------
+
+
+def test_no_engine_class_inherits_from_another_engine_class() -> None:
+    """The node and the sharded hosts own their parts: a class of ``syncer/`` or ``sharded/``
+    derives from nothing but a ``Protocol`` or an exception (STYLE.md, "Compose, don't stack")."""
+    import ast
+    from pathlib import Path
+
+    import gradientmail_core
+
+    root = Path(gradientmail_core.__file__).parent
+    stacked = []
+    for path in sorted([*root.glob("syncer/*.py"), *root.glob("sharded/*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases = {ast.unparse(b) for b in node.bases}
+                if bases - {"Protocol", "Exception", "SessionFailed"}:
+                    stacked.append(f"{path.relative_to(root)}: {node.name}({', '.join(sorted(bases))})")
+    assert stacked == []
