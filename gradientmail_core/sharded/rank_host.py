@@ -1,5 +1,5 @@
 """What every rank of a sharded node holds and does, whether it leads (``lead_rank.py``: rank 0, which
-runs the engine) or follows (``follow_rank.py``: the other ranks): the node's gloo groups (the
+runs the engine) or is its peer (``peer_rank.py``: the other ranks): the node's gloo groups (the
 exchange, the up and down channels, the closer's group), its ``RankIO``, the actions every rank
 performs in the same order, the initial chunks it uploads when the node creates the run, and how
 it stops (``runtime.py`` says how it all fits).
@@ -45,7 +45,7 @@ LINGER = 10.0  # seconds a failing rank waits for its peers' threads to stop
 
 class RankRole(Protocol):
     """What a rank does as the leader (``lead_rank.LeadRank``: rank 0, which runs the engine) or a
-    follower (``follow_rank.FollowRank``), given the ``RankHost`` that holds what they share."""
+    peer (``peer_rank.PeerRank``: a rank > 0), given the ``RankHost`` that holds what they share."""
 
     @property
     def node(self) -> Node | None: ...

@@ -9,7 +9,7 @@ with the contribution and commit handles the engine holds): what its learner doe
 rank in one ``Exchange`` on the training threads, and every rank (rank 0 too) then performs them
 on its shards, in the same order, at the same step: ``RankIO.publish``/``write`` are collectives.
 Rank 0 exchanges at the end of each step, and before its learner blocks for a commit (lockstep),
-so the publish a commit waits for has gone out. The other ranks (``follow_rank.py``) run no protocol
+so the publish a commit waits for has gone out. The other ranks (``peer_rank.py``) run no protocol
 thread: in ``step`` they take part in exchanges until rank 0's step is done. What every rank does
 alike (its groups, its ``RankIO``, the actions, the initial chunks when the node creates the run
 through ``protocol/run.create_run``, stopping) is ``rank_host.py``.
@@ -31,17 +31,17 @@ from __future__ import annotations
 from ..adapters.torch_sharded import ShardedParams
 from ..syncer.host import HostSetup
 from .anchors import check_place
-from .follow_rank import FollowRank
 from .lead_rank import LeadRank
+from .peer_rank import PeerRank
 from .rank_host import RankHost
 from .recording import check_config, mesh_matches
 
 
 def sharded_host(setup: HostSetup, learner_id: str, sharded: ShardedParams, *, anchors: str | None) -> RankHost:
-    """This rank's host: rank 0 leads, the others follow. Refuses (``ShardingUnsupported``, or
+    """This rank's host: rank 0 leads, the others are its peers. Refuses (``ShardingUnsupported``, or
     ``ValueError`` for ``anchors``) what a sharded node does not do, before any I/O, on every rank."""
     rank, world = mesh_matches(sharded)
     check_config(setup.algorithm)
     check_place(anchors)
-    role = LeadRank if rank == 0 else FollowRank
+    role = LeadRank if rank == 0 else PeerRank
     return RankHost(setup, learner_id, sharded, rank=rank, world=world, anchors=anchors, role=role)

@@ -24,7 +24,7 @@ from .rank_host import LINGER, RankHost
 from .recording import Together
 
 
-class FollowRank:
+class PeerRank:
     """A rank > 0's role (``rank_host.RankRole``) over its ``RankHost``."""
 
     def __init__(self, host: RankHost) -> None:
@@ -53,7 +53,7 @@ class FollowRank:
             target=self._down_receiver, name=f"gradientmail-r{self.host.rank}-refs", daemon=True
         )
         self._receiver.start()
-        self._follow()
+        self._take_part()
 
     def _build(self, opening: Mapping[str, Any]) -> None:
         """At the opening exchange: the run rank 0 joined, read from the store, under its id."""
@@ -100,12 +100,12 @@ class FollowRank:
                 ev.BackgroundFailed(self.host.learner_id, f"rank {self.host.rank}: {type(e).__name__}: {e}")
             )
 
-    # ---- following rank 0 ---------------------------------------------------------------
+    # ---- taking part in rank 0's exchanges------------------------------------------------------------
 
     def step(self, samples: int) -> None:
-        self._follow()
+        self._take_part()
 
-    def _follow(self) -> bool:
+    def _take_part(self) -> bool:
         """Take part in exchanges until rank 0's step is done; True when it closed."""
         while True:
             t0 = time.perf_counter()
@@ -147,7 +147,7 @@ class FollowRank:
     # ---- closing ------------------------------------------------------------------------
 
     def close(self) -> None:
-        while not self._follow():
+        while not self._take_part():
             pass
         io = self.host.io
         assert io is not None
