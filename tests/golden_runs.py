@@ -394,7 +394,7 @@ def _join(case: Case, mailbox: Recording, clock: FakeClock, name: str, seed: int
 def _leave_step(m: _Member) -> None:
     """One poll's worth of ``Session.close`` for a learner done training: hand over its final
     contributions (``flush_on_close``), wait for its rounds in flight, then leave."""
-    lr, view = m.learner, m.node.view()
+    lr, view = m.learner, m.node.bridge.view
     lr.drain()
     while lr.published and lr.published[0].round <= view.head:
         lr.published.popleft()

@@ -338,25 +338,25 @@ def test_a_round_counts_as_closing_once_the_others_would_meet_the_quorum_with_us
     a, _, _, _ = c.join_all("abcd")
     a.node.state.snapshot_keys = {0: {"b"}}
     a.node._publish_view()
-    assert 0 not in a.node.view().others_published  # 1 other: with us 2, the quorum is 3
+    assert 0 not in a.node.bridge.view.others_published  # 1 other: with us 2, the quorum is 3
     a.node.state.snapshot_keys = {0: {"b", "c"}}
     a.node._publish_view()
-    assert 0 in a.node.view().others_published  # 2 others: with us, the quorum
+    assert 0 in a.node.bridge.view.others_published  # 2 others: with us, the quorum
     # The quorum is every live learner: the round waits for us, so nobody publishes early.
     c3 = Cluster(gm.DiLoCo(sync_every=8, fragments=1, quorum_size=3))
     a3, _, _ = c3.join_all("abc")
     a3.node.state.snapshot_keys = {0: {"b", "c"}}
     a3.node._publish_view()
-    assert 0 not in a3.node.view().others_published
+    assert 0 not in a3.node.bridge.view.others_published
     # quorum 1: one other is enough (never zero)
     c1 = Cluster(gm.DiLoCo(sync_every=8, fragments=1, quorum_size=1))
     a1, _ = c1.join_all("ab")
     a1.node.state.snapshot_keys = {0: set()}
     a1.node._publish_view()
-    assert 0 not in a1.node.view().others_published
+    assert 0 not in a1.node.bridge.view.others_published
     a1.node.state.snapshot_keys = {0: {"b"}}
     a1.node._publish_view()
-    assert 0 in a1.node.view().others_published
+    assert 0 in a1.node.bridge.view.others_published
 
 
 def test_a_laggard_in_an_all_learner_quorum_contributes_its_full_steps() -> None:
@@ -433,7 +433,7 @@ def test_wait_for_counts_a_learner_that_was_live_at_one_listing_only() -> None:
         c.close(b)
         a.node.state.list_leases(a.node.store)  # and gone at the next listing
         a.node._publish_view()
-        assert a.node.view().live == 1
+        assert a.node.bridge.view.live == 1
 
     s = _session_over(c, a, b_comes_and_goes)
     s.wait_for(learners=2, timeout=10.0)
@@ -452,7 +452,7 @@ def test_wait_for_counts_a_learner_seen_only_by_its_contribution() -> None:
         b.node.tick()  # uploads its snapshot
         c.close(b)
         a.node.tick()  # the lease listing is not due: only the snapshot shows b
-        assert a.node.view().live == 1
+        assert a.node.bridge.view.live == 1
 
     s = _session_over(c, a, b_contributes_between_two_lease_listings)
     s.wait_for(learners=2, timeout=10.0)

@@ -256,7 +256,7 @@ def test_a_syncer_closes_every_round_and_is_not_counted_as_a_learner():
         a.node.state.liveness.live() == {"a", "b"} and s.node is not None and s.node.state.liveness.live() == {"a", "b"}
     )
     assert a.node.state.liveness.closers() == {"s"} and s.node.state.liveness.closers() == {"s"}
-    assert a.node.view().live == 2
+    assert a.node.bridge.view.live == 2
     c.run(80)
     c.settle()
     for m in (a, b):

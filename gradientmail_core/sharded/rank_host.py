@@ -100,7 +100,7 @@ class RankHost:
         self.exchange: Exchange | None = None
         self.up: Channel | None = None
         self.down: Channel | None = None
-        self.closing: Any = None  # the gloo group of the closer's ops (``pooling.GlooRanks``)
+        self.merge_group: Any = None  # the gloo group of the merger's ops (``pooling.GlooRanks``)
         self.ranker: FragmentCloser | None = None  # this rank's part of closing rounds
         self.io: RankIO | None = None
         self.steps = 0
@@ -131,7 +131,7 @@ class RankHost:
         if self.exchange is not None:
             return
         # Collective, in the same order on every rank: the groups of the exchange and the channels.
-        self.exchange, self.up, self.down, self.closing = (
+        self.exchange, self.up, self.down, self.merge_group = (
             Exchange(new_group(), self.rank, self.world),
             Channel(new_group()),
             Channel(new_group()),
@@ -205,7 +205,7 @@ class RankHost:
                 self.down_ch.send(r, {"close": message})
 
         stopping = self.io.stopping if self.io is not None else None
-        ranks = GlooRanks(self.closing, self.rank, self.world, send if relay else None, stopping)
+        ranks = GlooRanks(self.merge_group, self.rank, self.world, send if relay else None, stopping)
         return FragmentCloser(run, store, ranks, self.sharded.layout, spool=Spool(), keep_theta=False)
 
     def execute(self, actions: Sequence[Mapping[str, Any]], handles: Sequence[ShardContribution | None]) -> None:
@@ -315,8 +315,8 @@ class RankHost:
         self.collectives = exchange.calls
         if any(t is not None and t.is_alive() for t in self.role.threads()):
             return  # a thread of ours is still in a group (a peer is gone): leave them to the exit
-        groups = (exchange.group, *(c.group for c in (self.up, self.down) if c is not None), self.closing)
-        self.exchange, self.up, self.down, self.closing = None, None, None, None
+        groups = (exchange.group, *(c.group for c in (self.up, self.down) if c is not None), self.merge_group)
+        self.exchange, self.up, self.down, self.merge_group = None, None, None, None
         for g in groups:
             if g is not None:
                 try:

@@ -247,7 +247,3 @@ class Node:
         view = View(s.head, others, live, s.rounds_seen, closer_of, sightings=dict(s.sightings), listing=s.listing)
         with self.bridge.lock:
             self.bridge.view = view
-
-    def view(self) -> View:
-        with self.bridge.lock:
-            return self.bridge.view
