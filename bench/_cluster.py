@@ -7,6 +7,7 @@ same run, byte for byte, whatever else the machine is doing.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,9 +15,10 @@ from typing import Any
 import gradientmail_core as gm
 from gradientmail_core.adapters import adapter_for
 from gradientmail_core.protocol.store import RunStore
-from gradientmail_core.syncer.join import join_run
+from gradientmail_core.syncer.host import join_run
 from gradientmail_core.syncer.learner import Learner
-from gradientmail_core.syncer.node import Node, NodeOptions
+from gradientmail_core.syncer.node import Node
+from gradientmail_core.syncer.options import NodeOptions
 
 
 @dataclass
@@ -50,7 +52,7 @@ def join(
 ) -> Member:
     """Join ``model`` (anything ``adapter_for`` accepts) to the run in ``mailbox`` as ``name``."""
     opts = options or NodeOptions(poll_interval=1.0, lease_timeout=120.0, round_timeout=60.0)
-    opts = NodeOptions(opts.poll_interval, opts.lease_timeout, opts.round_timeout, compression)
+    opts = dataclasses.replace(opts, compression=compression)
     counting = gm.CountingMailbox(mailbox)
     store = RunStore(counting)
     events: list = []
@@ -73,4 +75,4 @@ def join(
 def see_each_other(members: list[Member]) -> None:
     """Let every node list every lease (what ``session.wait_for`` waits for)."""
     for m in members:
-        m.node._list_leases()
+        m.node.state.list_leases(m.node.store)

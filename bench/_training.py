@@ -164,7 +164,7 @@ def cluster(
     steps = [0] * LEARNERS
 
     def committed_loss() -> float:
-        for _, theta in members[0].node.thetas.values():
+        for _, theta in members[0].node.state.thetas.values():
             eval_adapter.write(theta)
         return charlm.evaluate(evaluator, data.heldout)
 
@@ -214,9 +214,9 @@ def cluster(
         curve.add(lead, t, committed_loss())
     rejected: dict[str, int] = {}
     for m in members:
-        for k, v in m.node.stats.rejected.items():
+        for k, v in m.node.state.stats.rejected.items():
             rejected[k] = rejected.get(k, 0) + v
-    curve.info.update(rounds=members[0].node.head + 1, rejected=rejected, time=t)
+    curve.info.update(rounds=members[0].node.state.head + 1, rejected=rejected, time=t)
     return curve
 
 

@@ -47,7 +47,7 @@ import gradientmail_core as gm  # noqa: E402
 from gradientmail_core.mailbox.contract import Chunk, Mailbox, close_stream  # noqa: E402
 from gradientmail_core.mailbox.forwarding import ForwardingMailbox  # noqa: E402
 from gradientmail_core.protocol import keys  # noqa: E402
-from gradientmail_core.syncer.node import NodeOptions  # noqa: E402
+from gradientmail_core.syncer.options import NodeOptions  # noqa: E402
 
 LIST_PAGE = 1000  # keys per page of a ListObjectsV2 answer (S3, R2): each page is a billed request
 KINDS = ("LIST", "LIST pages", "GET", "PUT", "DELETE")
@@ -228,7 +228,7 @@ class Fleet:
             self.links.append(link)
             self.params.append(model)
         for m in self.members:
-            m.node._list_leases()
+            m.node.state.list_leases(m.node.store)
         for i in range(n):
             phase = (i / n) * 0.01  # a node's steps and polls are not all at the same instant
             self._push(phase, i, "step")
@@ -298,8 +298,8 @@ def measure(n: int, rounds: int, *, warmup: int = 2, **kw: float | int | None) -
     start = len(fleet.committed)
     fleet.run_until(start + rounds)
     done = sorted(fleet.committed)[start:]
-    closers = [i for i, m in enumerate(fleet.members) if m.node.stats.committed]
-    closer = max(closers, key=lambda i: fleet.members[i].node.stats.committed)
+    closers = [i for i, m in enumerate(fleet.members) if m.node.state.stats.committed]
+    closer = max(closers, key=lambda i: fleet.members[i].node.state.stats.committed)
     if closer != fleet.watch_memory:
         print(f"  note: node {closer} closed most rounds, memory was watched on node {fleet.watch_memory}")
 
@@ -336,7 +336,7 @@ def takeover(n: int, **kw: float | int | None) -> dict:
     leases listed), and how long it took in simulated seconds."""
     fleet = Fleet(n, keep_events=True, **kw)  # type: ignore[arg-type]
     fleet.run_until(2)
-    closer = max(range(n), key=lambda i: fleet.members[i].node.stats.committed)
+    closer = max(range(n), key=lambda i: fleet.members[i].node.state.stats.committed)
     fleet.dead.add(closer)
     fleet.reset()
     t0, start = fleet.T, len(fleet.committed)

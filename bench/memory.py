@@ -161,7 +161,7 @@ def worker(args: argparse.Namespace) -> None:
     session.close()
     end = peak.read()
     assert session.node is not None
-    stats = session.node.stats
+    stats = session.node.state.stats
     windows["steady"] = end
     windows["rounds"] = end if steady is None else {k: max(v, end.get(k, 0)) for k, v in steady.items()}
     print(

@@ -25,7 +25,8 @@ from gradientmail_core.protocol.run import open_run
 from gradientmail_core.protocol.store import RunStore
 from gradientmail_core.syncer.bridge import Bridge
 from gradientmail_core.syncer.learner import Learner
-from gradientmail_core.syncer.node import Node, NodeOptions
+from gradientmail_core.syncer.node import Node
+from gradientmail_core.syncer.options import NodeOptions
 
 PRICE_PUT_LIST = 0.005 / 1000  # AWS S3 Standard, USD per request
 PRICE_GET = 0.0004 / 1000
@@ -53,10 +54,10 @@ def measure(n_nodes: int, rounds: int, *, fragments: int = 4, quorum: int = 3, p
         )
         thetas = node.join(created=created)
         learner = Learner(adapter, run, bridge, clock, learner=f"n{i}", emit=lambda e: None)
-        learner.start(node.head, thetas, {f: v for f, (v, _) in node.thetas.items()})
+        learner.start(node.state.head, thetas, {f: v for f, (v, _) in node.state.thetas.items()})
         members.append((params, counting, node, learner))
     for _, _, node, _ in members:
-        node._list_leases()
+        node.state.list_leases(node.store)
     for _, counting, _, _ in members:
         counting.reset()
     start_head = members[0][2].head

@@ -161,7 +161,7 @@ def worker(args: argparse.Namespace) -> None:
             largest=io.meter.peak,
             op_peak=io.meter.op_peak,
             rounds=session.rounds_seen,
-            closed=session.node.stats.committed if session.node is not None else None,
+            closed=session.node.state.stats.committed if session.node is not None else None,
             exchanges_per_step=(rt.exchange.calls if rt.exchange else rt.collectives) / max(rt.steps, 1),
         )
     # One file per rank: the ranks' prints could interleave on the shared stdout.

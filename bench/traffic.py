@@ -166,17 +166,17 @@ def measure(
     for m, k in zip(members, kinds, strict=True):
         m.counting.reset()
         k.reset()
-    head0 = members[0].node.head
+    head0 = members[0].node.state.head
     steps = cycles * H
     run(steps)
     settle()
-    rounds = members[0].node.head - head0
+    rounds = members[0].node.state.head - head0
     model_bytes = 4 * sum(p.size for p in members[0].model.values())
     dp = 2 * (n_nodes - 1) / n_nodes * model_bytes  # per worker per step, each direction
     nodes = [
         {
             "name": m.name,
-            "committed": m.node.stats.committed,
+            "committed": m.node.state.stats.committed,
             "up": m.counting.bytes_up / steps,
             "down": m.counting.bytes_down / steps,
             "up_kinds": {kd: v / steps for kd, v in k.up.items()},

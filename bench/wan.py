@@ -137,7 +137,7 @@ def run_node(
                 out.commits.append(time.monotonic())
                 out.marks.append(link.counters())
         assert session.node is not None
-        out.role = "closer" if session.node.stats.committed else "follower"
+        out.role = "closer" if session.node.state.stats.committed else "follower"
     except Exception as e:  # reported in the table, the other configuration still runs
         out.error = f"{type(e).__name__}: {e}"
     finally:

@@ -2,7 +2,7 @@
 
 The session checks its arguments and keeps the user's view (``progress``, ``batch_size``); the
 engine runs in its host (``syncer/host.EngineHost``), chosen once, here, from the model: one
-process (``syncer/process_host.ProcessHost``) or one rank of a sharded node
+process (``syncer/host.ProcessHost``) or one rank of a sharded node
 (``sharded/runtime.sharded_host``).
 """
 
@@ -31,9 +31,8 @@ from .protocol.guard import GuardedMailbox
 from .protocol.members import MemberAuth, node_policy
 from .protocol.store import RunStore
 from .protocol.tape import load_newest
-from .syncer.host import EngineHost, HostSetup, Progress
-from .syncer.node import NodeOptions
-from .syncer.process_host import ProcessHost
+from .syncer.host import EngineHost, HostSetup, ProcessHost, Progress
+from .syncer.options import NodeOptions
 
 if TYPE_CHECKING:
     from .adapters.torch_sharded import ShardedParams
@@ -41,6 +40,8 @@ if TYPE_CHECKING:
     from .syncer.node import Node
 
 __all__ = ["Progress", "Session", "align", "default_learner_id"]
+
+_DEFAULT = NodeOptions()  # (the keywords' defaults are the options')
 
 
 def default_learner_id() -> str:
@@ -57,13 +58,13 @@ class Session:
         mailbox: Mailbox,
         learner_id: str | None = None,
         role: str | None = None,
-        poll_interval: float = 1.0,
-        lease_timeout: float = 120.0,
+        poll_interval: float = _DEFAULT.poll_interval,
+        lease_timeout: float = _DEFAULT.lease_timeout,
         lease_every: float | None = None,
         round_timeout: float | None = None,
         close_timeout: float | None = None,
-        compression: str = "off",
-        callbacks: Sequence[Callable[[ev.Event], None]] = (ev.log_events,),
+        compression: str = _DEFAULT.compression,
+        callbacks: Sequence[Callable[[ev.Event], None]] = _DEFAULT.callbacks,
         clock: Clock | None = None,
         seed: int | None = None,
         secret: bytes | str | None = None,
@@ -82,16 +83,22 @@ class Session:
                 f"role={role!r}: expected 'both' (train and close rounds) or 'learner' (train only); "
                 "a node that only closes rounds is gm.Syncer (`gradientmail syncer URL --id NAME`)"
             )
-        self.options = NodeOptions.from_user(
+        o = self.options = NodeOptions(
             poll_interval=poll_interval,
             lease_timeout=lease_timeout,
             lease_every=lease_every,
             round_timeout=round_timeout,
             compression=compression,
             verify=verify,
+            callbacks=tuple(callbacks),
+            clock=clock,
+            seed=seed,
+            secret=secret,
+            secret_file=secret_file,
+            identity=identity,
         )
         # docs/security.md: shared secret, identities, or neither; validated before any I/O
-        self.auth, self.identity = node_policy(secret, secret_file, identity, owner_key)
+        self.auth, self.identity = node_policy(o.secret, o.secret_file, o.identity, owner_key)
         if self.identity is not None:
             me = self.identity.learner_id(me)
         self.model = model
@@ -101,12 +108,10 @@ class Session:
         # role None: "both" (train and close rounds); a sharded node closes with every rank its part
         self.role = role if role is not None else "both"
         self.mailbox = mailbox
-        self.clock = clock or SystemClock()
-        self.callbacks = list(callbacks)
-        self.close_timeout = (
-            close_timeout if close_timeout is not None else lease_timeout + 2 * self.options.round_timeout
-        )
-        rng = random.Random(seed if seed is not None else int.from_bytes(os.urandom(8), "big"))
+        self.clock = o.clock or SystemClock()
+        self.callbacks = list(o.callbacks)
+        self.close_timeout = close_timeout if close_timeout is not None else o.lease_timeout + 2 * o.round_timeout_floor
+        rng = random.Random(o.seed if o.seed is not None else int.from_bytes(os.urandom(8), "big"))
         self.nonce = f"{rng.getrandbits(64):016x}"
         # Where a sharded node's ranks keep their anchors ("device", "host", "disk"; None: "host"
         # on an accelerator, else "device"): sharded/anchors.py. A plain node keeps them as before.

@@ -19,7 +19,7 @@ from gradientmail_core.adapters.base import NumpyAdapter
 from gradientmail_core.clock import FakeClock
 from gradientmail_core.errors import MailboxUnavailable
 from gradientmail_core.protocol.store import RunStore
-from gradientmail_core.syncer.join import join_run
+from gradientmail_core.syncer.host import join_run
 
 from .checks import Checks
 from .faults import InjectedCrash

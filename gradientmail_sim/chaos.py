@@ -60,7 +60,9 @@ class Chaos(NodeActions):
             if not others:
                 return
             r = keys.parse_round_key(key) if contested else None
-            rivals = [o for o in others if o.node is not None and o.node.collector and o.node.collector.round == r]
+            rivals = [
+                o for o in others if o.node is not None and o.node.state.collector and o.node.state.collector.round == r
+            ]
             other = self.rng.choice(rivals or others)  # a rival closer of the same round, if any
             self._trace(f"{self.T:.6f} {name} {op} {key} is slow: {other.name} acts meanwhile")
             self.stats["preemptions"] += 1

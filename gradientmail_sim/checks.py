@@ -66,7 +66,7 @@ class Checks(SimState):
         # The observer's newest complete listing of leases/ (a paginated one that failed midway
         # does not count): made during this tick if its listed_at moved since the last tick.
         stored = self.lease_listed.get(observer.name)
-        la = observer.node.liveness.listed_at
+        la = observer.node.state.liveness.listed_at
         listed = self.auditor.lease_listing.get(observer.name, 0) if stored is None or stored[0] != la else stored[1]
         history = [h for h in self.lease_writes.get(learner, []) if h[0] < listed]
         if not history or history[-1][1] is None:
@@ -90,7 +90,7 @@ class Checks(SimState):
         """Remember when (in store operations) the node's liveness view last listed leases/
         completely: its listed_at moved during this tick, so its last listing completed."""
         if sn.node is not None:
-            la = sn.node.liveness.listed_at
+            la = sn.node.state.liveness.listed_at
             if self.lease_listed.get(sn.name, (None, 0))[0] != la:
                 self.lease_listed[sn.name] = (la, self.auditor.lease_listing.get(sn.name, 0))
 

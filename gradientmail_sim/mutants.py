@@ -22,7 +22,11 @@ from gradientmail_core.mailbox import CreateOutcome
 from gradientmail_core.protocol import keys, store
 from gradientmail_core.protocol.lease import LeaseWriter
 from gradientmail_core.protocol.records import Lease
-from gradientmail_core.syncer import collector, merger, node, passes, replay  # noqa: F401
+from gradientmail_core.syncer import collector, merger, passes, replay  # noqa: F401
+from gradientmail_core.syncer.closing import Closing
+from gradientmail_core.syncer.election import Election
+from gradientmail_core.syncer.gc import GarbageCollector
+from gradientmail_core.syncer.state import NodeState
 
 
 @contextlib.contextmanager
@@ -70,49 +74,49 @@ def accept_stale() -> contextlib.AbstractContextManager[None]:
 def sweep_newest() -> contextlib.AbstractContextManager[None]:
     """Garbage collection keeps one round too few: it deletes the payloads of round r-P+1, the
     newest commit of the next fragment (with P=1, of the round it just committed)."""
-    orig = node.Node._collect_garbage
+    orig = GarbageCollector.collect
 
-    def collect(self: node.Node, r: int) -> None:
+    def collect(self: GarbageCollector, r: int) -> None:
         orig(self, r)
-        cutoff = r - self.run.P + 1
+        cutoff = r - self.state.run.P + 1
         if cutoff >= 0:
             doomed = self.store.keys(keys.round_blobs_prefix(cutoff))
             if doomed:
                 self.store.delete(doomed)
 
-    return _patched((node.Node, "_collect_garbage", collect))
+    return _patched((GarbageCollector, "collect", collect))
 
 
 def no_claim_next() -> contextlib.AbstractContextManager[None]:
     """The closer does not claim the next round after committing: every round then waits until
     someone takes it over as unclaimed."""
-    orig = node.Node._try_claim
+    orig = Election.try_claim
 
-    def try_claim(self: node.Node, r: int, n: int, *, previous: str | None, reason: str | None) -> None:
+    def try_claim(self: Election, r: int, n: int, *, previous: str | None, reason: str | None) -> bool:
         if r > 0 and previous is None and reason is None:
-            return
-        orig(self, r, n, previous=previous, reason=reason)
+            return False
+        return orig(self, r, n, previous=previous, reason=reason)
 
-    return _patched((node.Node, "_try_claim", try_claim))
+    return _patched((Election, "try_claim", try_claim))
 
 
 def remote_clock_lease() -> contextlib.AbstractContextManager[None]:
     """Liveness judged on the lease writer's clock: each lease carries its writer's clock reading
     and observers compare it with their own clock (SPEC 3.6 forbids this)."""
     orig_renew = LeaseWriter.renew
-    orig_list = node.Node._list_leases
+    orig_list = NodeState.list_leases
 
     def renew(self: LeaseWriter, *, local_step: int, tokens: int, force: bool = False) -> None:
         orig_renew(self, local_step=max(int(self.clock.now() * 1000), 0), tokens=tokens, force=force)
 
-    def list_leases(self: node.Node) -> None:
-        orig_list(self)
+    def list_leases(self: NodeState, store: Any) -> None:
+        orig_list(self, store)
         for seen in self.liveness.seen.values():
-            lease = self.store.try_record(seen.key, Lease)
+            lease = store.try_record(seen.key, Lease)
             if lease is not None:
                 seen.changed_at = lease.local_step / 1000
 
-    return _patched((LeaseWriter, "renew", renew), (node.Node, "_list_leases", list_leases))
+    return _patched((LeaseWriter, "renew", renew), (NodeState, "list_leases", list_leases))
 
 
 def skip_sha_check() -> contextlib.AbstractContextManager[None]:
@@ -175,9 +179,9 @@ def count_twice() -> contextlib.AbstractContextManager[None]:
 def stale_view_is_fatal() -> contextlib.AbstractContextManager[None]:
     """The bug fixed in 0461177: a node that becomes closer on a stale view (paused after its
     listing while the run committed and collected 2P rounds) dies on the missing parameters."""
-    orig = node.Node._fragment_state
+    orig = Closing.fragment_state
 
-    def fragment_state(self: node.Node, f: int) -> Any:
+    def fragment_state(self: Closing, f: int) -> Any:
         try:
             return orig(self, f)
         except MailboxUnavailable as e:
@@ -185,23 +189,23 @@ def stale_view_is_fatal() -> contextlib.AbstractContextManager[None]:
                 raise ProtocolError(str(e)) from e
             raise
 
-    return _patched((node.Node, "_fragment_state", fragment_state))
+    return _patched((Closing, "fragment_state", fragment_state))
 
 
 def gc_forgets_checkpoints() -> contextlib.AbstractContextManager[None]:
     """Garbage collection treats every record as a checkpoint: between checkpoints it deletes the
     contributions (and, 2P rounds on, the changes and the checkpoint) a recovery replays."""
 
-    def checkpoint_rounds(self: node.Node) -> list[int]:
-        return [rec.round if (rec := self.newest.get(f)) else -1 for f in range(self.run.P)]
+    def checkpoint_rounds(self: GarbageCollector) -> list[int]:
+        return [rec.round if (rec := self.state.newest.get(f)) else -1 for f in range(self.state.run.P)]
 
-    return _patched((node.Node, "_checkpoint_rounds", checkpoint_rounds))
+    return _patched((GarbageCollector, "_checkpoint_rounds", checkpoint_rounds))
 
 
 def gc_ignores_window() -> contextlib.AbstractContextManager[None]:
     """Garbage collection keeps no verify window: after each commit it deletes the contributions,
     snapshot records and states the newest rounds' verification needs, as with ``verify_window=0``."""
-    return _patched((node.Node, "_window", lambda self, r: (r + 1, r + 1, r + 1)))
+    return _patched((GarbageCollector, "_window", lambda self, r: (r + 1, r + 1, r + 1)))
 
 
 def replay_skips_contribution() -> contextlib.AbstractContextManager[None]:

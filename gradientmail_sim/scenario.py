@@ -19,7 +19,7 @@ import numpy as np
 
 from gradientmail_core.config import RDA, DiLoCo, WeightedMean
 from gradientmail_core.protocol import keys
-from gradientmail_core.syncer.node import NodeOptions
+from gradientmail_core.syncer.options import NodeOptions
 
 from .faults import Op
 
@@ -187,7 +187,7 @@ def draw_scenario(r: random.Random, nodes: int | None, fleet: bool = False) -> _
         # seed keeps its draws.
         verify_window=(0, 3, 8)[(n + P + in_flight) % 3],
     )
-    opts = NodeOptions(poll_interval=0.5, lease_timeout=3.0, round_timeout=2.0)
+    opts = NodeOptions(poll_interval=0.5, lease_timeout=3.0, round_timeout=2.0, compression="")
     faults = [r.uniform(0.0, 0.04), r.uniform(0.0, 0.03), r.uniform(0.0, 0.05), r.uniform(0.0, 0.1)]
     faults += [r.uniform(0.0, 0.08), r.uniform(2.5, 6.0), r.uniform(0.0, 0.03), r.uniform(0.05, 0.5)]
     faults += [r.uniform(0.0, 0.0015), r.uniform(0.0, 0.06)]

@@ -151,7 +151,7 @@ class Simulation(Chaos):
         o, cfg = self.draw.options, self.draw.cfg
         slowest = max(sn.step_period for sn in self.nodes.values()) / min(sn.drift for sn in self.nodes.values())
         gap = -(-cfg.sync_every // cfg.fragments)
-        return 4 * (gap + 1) * slowest + 2 * o.round_timeout + o.lease_timeout + 8 * o.poll_interval
+        return 4 * (gap + 1) * slowest + 2 * o.round_timeout_floor + o.lease_timeout + 8 * o.poll_interval
 
     def _enter_quiet(self) -> None:
         self.phase = "quiet"
@@ -168,7 +168,7 @@ class Simulation(Chaos):
         if not any(sn.state in ("up", "down") for sn in self.nodes.values()):
             self._schedule_start(next(iter(self.nodes.values())), 0.05)
         o = self.draw.options
-        settle = 3 * o.lease_timeout + 3 * o.round_timeout + 2.0
+        settle = 3 * o.lease_timeout + 3 * o.round_timeout_floor + 2.0
         self.steady_from = self.T + settle
         self.deadline = self.steady_from + self._round_bound()
 
@@ -177,7 +177,7 @@ class Simulation(Chaos):
         self._trace(f"{self.T:.6f} final")
         self.final_from = self.T
         o = self.draw.options
-        self.deadline = self.T + 4 * o.lease_timeout + 4 * o.round_timeout + 10.0
+        self.deadline = self.T + 4 * o.lease_timeout + 4 * o.round_timeout_floor + 10.0
 
     def _settled(self) -> bool:
         # A few polls after the last commit (rounds still in flight may land), every node must
@@ -187,7 +187,7 @@ class Simulation(Chaos):
             return False
         head = self.auditor.head
         return all(
-            sn.node is not None and sn.node.head == head and not sn.node.bridge.outbox
+            sn.node is not None and sn.node.state.head == head and not sn.node.bridge.outbox
             for sn in self.nodes.values()
             if sn.state == "up"
         )

@@ -76,7 +76,7 @@ T_MEMORY = (
 # fmt: off
 MUTATIONS: list[Mutation] = [
     # 1. What a sharded node uploads (every node ends on the newest commit, whatever it uploaded)
-    M("sharded-delta-scaled-at-publish", "gradientmail_core/sharded/rank.py",
+    M("sharded-delta-scaled-at-publish", "gradientmail_core/sharded/rank_io.py",
       "            d.sub_(local)  # float32(anchor)",
       "            d.sub_(local).mul_(1.5)  # float32(anchor)",
       (f"{T_SESSION}::test_a_two_rank_fsdp2_node_and_a_plain_node_train_in_lockstep_and_end_bit_identical",),
@@ -93,7 +93,7 @@ MUTATIONS: list[Mutation] = [
       "                data = v.detach().contiguous().to(torch.bfloat16).to(v.dtype)\n",
       (f"{T_CLOSER}::test_anchors_on_the_device_in_host_memory_or_on_disk_upload_and_commit_the_same_bytes",),
       "finding 2: anchors written to disk lose bits; the disk run must upload the device run's bytes"),
-    M("host-and-disk-anchors-read-off-at-publish", "gradientmail_core/sharded/rank.py",
+    M("host-and-disk-anchors-read-off-at-publish", "gradientmail_core/sharded/rank_io.py",
       "            self.anchors.load_into(f, n, d, op)\n",
       "            self.anchors.load_into(f, n, d, op)\n"
       '            if self.anchors.place != "device":\n'
@@ -101,13 +101,13 @@ MUTATIONS: list[Mutation] = [
       (f"{T_CLOSER}::test_anchors_on_the_device_in_host_memory_or_on_disk_upload_and_commit_the_same_bytes",),
       "finding 2: anchors off the device read wrong at publish only; close still loads the newest commit"),
     # 3. The memory bound, measured by the OS (the Meter counts only what the code reports to it)
-    M("full-fragment-gathered-at-publish", "gradientmail_core/sharded/rank.py",
+    M("full-fragment-gathered-at-publish", "gradientmail_core/sharded/rank_io.py",
       "        names = self.run.fragments[f]\n        op = Meter()\n        delta = {}\n",
       "        names = self.run.fragments[f]\n        op = Meter()\n        delta = {}\n"
       "        _whole = [self.sharded.params[n].full_tensor() for n in names]\n",
       (T_MEMORY,),
       "finding 3: every rank holds full_tensor() of the whole fragment during a publish, unmetered"),
-    M("full-fragment-gathered-at-commit", "gradientmail_core/sharded/rank.py",
+    M("full-fragment-gathered-at-commit", "gradientmail_core/sharded/rank_io.py",
       "        owned, op = got\n        names = self.run.fragments[f]\n",
       "        owned, op = got\n        names = self.run.fragments[f]\n"
       "        _whole = [self.sharded.params[n].full_tensor() for n in names]\n",
@@ -264,7 +264,7 @@ MUTATIONS: list[Mutation] = [
       "if p.steps <= 0:",
       (f"{T_VERIFY}test_inputs_that_contradict_their_record_are_a_mismatch",),
       "a closer may weigh a participant as it likes: the recomputation uses the recorded weights", quick=True),
-    M("follower-keeps-following-a-forger", "gradientmail_core/syncer/verifying.py",
+    M("follower-keeps-following-a-forger", "gradientmail_core/syncer/follower.py",
       "        self.distrusted[rec.closer] = rec.round\n",
       "",
       (f"{T_VERIFY}test_a_follower_with_verify_never_applies_a_forged_commit_and_reports_it_in_its_round",),
@@ -332,12 +332,12 @@ MUTATIONS: list[Mutation] = [
       "issue 27: judgements past the K-th accepted are merged (more than K contributions read and merged)",
       quick=True),
     M("fleet-follower-lists-the-open-rounds", "gradientmail_core/syncer/node.py",
-      "round_keys = self.store.keys(keys.ROUNDS, after=keys.round_key(self.head))",
-      "round_keys = [k for k in self.store.keys('', after=keys.round_key(self.head)) if k.startswith(keys.ROUNDS)]",
+      "round_keys = self.store.keys(keys.ROUNDS, after=keys.round_key(s.head))",
+      "round_keys = [k for k in self.store.keys('', after=keys.round_key(s.head)) if k.startswith(keys.ROUNDS)]",
       ("tests/test_max_contributions.py::test_the_closer_reads_only_the_drawn_contributions_and_followers_list_neither_leases_nor_snapshots",),
       "issue 27: a fleet follower's poll returns every snapshot name (its bytes grow with the fleet)", quick=True),
     M("fleet-follower-times-out-idle", "gradientmail_core/syncer/election.py",
-      "if fo.timer_from is None and self.contributed >= r:",
+      "if fo.timer_from is None and s.contributed >= r:",
       "if fo.timer_from is None:",
       ("tests/test_max_contributions.py::test_a_stalled_closer_is_taken_over_by_timeout_counted_from_the_followers_own_contribution",),
       "issue 27: an idle fleet's followers take the round over one after another", quick=True),

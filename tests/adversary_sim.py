@@ -27,7 +27,8 @@ from gradientmail_core.protocol.run import max_payload_bytes, open_run
 from gradientmail_core.protocol.store import RunStore
 from gradientmail_core.syncer.bridge import Bridge
 from gradientmail_core.syncer.learner import Learner
-from gradientmail_core.syncer.node import Node, NodeOptions
+from gradientmail_core.syncer.node import Node
+from gradientmail_core.syncer.options import NodeOptions
 
 
 class PoisonAdapter(NumpyAdapter):
@@ -99,7 +100,7 @@ class SimRun:
                     options=self.options, bridge=bridge)  # fmt: skip
         thetas = node.join(created=created)
         learner = Learner(adapter, run, bridge, self.clock, learner=name, emit=events.append)
-        learner.start(node.head, thetas, {f: v for f, (v, _) in node.thetas.items()})
+        learner.start(node.state.head, thetas, {f: v for f, (v, _) in node.state.thetas.items()})
         m = Member(name, params, node, learner, events, store)
         self.members[name] = m
         return m
@@ -107,7 +108,7 @@ class SimRun:
     def see_each_other(self) -> None:
         """What ``session.wait_for`` ensures: every node has listed every lease."""
         for m in self.members.values():
-            m.node._list_leases()
+            m.node.state.list_leases(m.node.store)
 
     def tick_all(self) -> None:
         for m in self.members.values():
@@ -136,7 +137,7 @@ class SimRun:
             if between is not None:
                 between()
             self.tick_all()
-        heads = {m.name: (m.learner.aligned, m.node.stuck) for m in self.members.values()}
+        heads = {m.name: (m.learner.aligned, m.node.follower.stuck) for m in self.members.values()}
         raise AssertionError(f"round {round_} did not reach every learner: {heads}")
 
     def close(self) -> None:

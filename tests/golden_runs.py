@@ -61,9 +61,10 @@ from gradientmail_core.protocol import keys
 from gradientmail_core.protocol.records import RoundRecord, Snapshot, TensorSpec, canonical_json, decode
 from gradientmail_core.protocol.run import RunInfo
 from gradientmail_core.protocol.store import RunStore
-from gradientmail_core.syncer.join import join_run
+from gradientmail_core.syncer.host import join_run
 from gradientmail_core.syncer.learner import Learner
-from gradientmail_core.syncer.node import Node, NodeOptions
+from gradientmail_core.syncer.node import Node
+from gradientmail_core.syncer.options import NodeOptions
 
 RUNS = Path(__file__).parent / "golden" / "runs"
 F32 = np.float32
@@ -393,7 +394,7 @@ def _join(case: Case, mailbox: Recording, clock: FakeClock, name: str, seed: int
 def _leave_step(m: _Member) -> None:
     """One poll's worth of ``Session.close`` for a learner done training: hand over its final
     contributions (``flush_on_close``), wait for its rounds in flight, then leave."""
-    lr, view = m.learner, m.node.view()
+    lr, view = m.learner, m.node.bridge.view
     lr.drain()
     while lr.published and lr.published[0].round <= view.head:
         lr.published.popleft()
@@ -427,7 +428,9 @@ def run_case(case: Case) -> Outcome:
     mailbox, clock = Recording(MemoryMailbox()), FakeClock()
     members = [_join(case, mailbox, clock, name, seed) for seed, name in enumerate(case.learners)]
     for m in members:
-        m.node._list_leases()  # every node sees every lease before the first step (``Session.wait_for``)
+        m.node.state.list_leases(
+            m.node.store
+        )  # every node sees every lease before the first step (``Session.wait_for``)
     for _ in range(MAX_ITERATIONS):
         live = [m for m in members if m.alive]
         if not live:

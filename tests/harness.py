@@ -11,6 +11,7 @@ everywhere); that each commit is the right one does not."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 
@@ -27,7 +28,8 @@ from gradientmail_core.protocol.store import RunStore
 from gradientmail_core.protocol.tape import fetch_theta
 from gradientmail_core.syncer.bridge import Bridge
 from gradientmail_core.syncer.learner import Learner
-from gradientmail_core.syncer.node import Node, NodeOptions
+from gradientmail_core.syncer.node import Node
+from gradientmail_core.syncer.options import NodeOptions
 from gradientmail_sim.audit import AuditMailbox, Auditor
 
 SHAPES = {"embed.weight": (6, 4), "layers.0.w": (4, 4), "layers.1.w": (4, 4), "head.b": (4,)}
@@ -140,9 +142,7 @@ class Cluster:
         run, created = open_run(
             store, adapter.schema(), adapter.read, self.cfg, learner=name, compression=comp, rng=random.Random(seed)
         )
-        opts = NodeOptions(
-            self.options.poll_interval, self.options.lease_timeout, self.options.round_timeout, comp, verify=verify
-        )
+        opts = dataclasses.replace(self.options, compression=comp, verify=verify)
         bridge = Bridge()
         node = Node(
             store,
@@ -157,9 +157,9 @@ class Cluster:
         )
         # As join_run: the learner first (it tells the node whether to lend what it reads).
         learner = Learner(adapter, run, bridge, self.clock, learner=name, emit=events.append)
-        learner.reload = lambda f: fetch_theta(store, run, f, node.newest.get(f))
+        learner.reload = lambda f: fetch_theta(store, run, f, node.state.newest.get(f))
         thetas = node.join(created=created)
-        learner.start(node.head, thetas, {f: v for f, (v, _) in node.thetas.items()}, lent=node.lent)
+        learner.start(node.state.head, thetas, {f: v for f, (v, _) in node.state.thetas.items()}, lent=node.state.lent)
         target = make_params(7, self.shapes)
         m = Member(name, params, node, learner, events, np.random.default_rng(seed), target)
         self.members[name] = m
@@ -169,7 +169,7 @@ class Cluster:
         """Join several learners, then let every node see every lease (like ``wait_for``)."""
         ms = [self.join(n) for n in names]
         for m in self.live():
-            m.node._list_leases()
+            m.node.state.list_leases(m.node.store)
         return ms
 
     def live(self) -> list[Member]:

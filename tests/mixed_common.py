@@ -80,7 +80,7 @@ def opened(args: argparse.Namespace, session: gm.Session) -> None:
 
         rounds = {int(r) for r in args.forge.split(",")}
         assert session.node is not None
-        forge(session.node.closer, lambda r: r in rounds)
+        forge(session.node.merger, lambda r: r in rounds)
 
 
 def dataset(seed: int, n: int = 512) -> tuple[np.ndarray, np.ndarray]:

@@ -140,7 +140,7 @@ class Lockstep:
                     options=c.options, bridge=Bridge(), role=role)  # fmt: skip
         thetas = node.join(created=created)
         learner = Learner(adapter, run, node.bridge, c.clock, learner=name, emit=events.append)
-        learner.start(node.head, thetas, {f: v for f, (v, _) in node.thetas.items()})
+        learner.start(node.state.head, thetas, {f: v for f, (v, _) in node.state.thetas.items()})
         m = Member(name, params, node, learner, events, np.random.default_rng(seed), make_params(7, c.shapes))
         c.members[name] = m
         return m
@@ -205,7 +205,7 @@ def test_a_takeover_between_checkpoints_gives_the_same_parameters_as_a_run_witho
             assert np.array_equal(x.params[n], y.params[n]), (x.name, n)
     # the outer state the new closer holds is the one the old closer would hold
     for f in range(2):
-        s_plain, s_taken = plain.syncers["s1"].closer.held(f), taken.syncers["s2"].closer.held(f)
+        s_plain, s_taken = plain.syncers["s1"].merger.held(f), taken.syncers["s2"].merger.held(f)
         assert s_plain.version == s_taken.version
         for n in s_plain.master:
             assert np.array_equal(s_plain.master[n], s_taken.master[n])
@@ -220,7 +220,7 @@ def test_a_closer_killed_between_checkpoints_is_taken_over_and_the_new_closer_re
     c.settle(4)
     f = (c.head() + 1) % 2
     assert between_checkpoints(c, f)
-    held = a.node.closer.held(f)
+    held = a.node.merger.held(f)
     c.crash(a)
     newest = [r for r in records(c) if r.fragment == f][-1]
     rebuilt = replay.recover(_closer(b.node), b.node.store, b.node.run, f, newest)

@@ -523,7 +523,7 @@ def test_the_spool_is_emptied_after_each_commit_and_removed_on_close() -> None:
         for m in ms:
             sp = m.node.spool
             # nothing of a committed round stays; on disk exactly the entries (no partial files)
-            assert all(r > m.node.head for _, r in sp.entries.values()), (m.name, m.node.head, sp.entries)
+            assert all(r > m.node.state.head for _, r in sp.entries.values()), (m.name, m.node.state.head, sp.entries)
             assert _spool_files(sp) == set(sp.entries)
             peak = max(peak, len(sp.entries))
     assert peak > 0  # the closer did spool chunks
@@ -542,19 +542,23 @@ def test_an_abandoned_rounds_spool_is_emptied_when_another_node_commits_it() -> 
     from test_engine_rounds import assert_identical, assert_tape_contiguous, finish
 
     from gradientmail_core import events as ev
-    from gradientmail_core.syncer.node import NodeOptions
+    from gradientmail_core.syncer.options import NodeOptions
 
     cluster = Cluster(gm.DiLoCo(sync_every=4, fragments=1, quorum_size=2, chunk_elements=32), shapes=dict(SMALL))
     cluster.options = NodeOptions(poll_interval=0.1, lease_timeout=5.0, round_timeout=0.5)
     a, b = cluster.join_all("ab")
     cluster.run(4)
     cluster.settle(4)
-    head = a.node.head
-    assert head == b.node.head >= 0
+    head = a.node.state.head
+    assert head == b.node.state.head >= 0
     for _ in range(4):  # a publishes and judges its own snapshot (quorum 2: it waits), then stalls (SIGSTOP)
         a.train()
     a.node.tick()
-    assert a.node.collector is not None and a.node.collector.round == head + 1 and "a" in a.node.collector.judged
+    assert (
+        a.node.state.collector is not None
+        and a.node.state.collector.round == head + 1
+        and "a" in a.node.state.collector.judged
+    )
     for _ in range(4):
         b.train()
     assert a.node.spool.entries, "a closer judging a chunked round spools its contributions"
@@ -562,7 +566,7 @@ def test_an_abandoned_rounds_spool_is_emptied_when_another_node_commits_it() -> 
         b.node.tick()
         b.learner.drain()
         cluster.clock.advance(0.05)
-    assert b.node.head == head + 1 and a.node.head == head
+    assert b.node.state.head == head + 1 and a.node.state.head == head
     a.node.tick()  # a resumes: it sees b's record, steps down, drops what it spooled
     assert a.of(ev.Superseded)
     assert all(r > head + 1 for _, r in a.node.spool.entries.values())

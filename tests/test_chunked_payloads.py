@@ -416,32 +416,35 @@ def test_a_takeover_between_checkpoints_replays_a_chunked_run_bit_for_bit(monkey
     assert _chunk_counts(whole.c.mailbox) == {1} and max(_chunk_counts(split.c.mailbox)) >= 2
     _same_params(whole.learners, split.learners)
     for f in range(2):  # the outer state the new closer rebuilt is the whole-payload run's
-        a, b = whole.syncers["s1"].closer.held(f), split.syncers["s2"].closer.held(f)
+        a, b = whole.syncers["s1"].merger.held(f), split.syncers["s2"].merger.held(f)
         assert a.version == b.version
         for n in a.master:
             assert np.array_equal(a.master[n], b.master[n]) and np.array_equal(a.momentum[n], b.momentum[n])
 
 
-def test_a_contribution_that_uploads_itself_is_asked_to(monkeypatch):
+def test_a_node_uploads_its_contributions_through_its_placement(monkeypatch):
+    """The seam a sharded node uses (``Placement.upload``): a placement that uploads each
+    contribution its own way is asked to for every one, and the run is the same."""
     from harness import Cluster
     from test_engine_rounds import finish
 
-    from gradientmail_core.adapters import handles
+    from gradientmail_core.syncer import placement
 
     calls: list[tuple[int, int, str]] = []
 
-    def upload(self, store, run, fragment, round, learner, compression):
-        calls.append((fragment, round, learner))
-        dtypes = run.delta_dtypes(fragment)
-        return store.put_fragment(
-            functools.partial(keys.snapshot_blob_key, round, learner, compression=compression),
-            self.quantized(dtypes),
-            shapes=run.shapes[fragment],
+    def upload(self, pub, *, learner, compression, keep):
+        calls.append((pub.fragment, pub.round, learner))
+        dtypes = self.run.delta_dtypes(pub.fragment)
+        ref = self.store.put_fragment(
+            functools.partial(keys.snapshot_blob_key, pub.round, learner, compression=compression),
+            pub.delta.quantized(dtypes),
+            shapes=self.run.shapes[pub.fragment],
             dtypes=dtypes,
-            chunk_elements=run.chunk_elements,
+            chunk_elements=self.run.chunk_elements,
             kind="delta",
             compression=compression,
         )
+        return ref, False  # (nothing kept in the spool: the closer reads it back)
 
     def run():
         cluster = Cluster(gm.DiLoCo(sync_every=4, fragments=2, quorum_size=2, chunk_elements=32), shapes=dict(WIDE))
@@ -451,7 +454,7 @@ def test_a_contribution_that_uploads_itself_is_asked_to(monkeypatch):
         return ms
 
     plain = run()
-    monkeypatch.setattr(handles._HostContribution, "upload", upload, raising=False)
+    monkeypatch.setattr(placement.OneProcess, "upload", upload)
     hooked = run()
     assert len(calls) >= 10 and {c[2] for c in calls} == {"a", "b"}
     _same_params(plain, hooked)
@@ -476,8 +479,8 @@ def test_torch_nodes_on_the_host_and_device_paths_store_the_same_chunks():
 def test_nodes_over_s3_move_chunked_payloads(s3_server: str, s3_bucket: str) -> None:
     pytest.importorskip("boto3")
     from gradientmail_core.adapters import adapter_for
-    from gradientmail_core.syncer.join import join_run
-    from gradientmail_core.syncer.node import NodeOptions
+    from gradientmail_core.syncer.host import join_run
+    from gradientmail_core.syncer.options import NodeOptions
 
     cfg = gm.DiLoCo(sync_every=2, fragments=1, quorum_size=2, delta_dtype="BF16", chunk_elements=64)
     clock = gm.FakeClock()
@@ -490,7 +493,7 @@ def test_nodes_over_s3_move_chunked_payloads(s3_server: str, s3_bucket: str) -> 
                                  rng=random.Random(i), node_rng=random.Random(i))  # fmt: skip
         members.append((params, node, learner))
     for _, node, _ in members:
-        node._list_leases()
+        node.state.list_leases(node.store)
     rng = np.random.default_rng(1)
     for step in range(4 * cfg.sync_every + 5):
         for params, _, learner in members:
@@ -503,7 +506,7 @@ def test_nodes_over_s3_move_chunked_payloads(s3_server: str, s3_bucket: str) -> 
                 node.tick()
                 learner.drain()
         clock.advance(1.0)
-    assert min(node.head for _, node, _ in members) >= 2
+    assert min(node.state.head for _, node, _ in members) >= 2
     (a, *_), (b, *_) = members
     assert all(a[n].tobytes() == b[n].tobytes() for n in WIDE)
     mailbox = members[0][1].store.mailbox

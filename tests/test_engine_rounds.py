@@ -264,7 +264,7 @@ def test_zstd_payloads_interoperate_with_uncompressed_nodes():
     a = c.join("a", compression="zstd")
     b = c.join("b", compression="")
     for m in (a, b):
-        m.node._list_leases()
+        m.node.state.list_leases(m.node.store)
     c.run(24)
     finish(c)
     blob_keys = [k for k in c.mailbox.list(keys.BLOBS)]

@@ -36,7 +36,7 @@ def test_closer_that_dies_is_taken_over_when_its_lease_is_lost():
 
 def test_stalled_closer_is_taken_over_by_timeout_and_superseded_when_it_resumes():
     c = Cluster(gm.DiLoCo(sync_every=4, fragments=1), audit=True)
-    from gradientmail_core.syncer.node import NodeOptions
+    from gradientmail_core.syncer.options import NodeOptions
 
     c.options = NodeOptions(poll_interval=0.1, lease_timeout=5.0, round_timeout=0.5)
     a, b = c.join_all("ab")
@@ -56,7 +56,7 @@ def test_stalled_closer_is_taken_over_by_timeout_and_superseded_when_it_resumes(
     # a resumes (SIGCONT): it sees the record and steps down
     a.node.tick()
     assert a.of(ev.Superseded) and a.of(ev.Superseded)[0].by == "b"
-    assert a.node.collector is None or a.node.collector.round > head + 1
+    assert a.node.state.collector is None or a.node.state.collector.round > head + 1
     c.run(8)
     finish(c)
     assert_tape_contiguous(c)
@@ -69,7 +69,7 @@ def test_closer_crash_between_payload_and_record_is_recomputed_with_the_same_byt
     a = c.join("a", mailbox=crashing)
     b, cc = c.join("b"), c.join("c")
     for m in c.live():
-        m.node._list_leases()
+        m.node.state.list_leases(m.node.store)
     c.run(8)
     c.settle(5)
     assert not a.alive  # died writing rounds/1
@@ -91,7 +91,7 @@ def test_closer_crash_after_commit_holds_the_next_claim_and_it_is_taken_over():
     a = c.join("a", mailbox=crashing)
     b = c.join("b")
     for m in c.live():
-        m.node._list_leases()
+        m.node.state.list_leases(m.node.store)
     c.run(60)
     assert not a.alive
     finish(c)
@@ -112,7 +112,7 @@ def test_restarted_learner_continues_from_the_store():
     # Nothing ticked while b2 joined: the store's newest commit is what it must hold, read
     # here independently of the joiner (a fresh reader on the same mailbox).
     _, head, thetas = load_newest(RunStore(c.mailbox), NumpyAdapter(make_params(0)).schema())
-    assert head == c.head() >= 0 and b2.node.head == head
+    assert head == c.head() >= 0 and b2.node.state.head == head
     expected = {n: v for theta in thetas.values() for n, v in theta.items()}
     assert set(expected) == set(b2.params)
     for n in expected:
@@ -150,4 +150,4 @@ def test_killed_learner_stops_being_waited_for_after_lease_timeout():
     c.run(4)
     c.settle(100)  # 5 s > lease_timeout: b's lease is stale, a closes alone
     assert c.head() > head
-    assert a.node.liveness.live() == {"a"}
+    assert a.node.state.liveness.live() == {"a"}

@@ -377,7 +377,7 @@ def test_the_closer_feeds_its_commits_rounding_error_into_the_next_change():
     states = []
     for _ in range(60):
         c.run(1)
-        st = a.node.closer.held(0)
+        st = a.node.merger.held(0)
         if st is not None and (not states or st.version > states[-1].version):
             states.append(st)
     assert len(states) >= 10 and all(y.version == x.version + 1 for x, y in zip(states, states[1:]))
@@ -402,9 +402,9 @@ def test_a_run_with_i2_deltas_and_feedback_commits_every_round_and_ends_identica
     c.settle()
     for m in c.live():
         c.close(m)
-    heads = {m.node.head for m in ms}
+    heads = {m.node.state.head for m in ms}
     assert heads == {40 // 4 * 2 - 1}
     for m in ms[1:]:
         for n in ms[0].params:
             assert np.array_equal(ms[0].params[n], m.params[n])
-    assert not any(m.node.stats.rejected for m in ms)
+    assert not any(m.node.state.stats.rejected for m in ms)

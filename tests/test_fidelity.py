@@ -30,11 +30,10 @@ from gradientmail_core.protocol.records import Claim, Lease, RoundRecord, Snapsh
 from gradientmail_core.protocol.run import open_run, read_manifest
 from gradientmail_core.protocol.store import RunStore
 from gradientmail_core.syncer.collector import Collector, Judged
-from gradientmail_core.syncer.join import join_run
+from gradientmail_core.syncer.host import ProcessHost, join_run
 from gradientmail_core.syncer.marker import RestartMarker
 from gradientmail_core.syncer.merger import FragmentMerger
-from gradientmail_core.syncer.node import NodeOptions
-from gradientmail_core.syncer.process_host import ProcessHost
+from gradientmail_core.syncer.options import NodeOptions
 from gradientmail_core.syncer.timing import Estimates
 
 REPO = Path(__file__).resolve().parents[1]
@@ -154,8 +153,8 @@ def test_round_record_grace_is_the_realized_window_with_the_plan_beside_it() -> 
 def test_an_unclaimed_round_is_claimed_at_once() -> None:
     c = Cluster(gm.DiLoCo(sync_every=2, fragments=1))
     a, b = c.join_all("ab")
-    orig = a.node._try_claim
-    a.node._try_claim = lambda r, n, **kw: None if r == 1 else orig(r, n, **kw)  # type: ignore[method-assign]
+    orig = a.node.election.try_claim
+    a.node.election.try_claim = lambda r, n, **kw: False if r == 1 else orig(r, n, **kw)  # type: ignore[method-assign]
     while c.head() < 0:  # only a polls: it commits round 0 and dies before it claims round 1
         a.train()
         a.node.tick()
@@ -166,7 +165,7 @@ def test_an_unclaimed_round_is_claimed_at_once() -> None:
     b.node.tick()  # b sees round 0 committed and the open round unclaimed: claims it, no wait
     assert c.clock.now() == now
     assert [(e.round, e.reason) for e in b.of(ev.TookOver)] == [(1, "unclaimed")]
-    assert b.node.collector is not None and b.node.collector.round == 1
+    assert b.node.state.collector is not None and b.node.state.collector.round == 1
 
 
 def test_a_takeover_whose_state_read_fails_resumes_its_own_claim_on_the_next_poll() -> None:
@@ -175,9 +174,9 @@ def test_a_takeover_whose_state_read_fails_resumes_its_own_claim_on_the_next_pol
     c.run(4)
     r = c.head() + 1
     b.node.tick()
-    fo = b.node.follow
+    fo = b.node.election.watching
     assert fo is not None and fo.round == r and fo.claim is not None and fo.claim.learner == "a"
-    orig = b.node._fragment_state
+    orig = b.node.closing.fragment_state
     failures = [1]
 
     def flaky(f: int):
@@ -186,19 +185,20 @@ def test_a_takeover_whose_state_read_fails_resumes_its_own_claim_on_the_next_pol
             raise MailboxUnavailable("GET outer: HTTP 503 (injected)")
         return orig(f)
 
-    b.node._fragment_state = flaky  # type: ignore[method-assign]
+    b.node.closing.fragment_state = flaky  # type: ignore[method-assign]
+    assert b.node.election.try_claim(r, fo.claim.n + 1, previous="a", reason="timeout")  # a is still live
     with pytest.raises(MailboxUnavailable):
-        b.node._try_claim(r, fo.claim.n + 1, previous="a", reason="timeout")  # a is still live
-    assert b.node.collector is None
+        b.node._open(r)  # the node closes the round it claimed: its state read fails
+    assert b.node.state.collector is None
     b.node.tick()  # b holds the newest claim: it resumes closing at once, no second timeout
-    assert b.node.collector is not None and b.node.collector.round == r
+    assert b.node.state.collector is not None and b.node.state.collector.round == r
 
 
 def test_an_invalid_claim_does_not_block_the_round() -> None:
     c = Cluster(gm.DiLoCo(sync_every=2, fragments=1))
     a, b = c.join_all("ab")
-    orig = a.node._try_claim
-    a.node._try_claim = lambda r, n, **kw: None if r == 1 else orig(r, n, **kw)  # type: ignore[method-assign]
+    orig = a.node.election.try_claim
+    a.node.election.try_claim = lambda r, n, **kw: False if r == 1 else orig(r, n, **kw)  # type: ignore[method-assign]
     while c.head() < 0:  # only a polls: it commits round 0 and dies before it claims round 1
         a.train()
         a.node.tick()
@@ -207,7 +207,7 @@ def test_an_invalid_claim_does_not_block_the_round() -> None:
     c.mailbox.put_if_absent(keys.claim_key(1, 1), b"not a claim")
     b.node.tick()
     mine = decode(c.mailbox.get(keys.claim_key(1, 2)), Claim)
-    assert mine.learner == "b" and b.node.collector is not None and b.node.collector.round == 1
+    assert mine.learner == "b" and b.node.state.collector is not None and b.node.state.collector.round == 1
 
 
 def test_a_lease_of_a_known_dead_predecessor_is_taken_over_at_once() -> None:
@@ -339,27 +339,27 @@ def test_a_delta_of_another_layout_or_dtype_is_rejected_as_schema(make, reason) 
 def test_a_round_counts_as_closing_once_the_others_would_meet_the_quorum_with_us() -> None:
     c = Cluster(gm.DiLoCo(sync_every=8, fragments=1, quorum_size=3))
     a, _, _, _ = c.join_all("abcd")
-    a.node.snapshot_keys = {0: {"b"}}
+    a.node.state.snapshot_keys = {0: {"b"}}
     a.node._publish_view()
-    assert 0 not in a.node.view().others_published  # 1 other: with us 2, the quorum is 3
-    a.node.snapshot_keys = {0: {"b", "c"}}
+    assert 0 not in a.node.bridge.view.others_published  # 1 other: with us 2, the quorum is 3
+    a.node.state.snapshot_keys = {0: {"b", "c"}}
     a.node._publish_view()
-    assert 0 in a.node.view().others_published  # 2 others: with us, the quorum
+    assert 0 in a.node.bridge.view.others_published  # 2 others: with us, the quorum
     # The quorum is every live learner: the round waits for us, so nobody publishes early.
     c3 = Cluster(gm.DiLoCo(sync_every=8, fragments=1, quorum_size=3))
     a3, _, _ = c3.join_all("abc")
-    a3.node.snapshot_keys = {0: {"b", "c"}}
+    a3.node.state.snapshot_keys = {0: {"b", "c"}}
     a3.node._publish_view()
-    assert 0 not in a3.node.view().others_published
+    assert 0 not in a3.node.bridge.view.others_published
     # quorum 1: one other is enough (never zero)
     c1 = Cluster(gm.DiLoCo(sync_every=8, fragments=1, quorum_size=1))
     a1, _ = c1.join_all("ab")
-    a1.node.snapshot_keys = {0: set()}
+    a1.node.state.snapshot_keys = {0: set()}
     a1.node._publish_view()
-    assert 0 not in a1.node.view().others_published
-    a1.node.snapshot_keys = {0: {"b"}}
+    assert 0 not in a1.node.bridge.view.others_published
+    a1.node.state.snapshot_keys = {0: {"b"}}
     a1.node._publish_view()
-    assert 0 in a1.node.view().others_published
+    assert 0 in a1.node.bridge.view.others_published
 
 
 def test_a_laggard_in_an_all_learner_quorum_contributes_its_full_steps() -> None:
@@ -374,7 +374,7 @@ def test_a_laggard_in_an_all_learner_quorum_contributes_its_full_steps() -> None
         m.train()
         m.train()
     c.settle(ticks=5)  # a and b have published round 0; c's node sees both snapshots
-    assert {"a", "b"} <= lag.node.snapshot_keys.get(0, set())
+    assert {"a", "b"} <= lag.node.state.snapshot_keys.get(0, set())
     lag.train()  # its 7th step
     assert not lag.learner.published
     lag.train()
@@ -431,12 +431,12 @@ def test_wait_for_counts_a_learner_that_was_live_at_one_listing_only() -> None:
 
     def b_comes_and_goes() -> None:
         b = c.join("b")
-        a.node._list_leases()  # a sees b live once
+        a.node.state.list_leases(a.node.store)  # a sees b live once
         a.node._publish_view()
         c.close(b)
-        a.node._list_leases()  # and gone at the next listing
+        a.node.state.list_leases(a.node.store)  # and gone at the next listing
         a.node._publish_view()
-        assert a.node.view().live == 1
+        assert a.node.bridge.view.live == 1
 
     s = _session_over(c, a, b_comes_and_goes)
     s.wait_for(learners=2, timeout=10.0)
@@ -448,14 +448,14 @@ def test_wait_for_counts_a_learner_seen_only_by_its_contribution() -> None:
     a.node.tick()
 
     def b_contributes_between_two_lease_listings() -> None:
-        a.node._list_leases()
+        a.node.state.list_leases(a.node.store)
         b = c.join("b")
         for _ in range(2):
             b.train()
         b.node.tick()  # uploads its snapshot
         c.close(b)
         a.node.tick()  # the lease listing is not due: only the snapshot shows b
-        assert a.node.view().live == 1
+        assert a.node.bridge.view.live == 1
 
     s = _session_over(c, a, b_contributes_between_two_lease_listings)
     s.wait_for(learners=2, timeout=10.0)

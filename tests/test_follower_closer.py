@@ -17,9 +17,9 @@ import gradientmail_core as gm
 from gradientmail_core import events as ev
 from gradientmail_core.mailbox import Mailbox
 from gradientmail_core.protocol import keys
-from gradientmail_core.syncer import following
+from gradientmail_core.syncer import placement
 from gradientmail_core.syncer.collector import Collector, Judged
-from gradientmail_core.syncer.node import NodeOptions
+from gradientmail_core.syncer.options import NodeOptions
 from gradientmail_core.syncer.timing import Estimates
 
 
@@ -67,7 +67,7 @@ def test_readers_never_list_blobs_only_the_closers_gc_does() -> None:
     recorders = {name: Recorder(c.mailbox) for name in "abc"}
     ms = [c.join(name, mailbox=recorders[name]) for name in "abc"]
     for m in ms:
-        m.node._list_leases()
+        m.node.state.list_leases(m.node.store)
     c.run(60)
     finish(c)
     assert len(records(c)) >= 20
@@ -107,11 +107,11 @@ def test_a_follower_takes_over_a_stalled_closer_after_4x_the_predicted_round(pre
     closer.alive = False  # stalled: no more ticks, its lease is never judged stale here
     if predicted is not None:
         x_sync, grace, x_quorum = predicted
-        f = follower.node.newest_of_head().fragment
-        follower.node.newest[f] = dataclasses.replace(
-            follower.node.newest[f], x_sync=x_sync, grace_seconds=grace, grace_planned=None, x_quorum=x_quorum
+        f = follower.node.state.newest_of_head().fragment
+        follower.node.state.newest[f] = dataclasses.replace(
+            follower.node.state.newest[f], x_sync=x_sync, grace_seconds=grace, grace_planned=None, x_quorum=x_quorum
         )
-    assert follower.node._round_timeout() == expected
+    assert follower.node.election.round_timeout() == expected
     start = None
     for _ in range(2000):
         follower.train()
@@ -119,7 +119,7 @@ def test_a_follower_takes_over_a_stalled_closer_after_4x_the_predicted_round(pre
         follower.learner.drain()
         if follower.of(ev.TookOver):
             break
-        fo = follower.node.follow
+        fo = follower.node.election.watching
         if fo is not None and fo.timer_from is not None:
             start = max(fo.timer_from, fo.claim_seen_at)
         c.clock.advance(0.05)
@@ -186,7 +186,7 @@ def test_a_change_that_rebuilds_to_the_wrong_digest_falls_back_to_the_full_theta
 
     c.mailbox.get = spy  # type: ignore[method-assign]
     rebuilt = []
-    real_rebuild = following.rebuild_theta
+    real_rebuild = placement.rebuild_theta
 
     def rebuild(run, f, prev, change):
         theta = real_rebuild(run, f, prev, change)
@@ -196,7 +196,7 @@ def test_a_change_that_rebuilds_to_the_wrong_digest_falls_back_to_the_full_theta
             theta["b"][0] = np.nextafter(theta["b"][0], np.float32(np.inf))
         return theta
 
-    monkeypatch.setattr(following, "rebuild_theta", rebuild)
+    monkeypatch.setattr(placement, "rebuild_theta", rebuild)
     ms = c.join_all("ab")
     c.run(40)
     finish(c)

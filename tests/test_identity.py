@@ -300,7 +300,7 @@ def test_a_revoked_member_that_keeps_writing_changes_nothing():
     assert int(recs[REVOKE_AT].members[:10]) == 2 and int(recs[REVOKE_AT - 1].members[:10]) == 1
     # it did keep writing: snapshots and leases after the revocation, each reported once as ignored
     node_k = revoked.members[k]
-    assert node_k.node.stats.published > REVOKE_AT and node_k.node.lease.seq > 0
+    assert node_k.node.state.stats.published > REVOKE_AT and node_k.node.lease.seq > 0
     ignored = [e for n in "abc" for e in revoked.members[IDS[n].learner_id(n)].of(ev.IgnoredObject)]
     assert {e.key.split("/")[0] for e in ignored} >= {"snapshots", "leases"}
     assert all("revoked" in e.reason for e in ignored), {e.reason for e in ignored}

@@ -50,7 +50,7 @@ def _cluster(k: int | None, n: int = 8, **cfg) -> tuple[Cluster, dict[str, Recor
         paths[name] = Recorder(c.path(name))
         c.join(name, mailbox=paths[name])
     for m in c.live():
-        m.node._list_leases()
+        m.node.state.list_leases(m.node.store)
     return c, paths
 
 
@@ -129,7 +129,7 @@ def test_a_dead_closer_is_taken_over_by_a_follower_watching_only_its_lease():
     a = c.join("a")
     others = [c.join(n) for n in "bcd"]
     for m in c.live():
-        m.node._list_leases()
+        m.node.state.list_leases(m.node.store)
     c.run(12)
     assert {r.closer for r in records(c)} == {"a"}
     c.crash(a)
@@ -187,7 +187,7 @@ def test_read_many_fetches_through_get_many_threads_or_one_by_one_and_the_guard_
 
 
 def test_a_stalled_closer_is_taken_over_by_timeout_counted_from_the_followers_own_contribution():
-    from gradientmail_core.syncer.node import NodeOptions
+    from gradientmail_core.syncer.options import NodeOptions
 
     c = Cluster(gm.DiLoCo(sync_every=4, fragments=1, quorum_size=2, max_contributions=1), audit=True)
     c.options = NodeOptions(poll_interval=0.1, lease_timeout=5.0, round_timeout=0.5)
@@ -195,7 +195,7 @@ def test_a_stalled_closer_is_taken_over_by_timeout_counted_from_the_followers_ow
     c.run(8)
     c.settle(4)
     head = c.head()
-    assert head >= 0 and b.node.polls_fleet()
+    assert head >= 0 and b.node.state.polls_fleet()
     for _ in range(30):  # nobody trains: no contribution, no timer, no takeover (only lease loss would)
         b.node.tick()
         c.clock.advance(0.05)
@@ -272,7 +272,7 @@ def test_a_commit_retried_after_a_failure_takes_the_draw_again():
     assert late is not None, "the run id drew 'a' first: pick another pool"
     early, late = c.join(pool[1]), c.join(late)
     for m in c.live():
-        m.node._list_leases()
+        m.node.state.list_leases(m.node.store)
     for _ in range(4):
         a.train()
         early.train()

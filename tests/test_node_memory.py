@@ -21,7 +21,7 @@ from harness import Cluster, Member
 from test_engine_rounds import assert_identical, finish
 
 import gradientmail_core as gm
-from gradientmail_core.syncer.node import NodeOptions
+from gradientmail_core.syncer.options import NodeOptions
 
 SHAPES = {f"w{i}": (128, 128) for i in range(8)}  # 8 x 64 KiB: 4 fragments of 128 KiB
 MODEL = sum(4 * a * b for a, b in SHAPES.values())
@@ -146,14 +146,14 @@ def test_follower_holds_one_copy_of_the_model_with_the_fragment_in_flight():
     a, b = c.join_all("ab")
     c.run(16)  # every fragment committed at least once
     most = run_measured(c, 32)
-    assert a.node.stats.committed > 0 and b.node.stats.committed == 0
+    assert a.node.state.stats.committed > 0 and b.node.state.stats.committed == 0
     assert b.learner.consumes and not a.learner._lent  # the closer's anchors are its outer state's
     # After a poll and after a step: b's anchors (the model, once), one of them possibly turned
     # into the delta captured for the next round (until a commit of that fragment replaces it); no
     # payload bytes of its own snapshots (it closes nothing) and no second copy of the model.
     for when in ("poll", "step"):
         assert most["b", when] <= MODEL + SLACK, (when, most["b", when] / MODEL, "model copies")
-    assert all(theta is None for _, theta in b.node.thetas.values()), "the node keeps what it lent"
+    assert all(theta is None for _, theta in b.node.state.thetas.values()), "the node keeps what it lent"
     finish(c)
     assert_identical([a, b])
 
@@ -168,7 +168,7 @@ def test_a_learner_that_keeps_its_anchors_holds_the_fragment_in_flight_beside_th
     assert not b.learner.consumes
     for when in ("poll", "step"):
         assert most["b", when] <= MODEL + FRAGMENT + SLACK, (when, most["b", when] / MODEL, "model copies")
-    for f, (_, theta) in b.node.thetas.items():
+    for f, (_, theta) in b.node.state.thetas.items():
         assert theta is not None and all(theta[n] is b.learner.anchors[f][n] for n in theta)
     finish(c)
     assert_identical([a, b])
@@ -194,7 +194,7 @@ def test_closer_holds_its_outer_state_and_one_fragment_merge():
     a, b = c.join_all("ab")
     c.run(16)
     most = max(run_measured(c, 32)["a", when] for when in ("step", "poll"))
-    assert a.node.stats.committed > 0
+    assert a.node.state.stats.committed > 0
     # The anchors (also the fp32 master: the parameters are F32), the momentum, and one round's
     # merge between polls: a delta judged (the round closes in the poll that judges the last one;
     # the closer's own is kept decoded, never as payload bytes too) and the new master and
@@ -210,15 +210,15 @@ def test_node_that_stops_closing_releases_the_outer_state():
     a, b = c.join_all("ab")
     c.run(8)
     c.settle(4)
-    assert a.node.closer.holds_any(), "a closes the first rounds"
+    assert a.node.merger.holds_any(), "a closes the first rounds"
     for _ in range(40):  # a stalls; b takes the rounds over (timeout) and commits both fragments
         b.train()
         b.node.tick()
         b.learner.drain()
         c.clock.advance(0.05)
     c.run(8)  # a resumes as a follower
-    assert {a.node.newest[f].closer for f in (0, 1)} == {"b"}
-    assert not a.node.closer.holds_any()
+    assert {a.node.state.newest[f].closer for f in (0, 1)} == {"b"}
+    assert not a.node.merger.holds_any()
     finish(c)
     assert_identical([a, b])
 
@@ -235,10 +235,10 @@ def test_a_new_closer_recovers_from_the_parameters_it_already_holds():
     c = Cluster(gm.DiLoCo(sync_every=8, fragments=4, quorum_size=2, alignment=gm.Carry()), shapes=dict(SHAPES))
     a, b = c.join_all("ab")
     c.run(16)
-    assert b.node.stats.committed == 0
-    for f, (version, theta) in b.node.thetas.items():
+    assert b.node.state.stats.committed == 0
+    for f, (version, theta) in b.node.state.thetas.items():
         assert theta is not None
-        rec = b.node.newest[f]
+        rec = b.node.state.newest[f]
         assert rec.version == version and rec.is_checkpoint
         held = recover(f, rec, (version, theta))
         # The arrays it holds, not a download of them (a fragment more while the first round merges) ...

@@ -25,7 +25,8 @@ from gradientmail_core.protocol.run import open_run
 from gradientmail_core.protocol.store import RunStore
 from gradientmail_core.syncer.bridge import Bridge
 from gradientmail_core.syncer.learner import Learner
-from gradientmail_core.syncer.node import Node, NodeOptions
+from gradientmail_core.syncer.node import Node
+from gradientmail_core.syncer.options import NodeOptions
 
 
 @dataclass
@@ -61,7 +62,7 @@ class Roles(Cluster):
         )
         thetas = node.join(created=created)
         learner = Learner(adapter, run, bridge, self.clock, learner=name, emit=events.append)
-        learner.start(node.head, thetas, {f: v for f, (v, _) in node.thetas.items()})
+        learner.start(node.state.head, thetas, {f: v for f, (v, _) in node.state.thetas.items()})
         m = Member(name, params, node, learner, events, np.random.default_rng(seed), make_params(7, self.shapes))
         self.members[name] = m
         return m
@@ -69,7 +70,7 @@ class Roles(Cluster):
     def learners(self, names: str, role: str = "learner") -> list[Member]:
         ms = [self.join(n, role=role) for n in names]
         for m in self.live():
-            m.node._list_leases()
+            m.node.state.list_leases(m.node.store)
         return ms
 
     def start_syncer(self, name: str = "s", seed: int = 99) -> gm.Syncer:
@@ -90,7 +91,7 @@ class Roles(Cluster):
         self.syncers[name] = s
         self.down.discard(name)
         for m in self.live():
-            m.node._list_leases()
+            m.node.state.list_leases(m.node.store)
         return s
 
     def tick_all(self) -> None:
@@ -251,9 +252,11 @@ def test_a_syncer_closes_every_round_and_is_not_counted_as_a_learner():
     c.settle(2)  # they see no node that may close rounds
     s = c.start_syncer("s")
     c.settle(1)
-    assert a.node.liveness.live() == {"a", "b"} and s.node is not None and s.node.liveness.live() == {"a", "b"}
-    assert a.node.liveness.closers() == {"s"} and s.node.liveness.closers() == {"s"}
-    assert a.node.view().live == 2
+    assert (
+        a.node.state.liveness.live() == {"a", "b"} and s.node is not None and s.node.state.liveness.live() == {"a", "b"}
+    )
+    assert a.node.state.liveness.closers() == {"s"} and s.node.state.liveness.closers() == {"s"}
+    assert a.node.bridge.view.live == 2
     c.run(80)
     c.settle()
     for m in (a, b):
@@ -269,7 +272,7 @@ def test_a_syncer_closes_every_round_and_is_not_counted_as_a_learner():
     assert_audited(c)  # the syncer, which trains nothing, commits its learners' merge
     assert_identical([a, b])
     # it trains nothing and keeps no commits for a training thread
-    assert s.node.stats.published == 0 and s.node.bridge.inbox.qsize() == 0
+    assert s.node.state.stats.published == 0 and s.node.bridge.inbox.qsize() == 0
     assert not any("/s/" in k or k.endswith("/s.json") for k in c.mailbox.list(keys.SNAPSHOTS))
     for m in (a, b):
         assert [e.who for e in m.of(ev.CloserBack)] == ["s"]  # it joined after them

@@ -14,8 +14,8 @@ import gradientmail_core as gm
 from gradientmail_core.adapters import adapter_for
 from gradientmail_core.mailbox.retry import RetryPolicy
 from gradientmail_core.protocol.store import RunStore
-from gradientmail_core.syncer.join import join_run
-from gradientmail_core.syncer.node import NodeOptions
+from gradientmail_core.syncer.host import join_run
+from gradientmail_core.syncer.options import NodeOptions
 
 pytest.importorskip("boto3")
 
@@ -68,7 +68,7 @@ def test_two_nodes_move_17mb_payloads_in_5mib_parts_and_end_identical(s3_server:
         )
         members.append((params, node, learner))
     for _, node, _ in members:
-        node._list_leases()
+        node.state.list_leases(node.store)
     seen.clear()  # the init upload is the first node's: count only the rounds' traffic
     rng = np.random.default_rng(1)
     for _ in range(4 * cfg.sync_every):
@@ -86,7 +86,7 @@ def test_two_nodes_move_17mb_payloads_in_5mib_parts_and_end_identical(s3_server:
             learner.drain()
         clock.advance(1.0)
 
-    heads = [node.head for _, node, _ in members]
+    heads = [node.state.head for _, node, _ in members]
     assert min(heads) >= 2, heads  # two rounds committed, each with both contributions
     a, b = members[0][0]["w"], members[1][0]["w"]
     assert a.tobytes() == b.tobytes()

@@ -384,7 +384,7 @@ def test_authenticated_run_ignores_forged_commits_claims_and_snapshots_and_ends_
     ignored = [e for m in attacked.members.values() for e in m.of(ev.IgnoredObject)]
     assert {e.key.split("/")[0] for e in ignored} == {"rounds", "claims", "snapshots", "leases"}
     assert not any(m.of(ev.ContributionRejected) for m in attacked.members.values())
-    assert all(m.node.stuck is None for m in attacked.members.values())
+    assert all(m.node.follower.stuck is None for m in attacked.members.values())
 
 
 def test_unauthenticated_run_stalls_without_crashing_on_a_garbage_commit_point():

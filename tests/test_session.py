@@ -14,7 +14,7 @@ import torch  # noqa: E402
 
 import gradientmail_core as gm  # noqa: E402
 from gradientmail_core.protocol import keys  # noqa: E402
-from gradientmail_core.syncer.process_host import ProcessHost  # noqa: E402
+from gradientmail_core.syncer.host import ProcessHost  # noqa: E402
 
 
 def model(width: int = 4) -> torch.nn.Module:

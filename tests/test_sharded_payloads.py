@@ -57,7 +57,7 @@ def _worker(out: Path) -> None:
     from gradientmail_core.protocol.records import Manifest, PayloadRef, chunk_refs
     from gradientmail_core.protocol.run import RunInfo
     from gradientmail_core.protocol.store import RunStore
-    from gradientmail_core.sharded.rank import RankIO
+    from gradientmail_core.sharded.rank_io import RankIO
     from gradientmail_core.sharded.wire import Channel, Exchange, new_group
 
     dist.init_process_group("gloo")

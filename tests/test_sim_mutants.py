@@ -68,7 +68,11 @@ def _patch_points() -> tuple:
     from gradientmail_core.aggregators import fused, merge, outer
     from gradientmail_core.protocol import store
     from gradientmail_core.protocol.lease import LeaseWriter
-    from gradientmail_core.syncer import collector, merger, node, replay
+    from gradientmail_core.syncer import collector, merger, replay
+    from gradientmail_core.syncer.closing import Closing
+    from gradientmail_core.syncer.election import Election
+    from gradientmail_core.syncer.gc import GarbageCollector
+    from gradientmail_core.syncer.state import NodeState
 
     return (
         mailbox.create_once,
@@ -76,12 +80,12 @@ def _patch_points() -> tuple:
         collector.version_before,
         merger.merge_and_step,
         fused.rda_radius,
-        node.Node._collect_garbage,
-        node.Node._try_claim,
-        node.Node._list_leases,
-        node.Node._fragment_state,
-        node.Node._checkpoint_rounds,
-        node.Node._window,
+        GarbageCollector.collect,
+        Election.try_claim,
+        NodeState.list_leases,
+        Closing.fragment_state,
+        GarbageCollector._checkpoint_rounds,
+        GarbageCollector._window,
         replay._contributions,
         replay._same,
         LeaseWriter.renew,

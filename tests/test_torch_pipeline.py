@@ -22,7 +22,8 @@ from gradientmail_core.protocol.run import open_run  # noqa: E402
 from gradientmail_core.protocol.store import RunStore  # noqa: E402
 from gradientmail_core.syncer.bridge import Bridge  # noqa: E402
 from gradientmail_core.syncer.learner import Learner  # noqa: E402
-from gradientmail_core.syncer.node import Node, NodeOptions  # noqa: E402
+from gradientmail_core.syncer.node import Node  # noqa: E402
+from gradientmail_core.syncer.options import NodeOptions  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -189,11 +190,11 @@ def run_cluster(
         )
         thetas = node.join(created=created)
         learner = Learner(adapter, run, bridge, clock, learner=name, emit=lambda e: None)
-        learner.start(node.head, thetas, {f: v for f, (v, _) in node.thetas.items()})
+        learner.start(node.state.head, thetas, {f: v for f, (v, _) in node.state.thetas.items()})
         adapter.training = pipeline
         members.append((model, node, learner, torch.Generator().manual_seed(i), Net(7, device)))
     for _, node, *_ in members:
-        node._list_leases()
+        node.state.list_leases(node.store)
     for step in range(steps + 40):
         for model, node, learner, g, target in members:
             if step < steps:

@@ -32,7 +32,7 @@ from gradientmail_core.protocol.members import MemberAuth, change
 from gradientmail_core.protocol.records import Manifest, RoundRecord, Snapshot, chunk_refs, decode, encode
 from gradientmail_core.protocol.run import RunInfo, read_manifest
 from gradientmail_core.protocol.store import RunStore
-from gradientmail_core.syncer.state import NodeOptions
+from gradientmail_core.syncer.options import NodeOptions
 from gradientmail_core.syncer.verify import MISMATCH, UNVERIFIABLE, VERIFIED, RoundVerifier
 
 CFG = gm.DiLoCo(sync_every=4, fragments=2)
@@ -48,7 +48,7 @@ def finished(cfg: gm.DiLoCo, where: str, *, steps: int = 40, forged=None, names:
     c = Cluster(cfg, mailbox=gm.open_mailbox(where))
     ms = c.join_all(names)
     if forged is not None:
-        forge(ms[0].node.closer, forged)
+        forge(ms[0].node.merger, forged)
     c.run(steps)
     c.settle(20)
     for m in list(c.live()):
@@ -132,7 +132,7 @@ def test_a_forged_newest_round_of_a_finished_run_is_caught(capsys):
     c.run(30)
     c.settle(10)
     newest = c.head() + 1
-    forge(a.node.closer, lambda r: r == newest)
+    forge(a.node.merger, lambda r: r == newest)
     while c.head() < newest:  # train until the forged round commits, then everyone leaves
         c.run(1)
     for m in list(c.live()):
@@ -278,8 +278,8 @@ def test_a_follower_with_verify_never_applies_a_forged_commit_and_reports_it_in_
     b = c.join("b", verify=1.0)
     control = c.join("c")  # verify=0: applies whatever is committed
     for m in c.live():
-        m.node._list_leases()
-    forge(a.node.closer, lambda r: r == 9)
+        m.node.state.list_leases(m.node.store)
+    forge(a.node.merger, lambda r: r == 9)
     c.run(60)
     c.settle(20)
     assert c.head() >= 14
@@ -293,7 +293,7 @@ def test_a_follower_with_verify_never_applies_a_forged_commit_and_reports_it_in_
     # The forged parameters never reached b's model (it holds fragment 1 as committed before them);
     # the control's model took them.
     rec = decode(c.mailbox.get(keys.round_key(9)), RoundRecord)
-    assert b.learner.versions[1] == rec.version - 1 and b.node.thetas[1][0] == rec.version - 1
+    assert b.learner.versions[1] == rec.version - 1 and b.node.state.thetas[1][0] == rec.version - 1
     assert control.learner.versions[1] >= rec.version
     assert not control.of(ev.ForgedCommit) and not a.of(ev.ForgedCommit)
 
@@ -307,7 +307,7 @@ def test_verified_commits_are_the_parameters_a_node_would_have_downloaded():
         a = c.join("a")
         b = c.join("b", verify=fraction)
         for m in c.live():
-            m.node._list_leases()
+            m.node.state.list_leases(m.node.store)
         c.run(40)
         c.settle(20)
         runs[fraction] = (c, a, b)
@@ -325,7 +325,7 @@ def test_the_rounds_a_node_verifies_are_drawn_at_random_per_node():
     b = c.join("b", verify=0.5)
     d = c.join("d", verify=0.5)
     for m in c.live():
-        m.node._list_leases()
+        m.node.state.list_leases(m.node.store)
     c.run(80)
     c.settle(20)
     seen_b = {e.round for e in b.of(ev.RoundVerified)}
@@ -371,7 +371,7 @@ def test_a_mismatch_in_a_members_only_run_names_the_signed_record_that_proves_it
     change(sim.mailbox, manifest, IDS["a"], add=[IDS["b"].public_hex])
     sim.join(b_id, {k: v.copy() for k, v in params.items()}, auth=MemberAuth(identity=IDS["b"]))
     sim.see_each_other()
-    forge(a.node.closer, lambda r: r == 3)
+    forge(a.node.merger, lambda r: r == 3)
     _steps(sim, 16)
     reader = MemberAuth()  # a read-only tool: no identity, checks every signature
     guard = GuardedMailbox(sim.mailbox, auth=reader)
@@ -393,7 +393,7 @@ def test_a_mismatch_in_a_secret_run_names_its_mac(capsys, tmp_path):
     a = sim.join("a", params)
     sim.join("b", {k: v.copy() for k, v in params.items()})
     sim.see_each_other()
-    forge(a.node.closer, lambda r: r == 4)
+    forge(a.node.merger, lambda r: r == 4)
     _steps(sim, 16)
     auth = policy(secret)
     guard = GuardedMailbox(sim.mailbox, auth=auth)

@@ -34,10 +34,10 @@ class Contribution(Protocol):
         node uploads this: no joined copy of the payload is held)."""
         ...
 
-    # The two handles below also offer ``quantized(dtypes) -> dict[str, QTensor]`` (the delta's
-    # tensors quantized, what ``stream`` encodes), which the node cuts into the chunks of a chunked
-    # run's payload; a contribution that uploads itself offers ``upload`` instead
-    # (``syncer/publishing.py``).
+    def quantized(self, dtypes: Mapping[str, str]) -> dict[str, quant.QTensor]:
+        """Background thread: the delta's tensors quantized (what ``stream`` encodes), which the
+        node cuts into the chunks of a chunked run's payload (``syncer/placement.OneProcess``)."""
+        ...
 
 
 class Incoming(Protocol):

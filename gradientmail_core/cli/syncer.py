@@ -14,6 +14,9 @@ from typing import Any, TextIO
 
 from .. import events as ev
 from ..mailbox import Mailbox, open_mailbox
+from ..syncer.options import NodeOptions
+
+_DEFAULT = NodeOptions()
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -29,16 +32,24 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         ),
     )
     s.add_argument("--id", dest="syncer_id", required=True, metavar="NAME", help="this syncer's id ([a-z0-9-])")
-    s.add_argument("--poll-interval", type=_positive_float, default=1.0, metavar="S", help="seconds between polls")
+    s.add_argument(
+        "--poll-interval",
+        type=_positive_float,
+        default=_DEFAULT.poll_interval,
+        metavar="S",
+        help="seconds between polls",
+    )
     s.add_argument(
         "--lease-timeout",
         type=_positive_float,
-        default=120.0,
+        default=_DEFAULT.lease_timeout,
         metavar="S",
         help="seconds without a lease renewal after which a node counts as gone (as the learners use)",
     )
     s.add_argument("--round-timeout", type=_positive_float, default=None, metavar="S")
-    s.add_argument("--compression", choices=("off", "zstd"), default="off", help="compression of the commits")
+    s.add_argument(
+        "--compression", choices=("off", "zstd"), default=_DEFAULT.compression, help="compression of the commits"
+    )
     s.add_argument("--identity", metavar="FILE", help="this node's key file, for a members-only run")
 
 

@@ -9,17 +9,12 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..adapters.handles import Contribution, Incoming, Stage
-from ..protocol.records import RoundRecord
-
-if TYPE_CHECKING:
-    from .merger import FragmentMerger
 
 
 @dataclass(frozen=True)
@@ -94,19 +89,8 @@ class Bridge:
         # The training thread is leaving with nothing in flight (``Session.close``): the node
         # then claims no round it would not stay to close.
         self.leaving = False
-        # A sharded node (``sharded/runtime.py``): the node reads no parameters; each commit's
-        # record (None: the initial parameters) of fragment f goes here instead, and the ranks
-        # fetch their own chunks. Returns the commit's ``Incoming``.
-        self.follow: Callable[[int, RoundRecord | None], Incoming] | None = None
-        # A sharded node that closes rounds: rank 0's closer, whose ops every rank runs with it over
-        # its ranges (``sharded/pooling.GlooRanks``); None: the node's own one-process closer.
-        self.closer: FragmentMerger | None = None
 
     def publish(self, p: Publish) -> None:
         with self.lock:
             self.outbox.append(p)
         self.wake.set()
-
-    def pending_publishes(self) -> int:
-        with self.lock:
-            return len(self.outbox)

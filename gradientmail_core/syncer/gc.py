@@ -4,22 +4,27 @@ from __future__ import annotations
 
 from ..protocol import keys
 from ..protocol.schedule import fragment_of, round_of
+from ..protocol.store import RunStore
 from .state import NodeState
 
 
-class GarbageCollection(NodeState):
-    def _collect_garbage(self, r: int) -> None:
+class GarbageCollector:
+    def __init__(self, store: RunStore, state: NodeState) -> None:
+        self.store, self.state = store, state
+
+    def collect(self, r: int) -> None:
         """After committing r: snapshot records of rounds <= r, claims of rounds <= r, leases
         abandoned long ago, and the payloads no reader needs: snapshot payloads of rounds <= r and
         round payloads of rounds <= r - 2P, except, between checkpoints, a fragment's newest
         checkpoint and what a recovery replays after it (``_checkpoint_rounds``), and what verifying
         the newest rounds needs (``_window``)."""
-        store, P = self.store, self.run.P
+        store, s = self.store, self.state
+        P = s.run.P
         ck = self._checkpoint_rounds()
         records_from, contributions_from, states_from = self._window(r)
         doomed = [
             keys.snapshot_key(rr, lr)
-            for rr, ls in self.snapshot_keys.items()
+            for rr, ls in s.snapshot_keys.items()
             if rr <= r and rr < records_from
             for lr in ls
         ]
@@ -36,7 +41,7 @@ class GarbageCollection(NodeState):
             parsed = keys.parse_claim_key(k)
             if parsed is None or parsed[0] <= r:
                 doomed.append(k)
-        cutoff = r - 2 * self.run.P
+        cutoff = r - 2 * P
         if cutoff >= 0:
             for k in store.keys(keys.ROUND_BLOBS):
                 b = keys.parse_blob_key(k)
@@ -48,11 +53,11 @@ class GarbageCollection(NodeState):
                     and b.round < states_from
                 ):
                     doomed.append(k)
-        doomed += self.liveness.abandoned()
+        doomed += s.liveness.abandoned()
         if doomed:
             store.delete(doomed)
-        for rr in [rr for rr in self.snapshot_keys if rr <= r and rr < records_from]:
-            del self.snapshot_keys[rr]
+        for rr in [rr for rr in s.snapshot_keys if rr <= r and rr < records_from]:
+            del s.snapshot_keys[rr]
 
     def _window(self, r: int) -> tuple[int, int, int]:
         """What verifying each of the newest ``W = verify_window`` rounds (``r - W + 1`` to ``r``)
@@ -63,10 +68,11 @@ class GarbageCollection(NodeState):
         contributions of the rounds after it (``replay.recover``), so ``k P`` rounds before the
         window for round payloads and ``(k - 1) P`` for contributions. ``W = 0``: nothing more than
         the run needs (every bound past ``r``)."""
-        w = self.run.cfg.verify_window
+        cfg = self.state.run.cfg
+        w = cfg.verify_window
         if w == 0:
             return r + 1, r + 1, r + 1
-        k, P = self.run.cfg.checkpoint_every, self.run.P
+        k, P = cfg.checkpoint_every, self.state.run.P
         first = r - w + 1
         return first, first - (k - 1) * P, first - k * P
 
@@ -76,11 +82,11 @@ class GarbageCollection(NodeState):
         (a closer replays them), until a newer checkpoint commits. With ``checkpoint_every=1``
         every record is a checkpoint: this is the fragment's newest round, and GC keeps exactly
         what it kept before checkpoints existed (2P rounds of round payloads, no contributions)."""
-        out = []
-        for f in range(self.run.P):
-            rec = self.newest.get(f)
+        out, P = [], self.state.run.P
+        for f in range(P):
+            rec = self.state.newest.get(f)
             if rec is None or rec.checkpoint == 0:
                 out.append(-1)
             else:
-                out.append(rec.round if rec.checkpoint is None else round_of(f, rec.checkpoint, self.run.P))
+                out.append(rec.round if rec.checkpoint is None else round_of(f, rec.checkpoint, P))
         return out

@@ -93,7 +93,7 @@ class Learner:
         lent: bool = False,
     ) -> None:
         """Load the newest committed parameters into the model before the first step.
-        ``incoming``: each fragment's parameters already on their way (``Bridge.follow``);
+        ``incoming``: each fragment's parameters already on their way (``Placement.joining``);
         ``lent``: ``thetas`` are this learner's alone (``CommitNotice.lent``)."""
         for f, theta in thetas.items():
             (incoming[f] if incoming is not None else self.io.stage(theta)).write()
@@ -112,7 +112,7 @@ class Learner:
     def apply(self, c: CommitNotice) -> None:
         """Align fragment ``c.fragment`` with a commit, in place, by the run's alignment rule."""
         if c.refused:
-            # Not applied (verifying.py): this learner waits for the round no longer, and keeps the
+            # Not applied (follower.CommitScreen): this learner waits for the round no longer, and keeps the
             # fragment as it is (its next contribution of it is stale until a commit it applies).
             while self.published and self.published[0].round <= c.round:
                 self.published.popleft()

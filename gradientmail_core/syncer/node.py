@@ -1,34 +1,79 @@
-"""The background half of a learner: one ``tick()`` polls the mailbox once and does what
-is due (upload contributions, renew the lease, follow the tape, align, close or take
-over rounds, collect garbage).
+"""The background half of a learner: one ``tick()`` polls the mailbox once and does what is due.
 
-A tick is single-threaded and reads time only from the injected clock, so a simulation
-drives many nodes deterministically by calling ``tick()`` in a seeded order. The session
-runs ticks on a background thread.
+A tick is single-threaded and reads time only from the injected clock, so a simulation drives many
+nodes deterministically by calling ``tick()`` in a seeded order. The session runs ticks on a
+background thread.
 
-Each concern is a module of its own, over the state in ``state.py``: ``publishing`` (uploading
-contributions), ``following`` (the tape), ``closing`` (the round this node closes), ``election``
-(claims and takeover), ``gc``. This module joins them and runs one poll.
+The node owns its parts, each given the shared ``NodeState`` and nothing of the others: the
+``Publisher`` (uploads contributions), the ``Follower`` (the tape; it screens commits with its
+``CommitScreen``), the ``Election`` (claims and takeover), the ``Closing`` of a round this node
+claimed, and the ``GarbageCollector``; and its ``Placement``, which says how parameters move and
+who merges. ``tick`` reads as one round's story, in order; ``_drive_round`` is where the parts'
+decisions meet.
 """
 
 from __future__ import annotations
 
+import random
+from collections.abc import Callable
+
 import numpy as np
 
 from .. import events as ev
+from ..clock import Clock
 from ..errors import MailboxUnavailable, PayloadCorrupt
 from ..protocol import keys
+from ..protocol.lease import LeaseWriter, Liveness
 from ..protocol.records import chunk_refs
-from ..protocol.tape import newest_records, read_newest, round_keys
-from .bridge import View
+from ..protocol.run import RunInfo
+from ..protocol.store import RunStore
+from .bridge import Bridge, View
+from .closing import Closing
 from .election import Election
-from .publishing import Publishing
-from .state import NodeOptions, NodeStats
+from .follower import CommitScreen, Follower
+from .gc import GarbageCollector
+from .options import NodeOptions
+from .placement import OneProcess, Placement
+from .publisher import Publisher
+from .state import NodeState
 
-__all__ = ["Node", "NodeOptions", "NodeStats"]
 
+class Node:
+    def __init__(
+        self,
+        store: RunStore,
+        clock: Clock,
+        run: RunInfo,
+        *,
+        learner: str,
+        nonce: str,
+        emit: Callable[[ev.Event], None],
+        options: NodeOptions,
+        bridge: Bridge | None = None,
+        rng: random.Random | None = None,
+        role: str = "both",
+        placement: Placement | None = None,
+    ) -> None:
+        """``placement``: how parameters move and who merges (default ``OneProcess``: this
+        process holds the model; a sharded node's rank 0 passes its own)."""
+        self.store, self.clock, self.run, self.me = store, clock, run, learner
+        self.emit, self.opts = emit, options
+        self.bridge = bridge or Bridge()
+        role = keys.validate_role(role)
+        self.lease = LeaseWriter(store, clock, learner, nonce, options.lease_interval, role=role)
+        self.placement = placement or OneProcess(store, run, self.bridge)
+        liveness = Liveness(clock, options.lease_timeout, learner, role=role)
+        self.state = NodeState(run, learner, role, liveness, fleet_polls=self.placement.fleet_polls)
+        self.merger = self.placement.merger
+        self.spool = self.merger.spool  # the contributions of the rounds it closes, on local disk
+        screen = CommitScreen(store, run, emit, me=learner, fraction=options.verify, rng=rng or random.Random(0))
+        s, c = self.state, options.payload_compression
+        self.publisher = Publisher(store, s, self.placement, self.bridge, emit, nonce=nonce, compression=c)
+        self.follower = Follower(store, s, self.placement, self.bridge, screen, emit)
+        self.election = Election(store, clock, s, self.lease, self.bridge, emit, options=options, nonce=nonce)
+        self.closing = Closing(store, clock, s, self.placement, emit, compression=c)
+        self.gc = GarbageCollector(store, s)
 
-class Node(Publishing, Election):
     # ---- joining ----------------------------------------------------------------------
 
     def join(self, *, created: bool, predecessor: str | None = None) -> dict[int, dict[str, np.ndarray]]:
@@ -42,35 +87,30 @@ class Node(Publishing, Election):
             raise MailboxUnavailable(f"{e}; retry joining") from e
 
     def _join(self, created: bool, predecessor: str | None) -> dict[int, dict[str, np.ndarray]]:
+        s = self.state
         self.lease.acquire(poll=self.opts.poll_interval, predecessor=predecessor)
-        self._list_leases()
-        if self.bridge.follow is not None:  # a sharded node: its ranks read their own chunks (join_run)
-            recs = newest_records(self.store, self.run, round_keys(self.store))
-            thetas: dict[int, dict[str, np.ndarray]] = {f: {} for f in range(self.run.P)}
-        else:
-            recs, thetas = read_newest(self.store, self.run)
+        s.list_leases(self.store)
+        recs, thetas = self.placement.read_newest()
         for f, theta in thetas.items():
-            version = recs[f].version if f in recs else 0
-            self.thetas[f] = (version, theta)
-        self.newest = recs
-        self.head = max((r.round for r in recs.values()), default=-1)
-        if created:
-            self._try_claim(0, 1, previous=None, reason=None)
+            s.thetas[f] = (recs[f].version if f in recs else 0, theta)
+        s.newest = recs
+        s.head = max((r.round for r in recs.values()), default=-1)
+        if created and self.election.try_claim(0, 1, previous=None, reason=None):
+            self._open(0)
         # A node that closes round 0 (it created the run, and no node claimed the round first)
         # recovers the outer state from what it read; any other lends it to its learner.
-        self.lent = self.lends()
-        if self.lent:
-            self.thetas = {f: (v, None) for f, (v, _) in self.thetas.items()}
+        s.lent = self.follower.lends()
+        if s.lent:
+            s.thetas = {f: (v, None) for f, (v, _) in s.thetas.items()}
         self._publish_view()
-        self.emit(ev.Joined(self.me, self.head, created, len(self.liveness.live())))
+        self.emit(ev.Joined(self.me, s.head, created, len(s.liveness.live())))
         return thetas
 
     def leave(self) -> None:
         self.lease.release()
         self.spool.close()  # the contribution chunks of the rounds it closed: on local disk, removed
-        if self.verifier is not None:
-            self.verifier.close()
-        self.emit(ev.Left(self.me, self.head))
+        self.follower.screen.close()
+        self.emit(ev.Left(self.me, self.state.head))
 
     # ---- one poll ---------------------------------------------------------------------
 
@@ -82,59 +122,104 @@ class Node(Publishing, Election):
             raise MailboxUnavailable(f"{e}; retrying on the next poll") from e
 
     def _tick(self) -> None:
-        self._publish_pending()
+        self.publisher.publish_pending()  # the learner's contributions, uploaded
         self.lease.renew(local_step=self.bridge.local_step, tokens=self.bridge.tokens)
-        if self.polls_fleet():
+        if self.follower.advance(self._list_rounds()):  # the commits since the last poll, followed
+            # (never for a round the listing shows committed but we could not read yet)
+            self._drive_round(self.state.head + 1)
+        self._release_own_snapshots()
+        self._publish_view()  # what the learner sees until the next poll
+
+    def _drive_round(self, r: int) -> None:
+        """The open round ``r``: watched, claimed, or judged and committed by this node."""
+        s = self.state
+        if not s.may_close:
+            self.election.watch_closers(r)
+            return
+        if s.collector is not None and s.collector.round != r:
+            s.collector = None
+        if s.collector is None:
+            if self.election.watch(r):
+                self._open(r)
+            return
+        c = s.collector
+        live = self.closing.due(c)  # its snapshots judged; the number of live learners once due
+        if live is None:
+            return
+        commit, rec = self.closing.merge(c, live)  # the commit's payloads written
+        # The round after is claimed before this record is written, so no follower ever sees it
+        # unclaimed (and claims it at once) while this closer lives.
+        next_claimed = self.election.try_claim(r + 1, 1, previous=None, reason=None)
+        landed = self.closing.write(commit, rec)
+        if landed is not rec:  # another closer's record was there first: follow theirs
+            if landed is not None:
+                self.follower.take(landed)  # (a payload that reads back damaged: advance retries it)
+            return
+        self.follower.on_record(landed, commit.theta)
+        if next_claimed or self.election.try_claim(r + 1, 1, previous=None, reason=None):
+            self._open(r + 1)
+        self.gc.collect(r)
+
+    def _open(self, r: int) -> None:
+        """This node holds round ``r``'s claim: it closes the round (once it is the open one)."""
+        if r != self.state.head + 1:
+            return
+        self.closing.open(r)
+        self.election.stop_watching()
+
+    # ---- the poll's listing -----------------------------------------------------------
+
+    def _list_rounds(self) -> list[str]:
+        s = self.state
+        if s.polls_fleet():
             # A follower of a fleet (``max_contributions``): one LIST of the round records after the
             # head, of a size that does not grow with the fleet; the claimant's lease is watched
             # by ``election`` and the live count comes from the newest record.
-            self.snapshot_keys = {}
-            round_keys = self.store.keys(keys.ROUNDS, after=keys.round_key(self.head))
-            self.listing += 1
-        else:
-            round_keys = self._list_open_rounds()
-        if self._advance(round_keys):
-            self._drive_round()  # never for a round the listing shows committed but we could not read yet
-        self._release_own_snapshots()
-        self._publish_view()
+            s.snapshot_keys = {}
+            round_keys = self.store.keys(keys.ROUNDS, after=keys.round_key(s.head))
+            s.listing += 1
+            return round_keys
+        return self._list_open_rounds()
 
     def _list_open_rounds(self) -> list[str]:
         """The poll's listing of the new round records and the open rounds' snapshots (which
         ``snapshot_keys`` takes), with the leases when due; returns the round records' keys."""
-        if self.clock.now() - self.liveness.listed_at >= self.opts.lease_list_interval:
-            self._list_leases()
+        s = self.state
+        if self.clock.now() - s.liveness.listed_at >= self.opts.lease_list_interval:
+            s.list_leases(self.store)
         # One listing per poll: ``snapshots/`` sorts after ``rounds/``, so listing everything after
         # the head's record returns the new records and the open rounds' snapshots together.
-        after = keys.round_key(self.head) if self.head >= 0 else keys.ROUNDS
+        after = keys.round_key(s.head) if s.head >= 0 else keys.ROUNDS
         listing = self.store.keys("", after=after)
-        before, self.snapshot_keys = self.snapshot_keys, {}
+        before, s.snapshot_keys = s.snapshot_keys, {}
         for k in listing:
             parsed = keys.parse_snapshot_key(k)
             if parsed is not None:
-                self.snapshot_keys.setdefault(parsed[0], set()).add(parsed[1])
-        self.listing += 1
-        for learner in self.liveness.live():
-            self.sightings[learner] = self.listing
+                s.snapshot_keys.setdefault(parsed[0], set()).add(parsed[1])
+        s.listed()
         newcomers = False
-        for r, learners in self.snapshot_keys.items():
+        for r, learners in s.snapshot_keys.items():
             for learner in learners - before.get(r, set()):
-                self.sightings[learner] = self.listing  # a new contribution
-                newcomers = newcomers or learner not in self.liveness.seen
+                s.sightings[learner] = s.listing  # a new contribution
+                newcomers = newcomers or learner not in s.liveness.seen
         if newcomers:
             # A learner contributes before this node listed its lease (it joined since): list the
             # leases now, so a round this node closes waits for it as the quorum says (at most one
             # extra LIST a poll, and only when an unknown learner's snapshot appears).
-            self._list_leases()
+            s.list_leases(self.store)
         return [k for k in listing if k.startswith(keys.ROUNDS)]
+
+    # ---- after the poll ---------------------------------------------------------------
 
     def _release_own_snapshots(self) -> None:
         """Keep this node's snapshots (and their chunks in the spool) only for the rounds it may
         still judge as their closer: the one it collects (until judged) and those after it. A node
         closing nothing keeps none (a fragment per round in flight): were it to take a round over,
         it reads its snapshot back from the store like anyone else's."""
-        c = self.collector
-        for r in [r for r in self.own_snapshots if c is None or r < c.round or (r == c.round and self.me in c.judged)]:
-            snap = self.own_snapshots.pop(r)
+        s = self.state
+        c = s.collector
+        for r in [r for r in s.own_snapshots if c is None or r < c.round or (r == c.round and self.me in c.judged)]:
+            snap = s.own_snapshots.pop(r)
             if c is None or r < c.round:  # (judged: its chunks stay in the spool for the merge)
                 for ref in chunk_refs(snap.payload):
                     self.spool.discard(ref.sha256)
@@ -148,22 +233,17 @@ class Node(Publishing, Election):
         # prior art's count breaks the equality with the textbook loop, tests/test_equivalence.py).
         # Only live learners' snapshots count: objects under names nobody holds a lease for (stray
         # or hostile) must not hurry every learner into contributing early.
-        learners = self.liveness.live()
+        s = self.state
+        learners = s.liveness.live()
         live = len(learners)
-        if self.polls_fleet() and (rec := self.newest_of_head()) is not None:
+        if s.polls_fleet() and (rec := s.newest_of_head()) is not None:
             live = rec.live  # (the closer's count; this node lists no leases but the claimant's)
         quorum = self.run.cfg.quorum_size
         need = quorum if quorum >= live else max(min(quorum, live) - 1, 1)
         others = frozenset(
-            r for r, ls in self.snapshot_keys.items() if r > self.head and len((ls & learners) - {self.me}) >= need
+            r for r, ls in s.snapshot_keys.items() if r > s.head and len((ls & learners) - {self.me}) >= need
         )
-        closer_of = self.collector.round if self.collector else None
-        view = View(
-            self.head, others, live, self.rounds_seen, closer_of, sightings=dict(self.sightings), listing=self.listing
-        )
+        closer_of = s.collector.round if s.collector else None
+        view = View(s.head, others, live, s.rounds_seen, closer_of, sightings=dict(s.sightings), listing=s.listing)
         with self.bridge.lock:
             self.bridge.view = view
-
-    def view(self) -> View:
-        with self.bridge.lock:
-            return self.bridge.view

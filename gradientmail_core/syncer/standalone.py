@@ -34,9 +34,11 @@ from ..protocol.members import node_policy
 from ..protocol.run import RunInfo, max_payload_bytes, read_manifest
 from ..protocol.store import RunStore
 from .marker import RestartMarker
-from .node import Node, NodeOptions
+from .node import Node
+from .options import NodeOptions
 
 _log = logging.getLogger(__name__)
+_DEFAULT = NodeOptions()  # (the keywords' defaults are the options')
 
 
 class Syncer:
@@ -49,12 +51,12 @@ class Syncer:
         mailbox: Mailbox,
         *,
         syncer_id: str,
-        poll_interval: float = 1.0,
-        lease_timeout: float = 120.0,
+        poll_interval: float = _DEFAULT.poll_interval,
+        lease_timeout: float = _DEFAULT.lease_timeout,
         lease_every: float | None = None,
         round_timeout: float | None = None,
-        compression: str = "off",
-        callbacks: Sequence[Callable[[ev.Event], None]] = (ev.log_events,),
+        compression: str = _DEFAULT.compression,
+        callbacks: Sequence[Callable[[ev.Event], None]] = _DEFAULT.callbacks,
         clock: Clock | None = None,
         seed: int | None = None,
         secret: bytes | str | None = None,
@@ -62,20 +64,26 @@ class Syncer:
         identity: str | os.PathLike[str] | None = None,
     ) -> None:
         self.syncer_id = keys.validate_learner_id(syncer_id)
-        self.options = NodeOptions.from_user(
+        o = self.options = NodeOptions(
             poll_interval=poll_interval,
             lease_timeout=lease_timeout,
             lease_every=lease_every,
             round_timeout=round_timeout,
             compression=compression,
+            callbacks=tuple(callbacks),
+            clock=clock,
+            seed=seed,
+            secret=secret,
+            secret_file=secret_file,
+            identity=identity,
         )
-        self.auth, me = node_policy(secret, secret_file, identity)  # docs/security.md; before any I/O
+        self.auth, me = node_policy(o.secret, o.secret_file, o.identity)  # docs/security.md; before any I/O
         if me is not None:
             self.syncer_id = me.learner_id(self.syncer_id)
         self.mailbox = mailbox
-        self.clock = clock or SystemClock()
-        self.callbacks = list(callbacks)
-        self._rng = random.Random(seed if seed is not None else int.from_bytes(os.urandom(8), "big"))
+        self.clock = o.clock or SystemClock()
+        self.callbacks = list(o.callbacks)
+        self._rng = random.Random(o.seed if o.seed is not None else int.from_bytes(os.urandom(8), "big"))
         self.nonce = f"{self._rng.getrandbits(64):016x}"
         self._marker = RestartMarker(self.syncer_id)
         self._stop = threading.Event()

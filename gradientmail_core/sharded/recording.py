@@ -18,14 +18,15 @@ from ..codec.quant import QTensor
 from ..config import Adaptive, Carry, DiLoCo
 from ..errors import SessionFailed
 from ..protocol.records import PayloadRef, join_refs
-from .rank import Captured, RankIO
+from .rank_io import Captured, RankIO
 
 
 class Recorder(Protocol):
     """What the handles need of rank 0's host (``lead_rank.LeadRank``): its rank's IO,
     and the actions it sends every rank at the next exchange."""
 
-    io: RankIO | None
+    @property
+    def io(self) -> RankIO | None: ...
 
     def record(self, action: dict[str, Any], handle: ShardContribution | None = None) -> None: ...
 
@@ -96,8 +97,9 @@ class ShardIncoming:
 
 
 class ShardContribution:
-    """Rank 0's handle on one publish: ``upload`` (the node's hook, on its thread) uploads rank 0's
-    chunks once every rank captured them, adds the other ranks' refs and returns the joined ref."""
+    """Rank 0's handle on one publish: ``upload`` (``lead_rank.OverRanks.upload``, on the node's
+    thread) uploads rank 0's chunks once every rank captured them, adds the other ranks' refs and
+    returns the joined ref."""
 
     def __init__(self, rt: Recorder, f: int, r: int, seq: int) -> None:
         self.rt, self.fragment, self.round, self.seq = rt, f, r, seq
@@ -154,4 +156,4 @@ class RecordingIO:
         pass
 
     def stage(self, theta: Mapping[str, np.ndarray]) -> Incoming:
-        raise AssertionError("a sharded node's follower hands records to bridge.follow, never whole parameters")
+        raise AssertionError("a sharded node's follower hands records to LeadRank.announce, never whole parameters")
