@@ -341,6 +341,13 @@ MUTATIONS: list[Mutation] = [
       "if fo.timer_from is None:",
       ("tests/test_max_contributions.py::test_a_stalled_closer_is_taken_over_by_timeout_counted_from_the_followers_own_contribution",),
       "issue 27: an idle fleet's followers take the round over one after another", quick=True),
+    # A node closing its session and a round it has no part in (the clean leaver's next round)
+    M("settling-follower-takes-over-any-round", "gradientmail_core/syncer/election.py",
+      "        if self.bridge.settling and s.contributed < r:\n",
+      "        if False:\n",
+      ("tests/test_engine_takeover.py::test_a_settling_follower_does_not_take_over_a_round_it_has_no_part_in",),
+      "issue 35: a follower leaving takes over the round a clean leaver claimed and loads its outer state",
+      quick=True),
 ]
 # fmt: on
 

@@ -151,3 +151,37 @@ def test_killed_learner_stops_being_waited_for_after_lease_timeout():
     c.settle(100)  # 5 s > lease_timeout: b's lease is stale, a closes alone
     assert c.head() > head
     assert a.node.state.liveness.live() == {"a"}
+
+
+def _closer_leaves_cleanly(*, follower_settling: bool) -> tuple[Cluster, object]:
+    """Two learners in lockstep; the closer leaves cleanly (its lease released) after its last
+    round, holding the claim of the next one (claimed before it wrote the last record); the
+    follower is still closing its session (``settling``) or trains on."""
+    c = Cluster(gm.DiLoCo(sync_every=4, fragments=2, quorum_size=2))
+    a, b = c.join_all("ab")
+    c.run(16)
+    c.settle(10)
+    closer, follower = (a, b) if a.node.state.stats.committed else (b, a)
+    assert closer.node.state.stats.committed and not follower.node.state.stats.committed
+    head = c.head()
+    assert keys.claim_key(head + 1, 1) in c.mailbox.list(keys.claims_prefix(head + 1))
+    follower.node.bridge.settling = follower_settling
+    c.close(closer)
+    c.settle(120)  # 6 s: three lease timeouts
+    return c, follower
+
+
+def test_a_settling_follower_does_not_take_over_a_round_it_has_no_part_in():
+    # The round the clean leaver claimed has no contribution of the follower's: taking it over, the
+    # follower would load the fragment's outer state (theta and momentum) only to leave (a
+    # 300M-parameter follower peaked at 1.57x the model's bytes for it, bench/memory.py lockstep).
+    c, follower = _closer_leaves_cleanly(follower_settling=True)
+    assert not follower.of(ev.TookOver)
+    assert not follower.node.merger.holds_any()
+
+
+def test_a_follower_that_trains_on_takes_over_the_round_of_a_closer_that_left():
+    # The control: the same run with the follower staying takes the round over on the lease.
+    c, follower = _closer_leaves_cleanly(follower_settling=False)
+    took = follower.of(ev.TookOver)
+    assert took and took[0].reason == "lease_lost" and took[0].round == c.head() + 1

@@ -21,9 +21,9 @@ import torch.distributed as dist
 
 from ..adapters.torch_sharded import ShardedParams
 from ..adapters.torch_transfer import gather_chunks, gather_refs
+from ..codec.plan import fragment_plan
 from ..errors import SessionFailed
 from ..protocol import keys
-from ..protocol.chunks import fragment_plan
 from ..protocol.records import PayloadRef, join_refs
 from ..protocol.run import RunInfo
 from ..protocol.store import RunStore

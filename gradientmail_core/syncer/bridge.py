@@ -86,8 +86,10 @@ class Bridge:
         # The learner turns its anchors into deltas in place (``Learner.consumes``): a following
         # node then hands each commit's parameters over without keeping them (``CommitNotice.lent``).
         self.lend = False
-        # The training thread is leaving with nothing in flight (``Session.close``): the node
-        # then claims no round it would not stay to close.
+        # The training thread is leaving (``Session.close``): ``settling`` while it waits for the
+        # rounds it contributed to, then ``leaving`` with nothing in flight. A settling node takes
+        # over only rounds it contributed to; a leaving one claims no round at all.
+        self.settling = False
         self.leaving = False
 
     def publish(self, p: Publish) -> None:

@@ -85,6 +85,12 @@ class Election:
         if self.bridge.leaving:
             return False  # its rounds are committed and it is about to leave: it would close nothing
         s, now = self.state, self.clock.now()
+        if self.bridge.settling and s.contributed < r:
+            # Leaving, and no contribution of its own in this round: the nodes that stay close it.
+            # Taken over, it would load the fragment's outer state (theta and momentum, twice the
+            # fragment; a 300M-parameter follower peaked at 1.57x the model for it) only to leave.
+            # A clean leaver's round (it claims r + 1 before it writes r) is the usual case.
+            return False
         fo = self.watching
         if fo is None or fo.round != r:
             fo = self.watching = Watch(r, now)

@@ -366,6 +366,7 @@ class ProcessHost:
         self.check()
         lr = self.learner
         assert lr is not None
+        self.bridge.settling = True
         if self.setup.algorithm.flush_on_close:
             self._flush(lr)
         self._wait_until(lambda: not lr.maybe_publish() and not lr.published, "close")

@@ -17,8 +17,8 @@ from typing import Protocol
 import numpy as np
 
 from ..adapters.handles import Incoming
-from ..codec.chunked import ChunkSpec
-from ..codec.stream import PayloadStream, decode_stream
+from ..codec.payload import PayloadStream, decode_payload
+from ..codec.plan import ChunkSpec
 from ..errors import PayloadCorrupt, PayloadLayoutMismatch, RecordInvalid
 from ..protocol import keys
 from ..protocol.rebuild import rebuild_theta, theta_digest
@@ -152,7 +152,7 @@ class OneProcess:
         if it does not decode: then it is read back like any contribution."""
         f = pub.fragment
         try:
-            own = decode_stream(
+            own = decode_payload(
                 data.chunks(),
                 self.run.shapes[f],
                 size=data.size,
