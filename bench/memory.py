@@ -21,7 +21,7 @@ what is live; with the default, glibc raises the threshold to the sizes freed an
 buffers on its heap, so RSS would count freed memory as held.
 
 ``python bench/memory.py --params 25e6 --fragments 1 4 8`` (about a minute per fragment count on
-two cores; ``--nodes 1`` for the lone closer). ``--trace`` adds tracemalloc's peak (numpy's
+two cores; ``--nodes 1`` for the lone closer; ``--overlap-steps 0`` for lockstep). ``--trace`` adds tracemalloc's peak (numpy's
 allocations, no allocator slack; slower) to each row.
 
 Chunked payloads (``docs/protocol.md`` section 10): ``--chunk-elements C`` sets the run's
@@ -134,7 +134,8 @@ def worker(args: argparse.Namespace) -> None:
     base = peak.read()
     gap = args.gap
     chunks = {} if args.chunk_elements is None else {"chunk_elements": args.chunk_elements or None}
-    cfg = gm.DiLoCo(sync_every=gap * P, fragments=P, quorum_size=nodes, overlap_steps=gap, **chunks)
+    overlap = gap if args.overlap_steps is None else args.overlap_steps
+    cfg = gm.DiLoCo(sync_every=gap * P, fragments=P, quorum_size=nodes, overlap_steps=overlap, **chunks)
     session = gm.Session(
         model,
         algorithm=cfg,
@@ -198,6 +199,8 @@ def run_fragments(args: argparse.Namespace, P: int) -> list[dict[str, Any]]:
             argv = [sys.executable, __file__, "--worker", "--index", str(i), "--mailbox", str(Path(tmp) / "mb")]
             argv += ["--params", str(args.params), "--fragments", str(P), "--nodes", str(args.nodes)]
             argv += ["--framework", args.framework, "--cycles", str(args.cycles), "--gap", str(args.gap)]
+            if args.overlap_steps is not None:
+                argv += ["--overlap-steps", str(args.overlap_steps)]
             argv += ["--warmup", str(args.warmup)] + (["--trace"] if args.trace else [])
             if args.chunk_elements is not None:
                 argv += ["--chunk-elements", str(args.chunk_elements)]
@@ -229,6 +232,9 @@ def main() -> None:
     ap.add_argument("--framework", choices=["numpy", "torch"], default="numpy")
     ap.add_argument("--cycles", type=int, default=4, help="rounds per fragment")
     ap.add_argument("--gap", type=int, default=3, help="steps between rounds (sync_every = gap x fragments)")
+    ap.add_argument(
+        "--overlap-steps", type=int, default=None, help="the run's overlap_steps (default: --gap; 0: lockstep)"
+    )
     ap.add_argument("--warmup", type=int, default=3, help="plain steps before joining")
     ap.add_argument("--trace", action="store_true", help="also tracemalloc's peak (slower)")
     ap.add_argument(
