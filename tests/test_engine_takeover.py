@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-from harness import Cluster, CrashingMailbox, make_params
+from harness import Cluster, CrashingMailbox, Member, make_params
 from test_engine_rounds import assert_identical, assert_tape_contiguous, finish, records
 
 import gradientmail_core as gm
@@ -153,35 +153,51 @@ def test_killed_learner_stops_being_waited_for_after_lease_timeout():
     assert a.node.state.liveness.live() == {"a"}
 
 
-def _closer_leaves_cleanly(*, follower_settling: bool) -> tuple[Cluster, object]:
-    """Two learners in lockstep; the closer leaves cleanly (its lease released) after its last
-    round, holding the claim of the next one (claimed before it wrote the last record); the
-    follower is still closing its session (``settling``) or trains on."""
-    c = Cluster(gm.DiLoCo(sync_every=4, fragments=2, quorum_size=2))
-    a, b = c.join_all("ab")
+def _closer_leaves_cleanly(names: str) -> tuple[Cluster, Member, list[Member]]:
+    """Learners in lockstep; the closer leaves cleanly (its lease released) after its last round,
+    holding the claim of the next one (claimed before it wrote the last record)."""
+    c = Cluster(gm.DiLoCo(sync_every=4, fragments=2, quorum_size=len(names)))
+    ms = c.join_all(names)
     c.run(16)
     c.settle(10)
-    closer, follower = (a, b) if a.node.state.stats.committed else (b, a)
-    assert closer.node.state.stats.committed and not follower.node.state.stats.committed
+    (closer,) = [m for m in ms if m.node.state.stats.committed]
     head = c.head()
     assert keys.claim_key(head + 1, 1) in c.mailbox.list(keys.claims_prefix(head + 1))
-    follower.node.bridge.settling = follower_settling
     c.close(closer)
+    return c, closer, [m for m in ms if m is not closer]
+
+
+def _train(c: Cluster, m: Member, steps: int) -> None:
+    for _ in range(steps):
+        m.train()
+        c.tick_all()
+        c.clock.advance(0.05)
+
+
+def test_a_clean_leavers_round_is_taken_over_only_once_it_has_a_contribution():
+    # Until a contribution is listed there is nothing to close: taken over, the round would cost
+    # the follower the fragment's outer state (theta and momentum: a 300M-parameter follower
+    # peaked at 1.57x the model's bytes for it, bench/memory.py --overlap-steps 0) for a round
+    # nobody may contribute to again. Trained on, the follower contributes, then takes it over.
+    c, _, (follower,) = _closer_leaves_cleanly("ab")
+    head = c.head()
     c.settle(120)  # 6 s: three lease timeouts
-    return c, follower
-
-
-def test_a_settling_follower_does_not_take_over_a_round_it_has_no_part_in():
-    # The round the clean leaver claimed has no contribution of the follower's: taking it over, the
-    # follower would load the fragment's outer state (theta and momentum) only to leave (a
-    # 300M-parameter follower peaked at 1.57x the model's bytes for it, bench/memory.py lockstep).
-    c, follower = _closer_leaves_cleanly(follower_settling=True)
-    assert not follower.of(ev.TookOver)
-    assert not follower.node.merger.holds_any()
-
-
-def test_a_follower_that_trains_on_takes_over_the_round_of_a_closer_that_left():
-    # The control: the same run with the follower staying takes the round over on the lease.
-    c, follower = _closer_leaves_cleanly(follower_settling=False)
+    assert not follower.of(ev.TookOver) and not follower.node.merger.holds_any()
+    _train(c, follower, 8)
+    c.settle(120)
     took = follower.of(ev.TookOver)
-    assert took and took[0].reason == "lease_lost" and took[0].round == c.head() + 1
+    assert took and took[0].reason == "lease_lost" and took[0].round == head + 1
+    assert c.head() > head
+
+
+def test_a_settling_follower_leaves_the_round_to_a_node_that_stays():
+    # b closes its session (settling: it waits for its own rounds) and has no part in the open
+    # round; c trains on and contributes: c takes the round over, b loads no outer state.
+    c, _, (b, cc) = _closer_leaves_cleanly("abc")
+    head = c.head()
+    b.node.bridge.settling = True
+    _train(c, cc, 8)
+    c.settle(120)
+    assert not b.of(ev.TookOver) and not b.node.merger.holds_any()
+    took = cc.of(ev.TookOver)
+    assert took and took[0].reason == "lease_lost" and took[0].round == head + 1

@@ -130,6 +130,14 @@ class Election:
                 # round 0 over from the one that claimed it first). Judge on a newer listing.
                 s.list_leases(self.store)
                 return False
+            if not s.snapshot_keys.get(r) and s.contributed < r:
+                # Nothing to close yet: no contribution listed, none of ours. A closer that left
+                # cleanly after its last round still holds the claim of the next (it claims r + 1
+                # before it writes r): taken over now, the round would cost this node the
+                # fragment's outer state (theta and momentum: a 300M-parameter follower peaked at
+                # 1.57x the model for it) when maybe nobody contributes again. The first
+                # contribution listed (anyone's) lets the takeover go ahead.
+                return False
             reason = "lease_lost"
         if (
             reason is None
