@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import random
 import re
 import socket
 import sys
@@ -22,13 +21,13 @@ from . import events as ev
 from .adapters import adapter_for
 from .adapters.base import Adapter
 from .adapters.naming import Names
-from .clock import Clock, SystemClock
+from .clock import Clock
 from .config import DiLoCo
 from .mailbox import Mailbox
 from .protocol import keys
 from .protocol.auth import policy as auth_policy
 from .protocol.guard import GuardedMailbox
-from .protocol.members import MemberAuth, node_policy
+from .protocol.members import MemberAuth
 from .protocol.store import RunStore
 from .protocol.tape import load_newest
 from .syncer.host import EngineHost, HostSetup, ProcessHost, Progress
@@ -83,24 +82,9 @@ class Session:
                 f"role={role!r}: expected 'both' (train and close rounds) or 'learner' (train only); "
                 "a node that only closes rounds is gm.Syncer (`gradientmail syncer URL --id NAME`)"
             )
-        o = self.options = NodeOptions(
-            poll_interval=poll_interval,
-            lease_timeout=lease_timeout,
-            lease_every=lease_every,
-            round_timeout=round_timeout,
-            compression=compression,
-            verify=verify,
-            callbacks=tuple(callbacks),
-            clock=clock,
-            seed=seed,
-            secret=secret,
-            secret_file=secret_file,
-            identity=identity,
-        )
-        # docs/security.md: shared secret, identities, or neither; validated before any I/O
-        self.auth, self.identity = node_policy(o.secret, o.secret_file, o.identity, owner_key)
-        if self.identity is not None:
-            me = self.identity.learner_id(me)
+        o = self.options = NodeOptions.of(locals())  # the keywords that name an option
+        fixed = o.resolve(me, owner_key)  # docs/security.md: shared secret, identities, or neither
+        self.auth, self.identity, self.clock, self.nonce = fixed.auth, fixed.identity, fixed.clock, fixed.nonce
         self.model = model
         # names=: this node's canonical parameter names -> the run's (adapters/naming.py)
         self.adapter = adapter_for(model, names=names)
@@ -108,11 +92,8 @@ class Session:
         # role None: "both" (train and close rounds); a sharded node closes with every rank its part
         self.role = role if role is not None else "both"
         self.mailbox = mailbox
-        self.clock = o.clock or SystemClock()
         self.callbacks = list(o.callbacks)
         self.close_timeout = close_timeout if close_timeout is not None else o.lease_timeout + 2 * o.round_timeout_floor
-        rng = random.Random(o.seed if o.seed is not None else int.from_bytes(os.urandom(8), "big"))
-        self.nonce = f"{rng.getrandbits(64):016x}"
         # Where a sharded node's ranks keep their anchors ("device", "host", "disk"; None: "host"
         # on an accelerator, else "device"): sharded/anchors.py. A plain node keeps them as before.
         self.anchors = anchors
@@ -125,11 +106,11 @@ class Session:
             clock=self.clock,
             role=self.role,
             nonce=self.nonce,
-            rng=rng,
+            rng=fixed.rng,
             close_timeout=self.close_timeout,
             emit=self.emit,
         )
-        self.host: EngineHost = _host_for(setup, me, anchors)
+        self.host: EngineHost = _host_for(setup, fixed.learner_id, anchors)
 
     # ---- what the host runs -------------------------------------------------------------
 

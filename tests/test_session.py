@@ -3,6 +3,8 @@ read-only views a training loop uses."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import threading
 import time
 
@@ -15,6 +17,7 @@ import torch  # noqa: E402
 import gradientmail_core as gm  # noqa: E402
 from gradientmail_core.protocol import keys  # noqa: E402
 from gradientmail_core.syncer.host import ProcessHost  # noqa: E402
+from gradientmail_core.syncer.options import NodeOptions  # noqa: E402
 
 
 def model(width: int = 4) -> torch.nn.Module:
@@ -32,6 +35,28 @@ class Untouchable:
 
 
 FAST = {"poll_interval": 0.02, "lease_timeout": 2.0, "callbacks": ()}
+
+
+@pytest.mark.parametrize("cls", [gm.Session, gm.Syncer])
+def test_the_node_keywords_are_the_options_with_their_defaults(cls):
+    # NodeOptions.of reads the user object's keywords by name: one that is misspelt, or whose default
+    # drifts from the option's, would silently fall back to the option's default.
+    params = inspect.signature(cls).parameters
+    options = {f.name: f.default for f in dataclasses.fields(NodeOptions)}
+    taken = set(params) & set(options)
+    assert taken == set(options) - ({"verify"} if cls is gm.Syncer else set())  # a syncer verifies nothing
+    for name in taken:
+        assert params[name].default == options[name], name
+
+
+def test_every_node_keyword_reaches_the_options():
+    values = dict(poll_interval=0.5, lease_timeout=9.0, lease_every=2.0, round_timeout=3.0, compression="zstd",
+                  callbacks=[print], clock=gm.FakeClock(), seed=7)  # fmt: skip
+    s = gm.Session(model(), algorithm=gm.DiLoCo(sync_every=4, fragments=1), mailbox=Untouchable(), verify=0.5, **values)
+    y = gm.Syncer(Untouchable(), syncer_id="sync-1", **values)
+    assert s.options == NodeOptions(verify=0.5, **values)
+    assert y.options == NodeOptions(**values)
+    assert s.nonce == y.nonce  # the same seed, the same first draw
 
 
 @pytest.mark.parametrize("bad", ["", "Upper", "-lead", "a_b", "a/b", "..", "x" * 65, "a b"])

@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -179,21 +179,40 @@ def _guarded(mailbox: Mailbox, secret_file: str | None) -> tuple[Mailbox, Any]:
     return guarded, auth
 
 
+def _parse_alone(
+    command: str,
+    doc: str | None,
+    arguments: Callable[[argparse.ArgumentParser], None],
+    argv: list[str],
+    *,
+    intermixed: bool = False,
+) -> argparse.Namespace:
+    """``gradientmail COMMAND ...`` by the command's own parser, for the commands that the common
+    one does not fit (``cost`` takes no URL; ``members`` takes its public keys among the options)."""
+    p = argparse.ArgumentParser(
+        prog=f"gradientmail {command}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    arguments(p)
+    args = p.parse_intermixed_args(argv) if intermixed else p.parse_args(argv)
+    args.command = command
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["cost"]:  # a model of a run's config: no URL, no store
         from . import cost
 
-        args = cost.parse(argv[1:])
+        args = _parse_alone("cost", cost.__doc__, cost.arguments, argv[1:])
         try:
             return cost.run(args)
         except ValueError as e:
             print(f"gradientmail cost: error: {' '.join(str(e).split())}", file=sys.stderr)
             return EXIT_USAGE
-    if argv[:1] == ["members"]:
-        from .members import parse
+    if argv[:1] == ["members"]:  # options and public keys in any order
+        from . import members
 
-        args = parse(argv[1:])
+        args = _parse_alone("members", members.__doc__, members.arguments, argv[1:], intermixed=True)
     else:
         args = _parser().parse_args(argv)
     from . import commands

@@ -105,10 +105,10 @@ def price_day(d: bill.Day, p: Prices, *, egress_share: float) -> dict[str, float
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    _arguments(sub.add_parser("cost", help="requests, bytes and USD per day of a run's config on S3, R2, HF"))
+    arguments(sub.add_parser("cost", help="requests, bytes and USD per day of a run's config on S3, R2, HF"))
 
 
-def _arguments(p: argparse.ArgumentParser) -> None:
+def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--params", type=float, required=True, help="model parameters (e.g. 7e9)")
     p.add_argument("--learners", type=int, required=True, help="learners in the fleet")
     p.add_argument("--sync-every", type=int, required=True, help="DiLoCo sync_every (H)")
@@ -136,16 +136,6 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--hf-tb-month", type=float, default=HF_TB_MONTH, help="HF bucket USD per TB-month (default 25)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the tables")
-
-
-def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="gradientmail cost", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    _arguments(p)
-    args = p.parse_args(argv)
-    args.command = "cost"
-    return args
 
 
 def shape_of(args: argparse.Namespace) -> bill.RunShape:

@@ -28,7 +28,7 @@ ACTIONS = ("key", "list", "add", "remove")
 
 
 def add_parser(sub: Any) -> None:
-    _arguments(
+    arguments(
         sub.add_parser(
             "members",
             help="who may take part in a members-only run: key, list, add, remove",
@@ -38,18 +38,7 @@ def add_parser(sub: Any) -> None:
     )
 
 
-def parse(argv: list[str]) -> argparse.Namespace:
-    """``gradientmail members ...``: options and public keys in any order."""
-    p = argparse.ArgumentParser(
-        prog="gradientmail members", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    _arguments(p)
-    args = p.parse_intermixed_args(argv)
-    args.command = "members"
-    return args
-
-
-def _arguments(m: argparse.ArgumentParser) -> None:
+def arguments(m: argparse.ArgumentParser) -> None:
     m.add_argument("action", choices=ACTIONS)
     m.add_argument("url", nargs="?", help="the run's mailbox (not for 'key')")
     m.add_argument("pubkeys", nargs="*", metavar="PUBKEY", help="public keys, 64 hex characters (add, remove)")

@@ -17,6 +17,14 @@ from ..mailbox import Mailbox, open_mailbox
 from ..syncer.options import NodeOptions
 
 _DEFAULT = NodeOptions()
+# The node's options this command takes as flags, each named as the option is (``--poll-interval``:
+# ``poll_interval``) and handed to ``gm.Syncer`` by that name; the common parser's --secret-file too.
+_TIMES = (
+    ("poll_interval", "seconds between polls"),
+    ("lease_timeout", "seconds without a lease renewal after which a node counts as gone (as the learners use)"),
+    ("round_timeout", None),
+)
+_OPTIONS = (*(name for name, _ in _TIMES), "compression", "secret_file", "identity")
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -32,21 +40,9 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         ),
     )
     s.add_argument("--id", dest="syncer_id", required=True, metavar="NAME", help="this syncer's id ([a-z0-9-])")
-    s.add_argument(
-        "--poll-interval",
-        type=_positive_float,
-        default=_DEFAULT.poll_interval,
-        metavar="S",
-        help="seconds between polls",
-    )
-    s.add_argument(
-        "--lease-timeout",
-        type=_positive_float,
-        default=_DEFAULT.lease_timeout,
-        metavar="S",
-        help="seconds without a lease renewal after which a node counts as gone (as the learners use)",
-    )
-    s.add_argument("--round-timeout", type=_positive_float, default=None, metavar="S")
+    for name, what in _TIMES:
+        flag = "--" + name.replace("_", "-")
+        s.add_argument(flag, type=_positive_float, default=getattr(_DEFAULT, name), metavar="S", help=what)
     s.add_argument(
         "--compression", choices=("off", "zstd"), default=_DEFAULT.compression, help="compression of the commits"
     )
@@ -112,17 +108,8 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     from ..syncer.standalone import Syncer
 
     mailbox = _open(args.url, args.endpoint_url, args.region)
-    syncer = Syncer(
-        mailbox,
-        syncer_id=args.syncer_id,
-        poll_interval=args.poll_interval,
-        lease_timeout=args.lease_timeout,
-        round_timeout=args.round_timeout,
-        compression=args.compression,
-        secret_file=args.secret_file,
-        identity=args.identity,
-        callbacks=[_Lines(out, args.url)],
-    )
+    options = {name: getattr(args, name) for name in _OPTIONS}
+    syncer = Syncer(mailbox, syncer_id=args.syncer_id, callbacks=[_Lines(out, args.url)], **options)
 
     def stop(signum: int, frame: Any) -> None:
         syncer.stop()

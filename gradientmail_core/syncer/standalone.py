@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import threading
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -30,7 +29,6 @@ from ..errors import MailboxUnavailable
 from ..mailbox import Mailbox
 from ..protocol import keys
 from ..protocol.guard import GuardedMailbox
-from ..protocol.members import node_policy
 from ..protocol.run import RunInfo, max_payload_bytes, read_manifest
 from ..protocol.store import RunStore
 from .marker import RestartMarker
@@ -63,28 +61,13 @@ class Syncer:
         secret_file: str | os.PathLike[str] | None = None,
         identity: str | os.PathLike[str] | None = None,
     ) -> None:
-        self.syncer_id = keys.validate_learner_id(syncer_id)
-        o = self.options = NodeOptions(
-            poll_interval=poll_interval,
-            lease_timeout=lease_timeout,
-            lease_every=lease_every,
-            round_timeout=round_timeout,
-            compression=compression,
-            callbacks=tuple(callbacks),
-            clock=clock,
-            seed=seed,
-            secret=secret,
-            secret_file=secret_file,
-            identity=identity,
-        )
-        self.auth, me = node_policy(o.secret, o.secret_file, o.identity)  # docs/security.md; before any I/O
-        if me is not None:
-            self.syncer_id = me.learner_id(self.syncer_id)
+        me = keys.validate_learner_id(syncer_id)
+        self.options = NodeOptions.of(locals())  # the keywords that name an option
+        fixed = self.options.resolve(me)  # docs/security.md; before any I/O
+        self.syncer_id, self.auth, self.clock, self.nonce = fixed.learner_id, fixed.auth, fixed.clock, fixed.nonce
+        self._rng = fixed.rng
         self.mailbox = mailbox
-        self.clock = o.clock or SystemClock()
-        self.callbacks = list(o.callbacks)
-        self._rng = random.Random(o.seed if o.seed is not None else int.from_bytes(os.urandom(8), "big"))
-        self.nonce = f"{self._rng.getrandbits(64):016x}"
+        self.callbacks = list(self.options.callbacks)
         self._marker = RestartMarker(self.syncer_id)
         self._stop = threading.Event()
         self.node: Node | None = None
