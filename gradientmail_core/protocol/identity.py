@@ -1,17 +1,9 @@
 """Per-node identities: an Ed25519 key pair per node, kept in a file the user names.
 
-``Identity.load(path)`` reads the node's private key, creating it on first use: a PEM (PKCS#8,
-unencrypted) file, or 64 hex characters of a raw 32-byte seed, readable by its owner only (mode
-0600; a key file others can read is refused). Creation is atomic: the key is written to a
-temporary file in the same folder, then linked to ``path`` (which fails if another process created
-it meanwhile; that one is then loaded).
-
-A public key travels as 64 lowercase hex characters; its *fingerprint* is the first 16 hex
-characters of its sha256. In a members-only run a node's learner id ends with ``-{fingerprint}``
-(``learner_id``), so every record names the key that must have signed it.
-
-``cryptography`` (the ``identity`` extra) is imported on first use only: importing
-``gradientmail_core`` never pulls it in.
+The key file is a PEM (PKCS#8) or 64 hex characters of a 32-byte seed, mode 0600, created on
+first use. A public key travels as 64 lowercase hex characters; its fingerprint (16 hex of its
+sha256) ends a members-only node's learner id (``learner_id``). ``cryptography`` (the ``identity``
+extra) is imported on first use only.
 """
 
 from __future__ import annotations

@@ -1,39 +1,14 @@
 """Members-only runs: who may take part, signed by each node, revocable.
 
-A run created by a node with an identity (``gm.Session(..., identity="node.key")``) is a
-*members-only run*:
+The format and its rules (the manifest's ``owner``, the append-only, owner-signed membership log
+``members/{seq:010d}-{sha256}.json``, the signed message, the ``members`` a round record names,
+which records count while their signer is a member) are in ``docs/protocol.md`` section 8; what
+this protects against is in ``docs/security.md``.
 
-- The **manifest** names the run's ``owner`` (a public key: the creator's, or a separate owner
-  key) and is signed by its creator.
-- The **membership log** ``members/{seq:010d}-{sha256}.json`` is append-only and create-once: entry
-  0 (written by the creator before the manifest) admits the creator; each later entry adds or
-  removes public keys and names the sha256 of the entry before it. Every entry is signed by the
-  owner. Entry names carry the sha256 of their bytes, so nobody can take the name of an entry the
-  owner is about to write. A removed key is never a member again.
-- **Every record** a node writes (manifest, claims, leases, snapshots, round records) carries
-  ``signer`` (its public key) and ``sig``, an Ed25519 signature of::
-
-      "gradientmail/1\\0sig\\0" + run_id + "\\0" + kind + "\\0" + key + "\\0" + identity_bytes(record)
-
-  where ``key`` is the logical key the record is written under and ``identity_bytes`` the
-  record's canonical JSON without ``mac`` and ``sig``: the run, the kind, the round, the learner,
-  the claim number and every field (payload sha256s included) are bound. A record's learner id
-  (``learner``, ``closer``, ``created_by``) must end with ``-{fingerprint of signer}``.
-- **Round records** also name the membership they were closed under (``members``:
-  ``{seq:010d}-{sha256}`` of a log entry): the closer must be a member there, and a record may not
-  name an older entry than an earlier round's record did. Each closer names the newest entry it
-  has read, so once a commit names a revocation, every later round is closed without the revoked
-  key, on every node alike.
-- **Snapshots, leases and claims** count only while their signer is a member in the newest log
-  this node has read (the log is listed with the leases). Keys of non-members are dropped from
-  listings by their fingerprint and reported once (``IgnoredObject``).
-
-Here: the signed message, signing and checking a record (``sign_record``, ``signature_ok``), the
-log's entries (``Membership``), writing, reading and changing the log (``write_entry``,
-``read_log``, ``change``), and ``MemberAuth``, the policy a node applies with them (the same
-interface as ``auth.Unauthenticated`` / ``auth.RunAuth``, which it wraps: a run can have a shared
-secret too, whose tags keep outsiders off the create-once keys). The format is also in
-``docs/protocol.md`` section 8; what this protects against is in ``docs/security.md``.
+Here: signing and checking a record (``sign_record``, ``signature_ok``), the log as read
+(``Membership``), writing, reading and changing it (``write_entry``, ``read_log``, ``change``), and
+``MemberAuth``, the policy a node applies with them (the interface of ``auth.Unauthenticated`` /
+``auth.RunAuth``, which it wraps: a run can have a shared secret too).
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """The published parameters of a commit, rebuilt from quantized changes.
 
-With ``commit_dtype`` a commit publishes exactly ``cast(previous + dequantized change)``, so a node
-holding the previous version rebuilds the new one from the change alone, and checks it against the
-record's ``theta_digest``. With ``checkpoint_every > 1`` a record between checkpoints names no
-theta at all: its parameters are the fragment's checkpoint theta plus every change after it, in
-order (``chain_theta``). The closer, the followers and the tape readers share these functions, so
-the rounding of a rebuilt theta is said once.
+With ``commit_dtype`` a commit publishes exactly ``cast(previous + dequantized change)``, checked
+against the record's ``theta_digest``; with ``checkpoint_every > 1`` a record between checkpoints
+names no theta: it is the checkpoint's theta plus every change after it (``chain_theta``). Shared
+by the closer, the followers and the tape readers, so the rounding is said once.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """The round schedule (SPEC 3.4): which fragment each round syncs, and at which global step.
 
 Round r targets fragment ``r % P`` at nominal global step
-``floor(r/P)*H + floor(((r % P) + 1)*H/P)``, so each fragment is synced once per H steps and the
-P fragments are staggered evenly across those H steps. Every round commits exactly once and in
-order, so a fragment's version is simply the number of its rounds already committed.
+``floor(r/P)*H + floor(((r % P) + 1)*H/P)``. Every round commits exactly once and in order, so a
+fragment's version is the number of its rounds already committed.
 """
 
 from __future__ import annotations

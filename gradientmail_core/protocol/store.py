@@ -1,18 +1,10 @@
 """Typed access to a run's mailbox: records in, records out, payloads by reference.
 
-``RunStore`` is the engine's single door to the store: the node, the lease, the run and the
-tape readers read, write, list and delete only through it, so validation (and, with a run
-secret, authentication) and the handling of create-once conflicts happen in one place.
-
-Payloads move as streams (``mailbox.write_stream`` / ``read_stream``): a ``PayloadStream`` goes
-out as it is produced, and a payload read is verified and decoded as its parts arrive
-(``codec.payload``), so moving one never needs a joined copy of it.
-
-A chunked payload (``docs/protocol.md``, "Chunked payloads") is one object per chunk; its ref
-lists them (``PayloadRef.more``). ``get_payload`` given the run's ``chunk_elements`` reads every
-chunk and returns the assembled fragment; ``get_chunk``/``put_chunk`` move one chunk (a sharded
-node's ranks), ``put_fragment`` writes every chunk of a whole fragment; where each part of a chunked payload
-lives is listed in ``protocol/layout.py``'s docstring.
+``RunStore`` is the engine's single door to the store: validation (and, with a run secret,
+authentication) and the handling of create-once conflicts happen in one place. Payloads move as
+streams, verified and decoded as their parts arrive, so moving one never needs a joined copy. A
+chunked payload is one object per chunk (``docs/protocol.md``, "Chunked payloads"); where each
+part of one lives is listed in ``protocol/layout.py``'s docstring.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Reading the tape: the committed round records, the newest parameters, the open claim.
-
-The tape is ``rounds/``: one create-once record per committed round, contiguous and never
-deleted. Everything that reads it (a joining node, a node following it, ``gm.align``, the
-command line) uses these functions, so the rule for what counts as a valid record is said once.
+"""Reading the tape (``rounds/``: one create-once record per committed round, contiguous, never
+deleted): the committed records, the newest parameters, the open claim. Every reader uses these,
+so what counts as a valid record is said once.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """The background half of a learner: one ``tick()`` polls the mailbox once and does what is due.
 
 A tick is single-threaded and reads time only from the injected clock, so a simulation drives many
-nodes deterministically by calling ``tick()`` in a seeded order. The session runs ticks on a
-background thread.
-
-The node owns its parts, each given the shared ``NodeState`` and nothing of the others: the
-``Publisher`` (uploads contributions), the ``Follower`` (the tape; it screens commits with its
-``CommitScreen``), the ``Election`` (claims and takeover), the ``Closing`` of a round this node
-claimed, and the ``GarbageCollector``; and its ``Placement``, which says how parameters move and
-who merges. ``tick`` reads as one round's story, in order; ``_drive_round`` is where the parts'
-decisions meet.
+nodes deterministically. The node owns its parts, each given the shared ``NodeState`` and nothing
+of the others (``Publisher``, ``Follower``, ``Election``, ``Closing``, ``GarbageCollector``), and
+its ``Placement``. ``tick`` reads as one round's story, in order.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """Where a node's parameters live, and so how they move (``Placement``): the one seam between the
-engine and a sharded node.
-
-The node asks its placement how a commit's parameters are read and handed to the model, how a
-contribution is uploaded, and which merger closes its rounds. ``OneProcess`` is every node whose
-model is in this process: it reads whole fragments, uploads the delta a contribution streams
-(or the chunks of its plan, in a chunked run) and merges on a ``FragmentMerger`` of its own. A
-sharded node's rank 0 passes ``sharded.lead_rank.OverRanks``: every rank reads and uploads the
-chunks it owns, and rank 0's merger runs each op on every rank's ranges.
+engine and a sharded node: how a commit's parameters are read and applied, how a contribution is
+uploaded, which merger closes its rounds. ``OneProcess`` is every node whose model is in this
+process; a sharded node's rank 0 passes ``sharded.lead_rank.OverRanks``.
 """
 
 from __future__ import annotations

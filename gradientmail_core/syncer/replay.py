@@ -1,16 +1,12 @@
 """Recovering a fragment's merger state (``FragmentState``) from the store, checkpoints included.
 
-A checkpoint record names the parameters and the fp32 outer state; with ``checkpoint_every > 1``
-the records between checkpoints name only the quantized change. Their outer step is a
-deterministic function of the state before and the contributions the record lists (payload,
-weight, steps, tokens, final), so a node that becomes closer starts from the checkpoint (or the
-initial parameters, or a state it still holds from a commit of its own after the checkpoint) and
-commits every later round again with ``commit.merge_commit`` itself, on the same merger: the same
-merge, in the same order, with the recorded weights and no outlier judgement (the record lists the
-participants after it). Each replayed round must give the record's change payload,
-``theta_digest`` and ``outer_digest`` bit for bit, or ``ProtocolError``: never a silently
-different state. ``recompute`` is that commit on its own, for any recorded round: verifying a
-round (``verify.py``) compares what it gives with every field of the record.
+With ``checkpoint_every > 1`` the records between checkpoints name only the quantized change; their
+outer step is a deterministic function of the state before and the contributions the record lists,
+so a node that becomes closer starts from the checkpoint (or the initial parameters, or a state of
+its own commit after it) and commits every later round again with ``commit.merge_commit``, with the
+recorded weights and no outlier judgement. Each replayed round must give the record's change,
+``theta_digest`` and ``outer_digest`` bit for bit, or ``ProtocolError``. ``recompute`` is that
+commit on its own, for any recorded round (``verify.py``).
 """
 
 from __future__ import annotations
