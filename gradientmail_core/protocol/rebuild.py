@@ -24,11 +24,8 @@ from .store import RunStore
 
 
 def cast(values: Mapping[str, np.ndarray], dtypes: Mapping[str, str]) -> dict[str, np.ndarray]:
-    """Round float32 values to what the given storage dtype can hold (RNE), back in float32.
-
-    F32 values that are already float32 arrays come back as they are, not copied (nothing
-    modifies parameter arrays in place: a commit's theta may be its master).
-    """
+    """Round float32 values to what the storage dtype holds (RNE), back in float32. F32 arrays come
+    back uncopied (nothing modifies parameter arrays in place: a commit's theta may be its master)."""
     return {
         n: v if dtypes[n] == "F32" and _is_f32_array(v) else dequantize(quantize(v, dtypes[n]))
         for n, v in values.items()
@@ -47,10 +44,8 @@ def rebuild_theta(
 
 
 def theta_digest(run: RunInfo, f: int, theta: Mapping[str, np.ndarray]) -> str:
-    """The digest of the plain (uncompressed) theta payload of ``theta``: the sha256 of its bytes
-    (``encode_payload``'s) for one chunk, else ``records.digest_of`` its chunks' (``ref_digest``
-    of the ref naming them), each hashed piece by piece by the stream's first pass: a fragment's
-    payload is never joined to be hashed."""
+    """The digest of the plain theta payload of ``theta`` (``records.digest_of`` its chunks), hashed
+    piece by piece as the stream is produced: a fragment's payload is never joined to be hashed."""
     return payload_digest(theta, run.shapes[f], run.fragment_dtypes(f), run.chunk_elements, kind="theta")
 
 

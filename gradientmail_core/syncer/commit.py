@@ -72,12 +72,10 @@ class CommitOp:
 
 @dataclass(frozen=True)
 class Commit:
-    """A commit as its record names it (the payloads written, by kind: ``theta``, ``outer``,
-    ``change``; the digests; the cosine; ``final``; ``checkpoint``, None when this commit is one,
-    else the version it builds on), and what this process keeps of it: the new state (pending in
-    the merger until ``landed``), the new parameters for this node's learner (whole tensors; empty
-    where only ranges are held), each payload's size in the order written, and their bytes when
-    no ``write`` was given."""
+    """A commit as its record names it (payloads by kind, digests, cosine, ``final``, ``checkpoint``:
+    None when this is one, else the version it builds on), and what this process keeps: the new
+    state (pending until ``landed``), the new parameters for its learner (empty where only ranges
+    are held), each payload's size in the order written, and their bytes when no ``write`` was given."""
 
     refs: dict[str, PayloadRef]
     theta_digest: str

@@ -77,11 +77,8 @@ class GarbageCollector:
         return first, first - (k - 1) * P, first - k * P
 
     def _checkpoint_rounds(self) -> list[int]:
-        """Per fragment, the round of its newest checkpoint (-1: the initial parameters). A
-        recovery needs that round's payloads and, after it, every change and every contribution
-        (a closer replays them), until a newer checkpoint commits. With ``checkpoint_every=1``
-        every record is a checkpoint: this is the fragment's newest round, and GC keeps exactly
-        what it kept before checkpoints existed (2P rounds of round payloads, no contributions)."""
+        """Per fragment, the round of its newest checkpoint (-1: the initial parameters): a recovery needs
+        its payloads and every change and contribution after it, until a newer checkpoint commits."""
         out, P = [], self.state.run.P
         for f in range(P):
             rec = self.state.newest.get(f)

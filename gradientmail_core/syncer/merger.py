@@ -302,11 +302,9 @@ def read_chunk(
     round: int,
     decoded: bool = False,
 ) -> dict[str, np.ndarray] | None:
-    """Chunk ``s`` of a payload (``ref``: that chunk's ref), verified and decoded (``{piece name:
-    flat float32 values}``): from the spool (a file there that no longer verifies is read again),
-    else downloaded into it, tagged ``round`` (``decoded``: held in memory, for a one-chunk
-    fragment, else bytes on disk). None if the store has no such object; errors as
-    ``RunStore.get_chunk``."""
+    """Chunk ``s`` of a payload, verified and decoded: from the spool (a file there that no longer
+    verifies is read again), else downloaded into it, tagged ``round`` (``decoded``: held in memory,
+    else bytes on disk). None if the store has no such object; errors as ``RunStore.get_chunk``."""
     cap = s.cap() if max_bytes is None else min(max_bytes, s.cap())
     if ref.more:
         raise PayloadCorrupt(f"{ref.key}: a chunk's ref lists chunks of its own")

@@ -34,16 +34,10 @@ def recover(
     theta: tuple[int, dict[str, np.ndarray] | None] | None = None,
 ) -> FragmentState:
     """Fragment ``f``'s state at ``rec`` (its newest record; None: the initial parameters), held by
-    ``merger`` afterwards.
-
-    A state ``merger`` holds (a commit of this node's own) is used when it is ``rec``'s version, or,
-    between checkpoints, when replaying from it is shorter than from the checkpoint. ``theta``:
-    ``(version, parameters)`` this node holds already (``NodeState.thetas``: read and verified, or
-    committed by itself), used instead of downloading them again at that version (a fragment less
-    to hold while the closer's first round merges); ``(version, None)``: lent to the training
-    thread (``NodeState.lends``), downloaded again. Missing payloads raise ``MailboxUnavailable``
-    (newer commits exist: GC collected what this node's stale view needs; it catches up on the
-    next poll)."""
+    ``merger`` afterwards: a state ``merger`` holds when it is ``rec``'s version or replaying from
+    it is shorter; else the checkpoint and the rounds after it. ``theta``: ``(version, parameters)``
+    this node holds already (``NodeState.thetas``), not downloaded again (``None``: lent, so
+    downloaded). Missing payloads raise ``MailboxUnavailable``: the view is stale, caught up next poll."""
     version = rec.version if rec else 0
     held = merger.held(f)
     if held is not None and held.version == version:
@@ -96,13 +90,10 @@ def recompute(
     rec: RoundRecord,
     refs: Sequence[PayloadRef],
 ) -> Commit:
-    """``rec``'s round committed again, through ``merger``, from ``state`` (the version before,
-    which ``merger`` holds) and ``refs`` (each participant's payload, in the record's order): the
-    same merge, in the same order, with the recorded weights, no outlier judgement, the payloads
-    hashed and not kept. The new state is pending in ``merger`` (``landed`` keeps it). What
-    ``replay_round`` checks, and ``verify.py`` compares field by field. A payload gone is
-    ``MailboxUnavailable``, one that reads back damaged ``PayloadCorrupt``, one that is not the
-    participant's ``ProtocolError``."""
+    """``rec``'s round committed again through ``merger`` from ``state`` (the version before) and
+    ``refs`` (each participant's payload, in record order): the recorded weights, no outlier
+    judgement, payloads hashed and not kept, the new state pending in ``merger``. A payload gone is
+    ``MailboxUnavailable``, damaged ``PayloadCorrupt``, not the participant's ``ProtocolError``."""
     r = rec.round
     assert state.version == rec.version - 1 and len(refs) == len(rec.participants)
     try:

@@ -75,11 +75,9 @@ class Spool:
 
     @contextlib.contextmanager
     def writer(self, sha256: str, size: int, round: int) -> Iterator[Writer | None]:
-        """A file to write the bytes of ``sha256`` (``size`` bytes) into, as they arrive; kept
-        (under its sha256) only if the block exits normally, the writer is ``commit``ted (by
-        the caller that checked those bytes' sha256 as they passed: a reader decoding them, or a
-        stream produced again) and exactly ``size`` bytes were written. None when the spool has
-        that entry already (its round is raised to ``round``) or has no room for it."""
+        """A file to write the bytes of ``sha256`` into as they arrive; kept only if the block exits
+        normally, the writer is ``commit``ted (by the caller that checked their sha256) and exactly
+        ``size`` bytes were written. None when the entry is here already (its round raised) or no room."""
         if sha256 in self.entries:
             self._tag(sha256, round)
             yield None
