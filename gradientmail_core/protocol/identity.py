@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import os
 import re
 import secrets
@@ -24,20 +25,19 @@ FINGERPRINT_HEX = 16
 _MAX_KEY_FILE = 16 << 10
 
 
-def _ed25519() -> Any:
+def _crypto(module: str) -> Any:
     try:
-        from cryptography.hazmat.primitives.asymmetric import ed25519
+        return importlib.import_module(f"cryptography.{module}")
     except ImportError as e:
         raise MissingExtra("identity", "cryptography") from e
-    return ed25519
+
+
+def _ed25519() -> Any:
+    return _crypto("hazmat.primitives.asymmetric.ed25519")
 
 
 def _serialization() -> Any:
-    try:
-        from cryptography.hazmat.primitives import serialization
-    except ImportError as e:
-        raise MissingExtra("identity", "cryptography") from e
-    return serialization
+    return _crypto("hazmat.primitives.serialization")
 
 
 def fingerprint(public_hex: str) -> str:
@@ -73,12 +73,8 @@ def verify(public_hex: str, sig_hex: str, message: bytes) -> bool:
     except ValueError:
         return False
     try:
-        from cryptography.exceptions import InvalidSignature
-    except ImportError as e:  # pragma: no cover - checked by _public_key already
-        raise MissingExtra("identity", "cryptography") from e
-    try:
         key.verify(bytes.fromhex(sig_hex), message)
-    except InvalidSignature:
+    except _crypto("exceptions").InvalidSignature:
         return False
     return True
 

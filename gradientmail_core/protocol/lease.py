@@ -42,7 +42,8 @@ class LeaseWriter:
         existing = self.store.keys(keys.lease_prefix(self.learner))
         if existing:
             first = existing[-1]
-            known_dead = predecessor is not None and self._nonce_of(first) == predecessor
+            lease = self.store.try_record(first, Lease) if predecessor is not None else None
+            known_dead = lease is not None and lease.nonce == predecessor
             deadline = self.clock.now() + (0.0 if known_dead else 1.5 * self.interval)
             while self.clock.now() < deadline:
                 self.clock.sleep(poll)
@@ -86,10 +87,6 @@ class LeaseWriter:
             self._behind.append(old)
             self.store.delete(list(self._behind))
             self._behind.clear()
-
-    def _nonce_of(self, key: str) -> str | None:
-        lease = self.store.try_record(key, Lease)
-        return None if lease is None else lease.nonce
 
     def release(self) -> None:
         if self.key is not None:

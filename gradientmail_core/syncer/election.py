@@ -36,7 +36,6 @@ class Watch:
     opened_at: float
     claim: Claim | None = None
     claim_seen_at: float = 0.0
-    claims_listed_at: float = float("-inf")
     timer_from: float | None = None
 
 
@@ -53,14 +52,8 @@ class Election:
         options: NodeOptions,
         nonce: str,
     ) -> None:
-        self.store, self.clock, self.state, self.lease, self.bridge, self.emit = (
-            store,
-            clock,
-            state,
-            lease,
-            bridge,
-            emit,
-        )
+        self.store, self.clock, self.state = store, clock, state
+        self.lease, self.bridge, self.emit = lease, bridge, emit
         self.opts, self.nonce = options, nonce
         self.watching: Watch | None = None
         # A learner-only node that sees no live node that may close rounds: the round it waits in.
@@ -99,7 +92,6 @@ class Election:
             if fo.timer_from is None and n_snaps >= need:
                 fo.timer_from = now
         if fo.claim is None:
-            fo.claims_listed_at = now
             fo.claim = newest_claim(self.store, r)
             fo.claim_seen_at = now
             if fo.claim is None:

@@ -139,9 +139,6 @@ class Spool:
         self.entries[sha256] = (size, max(r, round))
 
     # ---- reading ----------------------------------------------------------------------------
-    def has(self, sha256: str) -> bool:
-        return sha256 in self.entries or sha256 in self.held
-
     def read(
         self, ref: PayloadRef, s: ChunkSpec, *, dtypes: Mapping[str, str], cap: int
     ) -> dict[str, np.ndarray] | None:
@@ -182,10 +179,6 @@ class Spool:
                 left -= len(piece)
                 yield piece
 
-    def path(self, sha256: str) -> Path:
-        assert self.dir is not None
-        return self.dir / sha256
-
     # ---- forgetting -------------------------------------------------------------------------
     def discard(self, sha256: str) -> None:
         self.held.pop(sha256, None)
@@ -198,11 +191,6 @@ class Spool:
     def drop_through(self, round: int) -> None:
         """Delete every entry no round after ``round`` needs."""
         for sha in [s for s, (_, r) in [*self.entries.items(), *self.held.items()] if r <= round]:
-            self.discard(sha)
-
-    def clear(self) -> None:
-        self.held.clear()
-        for sha in list(self.entries):
             self.discard(sha)
 
     def close(self) -> None:

@@ -6,7 +6,7 @@ and ``unverifiable`` mean) are in ``docs/protocol.md`` section 11 and ``docs/sec
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -47,16 +47,7 @@ class RoundCheck:
     theta: dict[str, np.ndarray] | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "round": self.round,
-            "fragment": self.fragment,
-            "version": self.version,
-            "closer": self.closer,
-            "status": self.status,
-            "reason": self.reason,
-            "evidence": self.evidence,
-            "bytes_read": self.bytes_read,
-        }
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "theta"}
 
 
 class _Found(Exception):
@@ -128,7 +119,6 @@ class RoundVerifier:
             commit = recompute(self.merger, self.store, self.run, state, rec, refs)
             diff = differences(commit, rec)
             if diff:
-                self.merger.forget(f)
                 raise _Found(MISMATCH, f"recomputing the merge gives another {', '.join(diff)}")
             self.merger.landed(f, v)
             theta_out = commit.theta
@@ -136,14 +126,13 @@ class RoundVerifier:
                 self.merger.forget(f)
             status, reason = VERIFIED, ""
         except _Found as e:
-            self.merger.forget(f)
             status, reason = e.status, e.reason
         except (MailboxUnavailable, PayloadCorrupt) as e:
-            self.merger.forget(f)
             status, reason = UNVERIFIABLE, " ".join(str(e).split())
         except ProtocolError as e:  # a contribution that is not its participant's (replay._contributions)
-            self.merger.forget(f)
             status, reason = MISMATCH, " ".join(str(e).split())
+        if status != VERIFIED:
+            self.merger.forget(f)
         if status == UNVERIFIABLE and outside is not None:
             w = self.run.cfg.verify_window
             reason += (
