@@ -274,7 +274,7 @@ def _omit(record: Any, d: dict[str, Any]) -> None:
     for name in _OMIT_IF_NONE:
         if name in d and d[name] is None:
             del d[name]
-    for f in _omitted_if_default(type(record)):
+    for f in _omitted_if_default(type(record)):  # type: ignore[arg-type]
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         if d.get(f.name, default) == default:
             d.pop(f.name, None)
