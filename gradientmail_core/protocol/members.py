@@ -63,12 +63,9 @@ def message(run_id: str, kind: str, key: str, record: Any) -> bytes:
 
 def sign_record(record: Any, identity: ids.Identity, run_id: str, key: str) -> Any:
     """``record`` with ``signer`` and ``sig`` set by ``identity`` for ``key`` in ``run_id``."""
-    unsigned = dataclasses.replace(record, signer=identity.public_hex, sig=None, **_no_mac(record))
+    no_mac = {"mac": None} if hasattr(record, "mac") else {}  # a membership entry has none
+    unsigned = dataclasses.replace(record, signer=identity.public_hex, sig=None, **no_mac)
     return dataclasses.replace(unsigned, sig=identity.sign(message(run_id, type(record).__name__, key, unsigned)))
-
-
-def _no_mac(record: Any) -> dict[str, Any]:
-    return {"mac": None} if hasattr(record, "mac") else {}
 
 
 def signature_ok(record: Any, run_id: str, key: str) -> bool:
@@ -269,8 +266,7 @@ class MemberAuth:
     ``inner``: the run-secret policy underneath (``Unauthenticated`` or ``RunAuth``): its MACs and
     key tags apply as well. ``identity``: this node's key pair (None for a read-only tool).
     ``owner``: the key that signs the membership log of a run this node creates (default: its
-    identity). ``frozen``: tests only, a node that stops reading the log (it never learns that it
-    was revoked).
+    identity).
     """
 
     def __init__(
@@ -290,7 +286,6 @@ class MemberAuth:
         self._report: Callable[[str, str], None] = lambda key, why: None
         self._tape: dict[int, int] = {}  # round -> membership seq named by its verified record
         self._leases_ok: dict[str, bool] = {}
-        self.frozen = False
         self._fps: tuple[str | None, frozenset[str], frozenset[str]] | None = None
 
     def __repr__(self) -> str:
@@ -317,7 +312,7 @@ class MemberAuth:
     def refresh(self) -> None:
         """Read the membership log's new entries (one LIST, a GET per new entry)."""
         m = self.membership
-        if m is None or self._mailbox is None or self.frozen:
+        if m is None or self._mailbox is None:
             return
         m.add_listed(self._mailbox.list(keys.MEMBERS), self._mailbox.get, self._report)
 
@@ -539,10 +534,9 @@ def node_policy(
     identity: str | os.PathLike[str] | None,
     owner_key: str | os.PathLike[str] | None = None,
 ) -> tuple[Policy | MemberAuth, ids.Identity | None]:
-    """What a node (``gm.Session``, ``gm.Syncer``) signs and checks with, from its keywords, checked
-    before any I/O: the run secret's policy, under ``MemberAuth`` with this node's key pair when it
-    has an ``identity`` (a members-only run). Returns the policy and the identity. A node with an
-    identity names itself ``identity.learner_id(its id)``, so every record names the key that signs it."""
+    """What a node signs and checks with, from its keywords, checked before any I/O: the run secret's
+    policy, under ``MemberAuth`` with this node's key pair when it has an ``identity``. Returns the
+    policy and the identity."""
     auth = secret_policy(secret, secret_file)
     if identity is None:
         if owner_key is not None:

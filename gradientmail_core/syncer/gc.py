@@ -13,11 +13,10 @@ class GarbageCollector:
         self.store, self.state = store, state
 
     def collect(self, r: int) -> None:
-        """After committing r: snapshot records of rounds <= r, claims of rounds <= r, leases
-        abandoned long ago, and the payloads no reader needs: snapshot payloads of rounds <= r and
-        round payloads of rounds <= r - 2P, except, between checkpoints, a fragment's newest
-        checkpoint and what a recovery replays after it (``_checkpoint_rounds``), and what verifying
-        the newest rounds needs (``_window``)."""
+        """After committing r: snapshot records and claims of rounds <= r, leases abandoned long ago, and
+        the payloads no reader needs: snapshot payloads of rounds <= r and round payloads of rounds
+        <= r - 2P, except what a recovery replays (``_checkpoint_rounds``) and what verifying the newest
+        rounds needs (``_window``)."""
         store, s = self.store, self.state
         P = s.run.P
         ck = self._checkpoint_rounds()

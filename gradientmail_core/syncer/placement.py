@@ -141,10 +141,9 @@ class OneProcess:
         return ref, keep and len(spooled) == len(self.run.plan(f)) and all(spooled)
 
     def _hold_own(self, pub: Publish, data: PayloadStream, ref: PayloadRef) -> bool:
-        """The payload just uploaded (one chunk), decoded as the closer decodes a contribution (same
-        shapes, dtypes and cap; hash checked) from the stream produced again, never joined, and held
-        decoded in the spool: judging needs it decoded, so its bytes are not kept beside it. False
-        if it does not decode: then it is read back like any contribution."""
+        """The payload just uploaded (one chunk), decoded as the closer decodes a contribution from the
+        stream produced again and held decoded in the spool; False if it does not decode (then it is
+        read back like any contribution)."""
         f = pub.fragment
         try:
             own = decode_payload(
