@@ -186,9 +186,6 @@ class Membership:
         assert got is not None
         return got
 
-    def head_ref(self) -> str | None:
-        return None if self.head is None else members_ref(self.head.seq, self.head.sha)
-
 
 def _neg(sha: str) -> str:
     # Among valid entries of one seq (the owner wrote two at once), the smallest sha256 is the head.
@@ -354,7 +351,7 @@ class MemberAuth:
             if state is not None and need <= {ids.fingerprint(k) for k in state[0]}:
                 return members_ref(e.seq, e.sha)
             e = m.entries.get(e.record.prev) if e.seq > 0 else None
-        return m.head_ref()
+        return None if m.head is None else members_ref(m.head.seq, m.head.sha)
 
     def _sign_manifest(self, manifest: Manifest) -> Manifest:
         if self.identity is None:

@@ -79,7 +79,8 @@ class Spool:
         normally, the writer is ``commit``ted (by the caller that checked their sha256) and exactly
         ``size`` bytes were written. None when the entry is here already (its round raised) or no room."""
         if sha256 in self.entries:
-            self._tag(sha256, round)
+            kept, r = self.entries[sha256]
+            self.entries[sha256] = (kept, max(r, round))  # needed through the later round too
             yield None
             return
         w = None
@@ -133,10 +134,6 @@ class Spool:
     def decoded(self, sha256: str) -> dict[str, np.ndarray] | None:
         got = self.held.get(sha256)
         return None if got is None else got[0]
-
-    def _tag(self, sha256: str, round: int) -> None:
-        size, r = self.entries[sha256]
-        self.entries[sha256] = (size, max(r, round))
 
     # ---- reading ----------------------------------------------------------------------------
     def read(
