@@ -443,7 +443,7 @@ def test_a_damaged_spool_file_is_read_again_from_the_store(tmp_path: Path, monke
     def flip_then_commit(self, op, put):
         assert self.spool.entries
         for sha in sorted(self.spool.entries)[:3]:  # a byte of a few chunks, on disk
-            path = self.spool.path(sha)
+            path = self.spool.dir / sha
             data = bytearray(path.read_bytes())
             data[len(data) // 2] ^= 0x40
             path.write_bytes(bytes(data))
@@ -491,12 +491,12 @@ def test_a_damaged_spool_file_whose_store_copy_is_gone_rejects_the_contribution(
     c = collector(["l0", "l1", "l2"])
     spool = c.merger.spool
     victim = chunk_refs(refs["l1"])[2]
-    path = spool.path(victim.sha256)
+    path = spool.dir / victim.sha256
     path.write_bytes(b"\0" + path.read_bytes()[1:])
     store.delete([victim.key])  # GC'd, or the store lost it
     with pytest.raises(MailboxUnavailable):
         c.commit(compression="")
-    assert c.judged["l1"].reason == "missing" and not spool.has(victim.sha256)
+    assert c.judged["l1"].reason == "missing" and victim.sha256 not in spool.entries
     # the next attempt commits without it: the parameters of a round that never had it
     commit = c.commit(compression="")
     rec = c.record(commit, closer="c", live=3, now=2.0, sync_seconds=None)

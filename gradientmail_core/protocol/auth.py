@@ -1,23 +1,11 @@
 """Authenticated runs: a run secret, a MAC on every record, and secret-tagged record keys.
 
-A run started with ``gm.Session(..., secret=...)`` (or ``secret_file=``) is authenticated:
-
-- **Run key.** ``K = HMAC-SHA256(secret, "gradientmail/1\\0run\\0" + run_id)``: every MAC and tag
-  below is keyed by the run, so objects of another run that shares the secret never verify here.
-- **Record MAC.** Every record written carries ``mac = HMAC-SHA256(K, "gradientmail/1\\0mac\\0"
-  + kind + "\\0" + key + "\\0" + records.signing_bytes(record))``: it binds the record kind, the
-  logical key it lives at (so the round, the learner and the claim number), and every field,
-  payload references with their sha256 included. A copied, replayed or altered record fails.
-  The manifest is signed with the key of the ``run_id`` it names.
-- **Key tags.** Record keys (claims, rounds, snapshots, leases, the work queues') are stored under
-  ``{key without .json}.{tag}.json`` with ``tag = HMAC-SHA256(K, "gradientmail/1\\0key\\0" + key)``
-  truncated to 128 bits (``keys.tag_key``). Whoever lacks the secret cannot name the next commit
-  point, claim or snapshot key, so it cannot take one of them first; objects without a valid tag
-  are invisible to the engine (``guard.GuardedMailbox``) and reported once as ``IgnoredObject``.
-
-Unauthenticated runs use ``Unauthenticated``: records are unsigned and keys untagged, as before,
-and a node without a secret refuses to join a run whose manifest is signed. What this protects
-against, and what it does not, is in ``docs/security.md``.
+A run started with ``secret=`` (or ``secret_file=``) is authenticated: every record carries a MAC
+keyed by ``HMAC-SHA256(secret, "gradientmail/1\\0run\\0" + run_id)`` that binds its kind, its
+logical key and every field, and record keys are stored under a tag of the same key
+(``keys.tag_key``), so whoever lacks the secret can neither forge a record nor take a key first.
+Unauthenticated runs use ``Unauthenticated``. The exact messages, and what this protects against,
+are in ``docs/security.md``.
 """
 
 from __future__ import annotations

@@ -1,24 +1,17 @@
 """The engine's view of the mailbox, hardened against hostile objects in a shared bucket.
 
-``GuardedMailbox`` wraps the user's mailbox and is what ``RunStore`` (so the whole engine) talks
-to. It is itself a mailbox (the same four operations and the ranged read, logical keys in and
-out; a ``ForwardingMailbox``) and adds:
+``GuardedMailbox`` wraps the user's mailbox (it is itself a ``ForwardingMailbox``, logical keys in
+and out) and adds:
 
-- **Read caps by key kind.** Records read at most ``max_record_bytes``, the manifest
-  ``max_manifest_bytes``, payloads the run's largest payload (``limit_payloads``, from the schema).
-  A larger object reads back as its first ``cap + 1`` bytes, which every decoder then rejects as
-  oversized. With a backend that offers ``get_prefix(key, n)`` (the first ``n`` bytes) no more
-  than that is ever transferred; with one that does not, the object is downloaded and cut
-  (``read_prefix``). ``get_prefix`` on the guard reads at most the cap plus one byte as well, and
-  ``get_stream`` stops after the cap plus one byte (cancelling the reads in flight).
-- **Reporting.** Objects in the record folders (claims, rounds, snapshots, leases) that are not
-  protocol keys are reported once each through ``on_ignored`` (an ``IgnoredObject`` event).
-- **Authenticated runs** (``auth`` a ``RunAuth``): record keys are stored under their secret-tagged
-  physical names (``keys.tag_key``); listings translate back and drop, reporting once, every object
-  in the record folders without a valid tag. The engine never sees what it cannot authenticate by
-  name, and nobody without the secret can take a key the run is going to write.
-- **Squatted payload names.** Payload keys carry the sha256 of their bytes, so an object under such
-  a name holding other bytes was not written by any node: it is deleted and the payload written.
+- **Read caps by key kind** (records, the manifest, payloads: the run's largest, from the
+  schema). A larger object reads back as its first ``cap + 1`` bytes, which every decoder rejects;
+  with a backend's ``get_prefix`` no more than that is ever transferred.
+- **Reporting**: non-protocol objects in the record folders are reported once (``IgnoredObject``).
+- **Authenticated runs**: record keys are stored under secret-tagged names (``keys.tag_key``);
+  listings drop, reporting once, every record object without a valid tag, so nobody without the
+  secret can take a key the run is going to write.
+- **Squatted payload names**: an object under a payload key whose bytes do not hash to its name
+  was written by no node: it is deleted and the payload written.
 """
 
 from __future__ import annotations

@@ -1,23 +1,16 @@
 """Per-node identities: an Ed25519 key pair per node, kept in a file the user names.
 
-``Identity.load(path)`` reads the node's private key, creating it on first use: a PEM (PKCS#8,
-unencrypted) file, or 64 hex characters of a raw 32-byte seed, readable by its owner only (mode
-0600; a key file others can read is refused). Creation is atomic: the key is written to a
-temporary file in the same folder, then linked to ``path`` (which fails if another process created
-it meanwhile; that one is then loaded).
-
-A public key travels as 64 lowercase hex characters; its *fingerprint* is the first 16 hex
-characters of its sha256. In a members-only run a node's learner id ends with ``-{fingerprint}``
-(``learner_id``), so every record names the key that must have signed it.
-
-``cryptography`` (the ``identity`` extra) is imported on first use only: importing
-``gradientmail_core`` never pulls it in.
+The key file is a PEM (PKCS#8) or 64 hex characters of a 32-byte seed, mode 0600, created on
+first use. A public key travels as 64 lowercase hex characters; its fingerprint (16 hex of its
+sha256) ends a members-only node's learner id (``learner_id``). ``cryptography`` (the ``identity``
+extra) is imported on first use only.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import os
 import re
 import secrets
@@ -32,20 +25,19 @@ FINGERPRINT_HEX = 16
 _MAX_KEY_FILE = 16 << 10
 
 
-def _ed25519() -> Any:
+def _crypto(module: str) -> Any:
     try:
-        from cryptography.hazmat.primitives.asymmetric import ed25519
+        return importlib.import_module(f"cryptography.{module}")
     except ImportError as e:
         raise MissingExtra("identity", "cryptography") from e
-    return ed25519
+
+
+def _ed25519() -> Any:
+    return _crypto("hazmat.primitives.asymmetric.ed25519")
 
 
 def _serialization() -> Any:
-    try:
-        from cryptography.hazmat.primitives import serialization
-    except ImportError as e:
-        raise MissingExtra("identity", "cryptography") from e
-    return serialization
+    return _crypto("hazmat.primitives.serialization")
 
 
 def fingerprint(public_hex: str) -> str:
@@ -81,12 +73,8 @@ def verify(public_hex: str, sig_hex: str, message: bytes) -> bool:
     except ValueError:
         return False
     try:
-        from cryptography.exceptions import InvalidSignature
-    except ImportError as e:  # pragma: no cover - checked by _public_key already
-        raise MissingExtra("identity", "cryptography") from e
-    try:
         key.verify(bytes.fromhex(sig_hex), message)
-    except InvalidSignature:
+    except _crypto("exceptions").InvalidSignature:
         return False
     return True
 

@@ -1,20 +1,13 @@
-"""How the ranks of a sharded node hold a fragment (``docs/sharding.md``, sections 1 and 2;
-``docs/protocol.md``, "Chunked payloads").
+"""How the ranks of a sharded node hold a fragment (``docs/sharding.md``, sections 1 and 2).
 
-The chunk plan itself (the line, the cut every ``C`` elements, ``Piece``, ``fragment_plan``,
-``assemble``) is pure payload layout and lives with the codec, in ``codec/plan.py``. This module
-holds what a sharded node adds on top: how its ranks hold each tensor (``Layout``,
-``shard_range``) and, from that, which rank owns each chunk (``chunk_owner``, ``owned_chunks``)
-and which elements move to it (``Transfer``, ``transfers``). Pure, no tensors: every rank computes
-the same answers from (plan, layout).
+The chunk plan itself lives with the codec (``codec/plan.py``). This module adds how the ranks
+hold each tensor (``Layout``, ``shard_range``), which rank owns each chunk (``chunk_owner``,
+``owned_chunks``) and which elements move to it (``transfers``). Pure: every rank computes the
+same answers from (plan, layout).
 
-Where the rest of a chunked payload lives: refs and digests (``PayloadRef.more``, ``chunk_refs``,
-``join_refs``, ``ref_digest``) in ``protocol/records.py``; encoding one chunk (``ChunkSpec``,
-``chunk_specs`` in ``codec/plan.py``; ``encode_payload(chunk=...)``, ``decode_payload`` in ``codec/payload.py``)
-(an F8_E4M3 piece needs the tensor-wide scale byte, the ranks' ``all_reduce(MAX)`` of
-``quant.e4m3_amax``); fetching and uploading chunks (``get_payload``, ``get_chunk``,
-``put_chunk``, ``put_fragment``) on ``RunStore`` in ``protocol/store.py``; moving pieces between
-ranks (``gather_chunks``, ``scatter_chunks``) in ``adapters/torch_transfer.py``.
+Where the rest of a chunked payload lives: refs and digests in ``protocol/records.py``; encoding a
+chunk in ``codec/plan.py`` and ``codec/payload.py``; fetching and uploading chunks on ``RunStore``
+(``protocol/store.py``); moving pieces between ranks in ``adapters/torch_transfer.py``.
 """
 
 from __future__ import annotations

@@ -36,17 +36,14 @@ class LeaseWriter:
         self._behind: list[str] = []  # our older lease keys not deleted yet
 
     def acquire(self, *, poll: float, predecessor: str | None = None) -> None:
-        """Write the first lease. Refuses when another live process holds this learner id.
-
-        A lease left by a crashed process with our id is taken over at once when it carries
-        ``predecessor``, the nonce of a process known to be dead (``syncer.marker``: our own
-        previous incarnation on this host). Any other is taken over once it has not changed for
-        1.5 renewal intervals; one that changes meanwhile belongs to a live process.
-        """
+        """Write the first lease; refuses when another live process holds this learner id. A crashed
+        process's lease is taken over at once when it carries ``predecessor`` (the nonce of a process
+        known dead, ``syncer.marker``), else once it has not changed for 1.5 renewal intervals."""
         existing = self.store.keys(keys.lease_prefix(self.learner))
         if existing:
             first = existing[-1]
-            known_dead = predecessor is not None and self._nonce_of(first) == predecessor
+            lease = self.store.try_record(first, Lease) if predecessor is not None else None
+            known_dead = lease is not None and lease.nonce == predecessor
             deadline = self.clock.now() + (0.0 if known_dead else 1.5 * self.interval)
             while self.clock.now() < deadline:
                 self.clock.sleep(poll)
@@ -91,10 +88,6 @@ class LeaseWriter:
             self.store.delete(list(self._behind))
             self._behind.clear()
 
-    def _nonce_of(self, key: str) -> str | None:
-        lease = self.store.try_record(key, Lease)
-        return None if lease is None else lease.nonce
-
     def release(self) -> None:
         if self.key is not None:
             # With any key a failed delete left behind: it would look like our lease, unchanged,
@@ -122,12 +115,9 @@ def note(seen: dict[K, Seen], name: K, key: str, now: float, *, afresh: bool = F
 
 
 class Liveness:
-    """Who is live, from listings of ``leases/``, judged on this node's own clock.
-
-    Each node's role comes from its newest lease key. ``live()`` is the live *learners* (roles
-    "both" and "learner": the nodes that contribute, which quorum, batch size and a closer's wait
-    count); a syncer never contributes, so counting it would hold every round until its grace ran
-    out. ``closers()`` is the live nodes that may close rounds (roles "both" and "syncer")."""
+    """Who is live, from listings of ``leases/``, judged on this node's own clock; each node's role
+    from its newest lease key. ``live()``: the nodes that contribute ("both", "learner"; a syncer
+    counted would hold every round until its grace ran out). ``closers()``: "both" and "syncer"."""
 
     def __init__(self, clock: Clock, timeout: float, me: str | None, role: str = "both") -> None:
         self.clock, self.timeout, self.me = clock, timeout, me

@@ -1,39 +1,14 @@
 """Members-only runs: who may take part, signed by each node, revocable.
 
-A run created by a node with an identity (``gm.Session(..., identity="node.key")``) is a
-*members-only run*:
+The format and its rules (the manifest's ``owner``, the append-only, owner-signed membership log
+``members/{seq:010d}-{sha256}.json``, the signed message, the ``members`` a round record names,
+which records count while their signer is a member) are in ``docs/protocol.md`` section 8; what
+this protects against is in ``docs/security.md``.
 
-- The **manifest** names the run's ``owner`` (a public key: the creator's, or a separate owner
-  key) and is signed by its creator.
-- The **membership log** ``members/{seq:010d}-{sha256}.json`` is append-only and create-once: entry
-  0 (written by the creator before the manifest) admits the creator; each later entry adds or
-  removes public keys and names the sha256 of the entry before it. Every entry is signed by the
-  owner. Entry names carry the sha256 of their bytes, so nobody can take the name of an entry the
-  owner is about to write. A removed key is never a member again.
-- **Every record** a node writes (manifest, claims, leases, snapshots, round records) carries
-  ``signer`` (its public key) and ``sig``, an Ed25519 signature of::
-
-      "gradientmail/1\\0sig\\0" + run_id + "\\0" + kind + "\\0" + key + "\\0" + identity_bytes(record)
-
-  where ``key`` is the logical key the record is written under and ``identity_bytes`` the
-  record's canonical JSON without ``mac`` and ``sig``: the run, the kind, the round, the learner,
-  the claim number and every field (payload sha256s included) are bound. A record's learner id
-  (``learner``, ``closer``, ``created_by``) must end with ``-{fingerprint of signer}``.
-- **Round records** also name the membership they were closed under (``members``:
-  ``{seq:010d}-{sha256}`` of a log entry): the closer must be a member there, and a record may not
-  name an older entry than an earlier round's record did. Each closer names the newest entry it
-  has read, so once a commit names a revocation, every later round is closed without the revoked
-  key, on every node alike.
-- **Snapshots, leases and claims** count only while their signer is a member in the newest log
-  this node has read (the log is listed with the leases). Keys of non-members are dropped from
-  listings by their fingerprint and reported once (``IgnoredObject``).
-
-Here: the signed message, signing and checking a record (``sign_record``, ``signature_ok``), the
-log's entries (``Membership``), writing, reading and changing the log (``write_entry``,
-``read_log``, ``change``), and ``MemberAuth``, the policy a node applies with them (the same
-interface as ``auth.Unauthenticated`` / ``auth.RunAuth``, which it wraps: a run can have a shared
-secret too, whose tags keep outsiders off the create-once keys). The format is also in
-``docs/protocol.md`` section 8; what this protects against is in ``docs/security.md``.
+Here: signing and checking a record (``sign_record``, ``signature_ok``), the log as read
+(``Membership``), writing, reading and changing it (``write_entry``, ``read_log``, ``change``), and
+``MemberAuth``, the policy a node applies with them (the interface of ``auth.Unauthenticated`` /
+``auth.RunAuth``, which it wraps: a run can have a shared secret too).
 """
 
 from __future__ import annotations
@@ -88,12 +63,9 @@ def message(run_id: str, kind: str, key: str, record: Any) -> bytes:
 
 def sign_record(record: Any, identity: ids.Identity, run_id: str, key: str) -> Any:
     """``record`` with ``signer`` and ``sig`` set by ``identity`` for ``key`` in ``run_id``."""
-    unsigned = dataclasses.replace(record, signer=identity.public_hex, sig=None, **_no_mac(record))
+    no_mac = {"mac": None} if hasattr(record, "mac") else {}  # a membership entry has none
+    unsigned = dataclasses.replace(record, signer=identity.public_hex, sig=None, **no_mac)
     return dataclasses.replace(unsigned, sig=identity.sign(message(run_id, type(record).__name__, key, unsigned)))
-
-
-def _no_mac(record: Any) -> dict[str, Any]:
-    return {"mac": None} if hasattr(record, "mac") else {}
 
 
 def signature_ok(record: Any, run_id: str, key: str) -> bool:
@@ -214,9 +186,6 @@ class Membership:
         assert got is not None
         return got
 
-    def head_ref(self) -> str | None:
-        return None if self.head is None else members_ref(self.head.seq, self.head.sha)
-
 
 def _neg(sha: str) -> str:
     # Among valid entries of one seq (the owner wrote two at once), the smallest sha256 is the head.
@@ -294,8 +263,7 @@ class MemberAuth:
     ``inner``: the run-secret policy underneath (``Unauthenticated`` or ``RunAuth``): its MACs and
     key tags apply as well. ``identity``: this node's key pair (None for a read-only tool).
     ``owner``: the key that signs the membership log of a run this node creates (default: its
-    identity). ``frozen``: tests only, a node that stops reading the log (it never learns that it
-    was revoked).
+    identity).
     """
 
     def __init__(
@@ -315,7 +283,6 @@ class MemberAuth:
         self._report: Callable[[str, str], None] = lambda key, why: None
         self._tape: dict[int, int] = {}  # round -> membership seq named by its verified record
         self._leases_ok: dict[str, bool] = {}
-        self.frozen = False
         self._fps: tuple[str | None, frozenset[str], frozenset[str]] | None = None
 
     def __repr__(self) -> str:
@@ -342,7 +309,7 @@ class MemberAuth:
     def refresh(self) -> None:
         """Read the membership log's new entries (one LIST, a GET per new entry)."""
         m = self.membership
-        if m is None or self._mailbox is None or self.frozen:
+        if m is None or self._mailbox is None:
             return
         m.add_listed(self._mailbox.list(keys.MEMBERS), self._mailbox.get, self._report)
 
@@ -384,7 +351,7 @@ class MemberAuth:
             if state is not None and need <= {ids.fingerprint(k) for k in state[0]}:
                 return members_ref(e.seq, e.sha)
             e = m.entries.get(e.record.prev) if e.seq > 0 else None
-        return m.head_ref()
+        return None if m.head is None else members_ref(m.head.seq, m.head.sha)
 
     def _sign_manifest(self, manifest: Manifest) -> Manifest:
         if self.identity is None:
@@ -564,10 +531,9 @@ def node_policy(
     identity: str | os.PathLike[str] | None,
     owner_key: str | os.PathLike[str] | None = None,
 ) -> tuple[Policy | MemberAuth, ids.Identity | None]:
-    """What a node (``gm.Session``, ``gm.Syncer``) signs and checks with, from its keywords, checked
-    before any I/O: the run secret's policy, under ``MemberAuth`` with this node's key pair when it
-    has an ``identity`` (a members-only run). Returns the policy and the identity. A node with an
-    identity names itself ``identity.learner_id(its id)``, so every record names the key that signs it."""
+    """What a node signs and checks with, from its keywords, checked before any I/O: the run secret's
+    policy, under ``MemberAuth`` with this node's key pair when it has an ``identity``. Returns the
+    policy and the identity."""
     auth = secret_policy(secret, secret_file)
     if identity is None:
         if owner_key is not None:

@@ -1,11 +1,9 @@
 """The published parameters of a commit, rebuilt from quantized changes.
 
-With ``commit_dtype`` a commit publishes exactly ``cast(previous + dequantized change)``, so a node
-holding the previous version rebuilds the new one from the change alone, and checks it against the
-record's ``theta_digest``. With ``checkpoint_every > 1`` a record between checkpoints names no
-theta at all: its parameters are the fragment's checkpoint theta plus every change after it, in
-order (``chain_theta``). The closer, the followers and the tape readers share these functions, so
-the rounding of a rebuilt theta is said once.
+With ``commit_dtype`` a commit publishes exactly ``cast(previous + dequantized change)``, checked
+against the record's ``theta_digest``; with ``checkpoint_every > 1`` a record between checkpoints
+names no theta: it is the checkpoint's theta plus every change after it (``chain_theta``). Shared
+by the closer, the followers and the tape readers, so the rounding is said once.
 """
 
 from __future__ import annotations
@@ -26,11 +24,8 @@ from .store import RunStore
 
 
 def cast(values: Mapping[str, np.ndarray], dtypes: Mapping[str, str]) -> dict[str, np.ndarray]:
-    """Round float32 values to what the given storage dtype can hold (RNE), back in float32.
-
-    F32 values that are already float32 arrays come back as they are, not copied (nothing
-    modifies parameter arrays in place: a commit's theta may be its master).
-    """
+    """Round float32 values to what the storage dtype holds (RNE), back in float32. F32 arrays come
+    back uncopied (nothing modifies parameter arrays in place: a commit's theta may be its master)."""
     return {
         n: v if dtypes[n] == "F32" and _is_f32_array(v) else dequantize(quantize(v, dtypes[n]))
         for n, v in values.items()
@@ -49,10 +44,8 @@ def rebuild_theta(
 
 
 def theta_digest(run: RunInfo, f: int, theta: Mapping[str, np.ndarray]) -> str:
-    """The digest of the plain (uncompressed) theta payload of ``theta``: the sha256 of its bytes
-    (``encode_payload``'s) for one chunk, else ``records.digest_of`` its chunks' (``ref_digest``
-    of the ref naming them), each hashed piece by piece by the stream's first pass: a fragment's
-    payload is never joined to be hashed."""
+    """The digest of the plain theta payload of ``theta`` (``records.digest_of`` its chunks), hashed
+    piece by piece as the stream is produced: a fragment's payload is never joined to be hashed."""
     return payload_digest(theta, run.shapes[f], run.fragment_dtypes(f), run.chunk_elements, kind="theta")
 
 

@@ -80,10 +80,8 @@ class KeyedRecord(typing.Protocol):
 
 @dataclass(frozen=True, kw_only=True)
 class PayloadRef:
-    """A payload by reference: its key, sha256 and size. A chunked payload (``docs/protocol.md``,
-    "Chunked payloads") is a list of chunks: this ref is chunk 0 and ``more`` lists chunks 1..n-1
-    in order (each without ``more`` of its own). Left out of the JSON when empty, so the ref of a
-    one-chunk payload has the bytes it always had."""
+    """A payload by reference: its key, sha256 and size. A chunked payload's ref is chunk 0, ``more``
+    listing chunks 1..n-1 in order; left out of the JSON when empty (a one-chunk ref's bytes)."""
 
     key: str = field(metadata=_meta(pattern=_KEY, max_len=512))
     sha256: str = sha()
@@ -276,7 +274,7 @@ def _omit(record: Any, d: dict[str, Any]) -> None:
     for name in _OMIT_IF_NONE:
         if name in d and d[name] is None:
             del d[name]
-    for f in _omitted_if_default(type(record)):
+    for f in _omitted_if_default(type(record)):  # type: ignore[arg-type]
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         if d.get(f.name, default) == default:
             d.pop(f.name, None)
@@ -289,15 +287,10 @@ def _omit(record: Any, d: dict[str, Any]) -> None:
                 _omit(v, o)
 
 
-_OMITTED: dict[type, tuple[dataclasses.Field[Any], ...]] = {}
-
-
+@functools.cache
 def _omitted_if_default(cls: type) -> tuple[dataclasses.Field[Any], ...]:
     """Fields left out of the JSON while they hold their default (``metadata["omit_default"]``)."""
-    out = _OMITTED.get(cls)
-    if out is None:
-        out = _OMITTED[cls] = tuple(f for f in dataclasses.fields(cls) if f.metadata.get("omit_default"))
-    return out
+    return tuple(f for f in dataclasses.fields(cls) if f.metadata.get("omit_default"))
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -312,20 +305,17 @@ def encode(record: Any) -> bytes:
     return data
 
 
-def signing_bytes(record: Any) -> bytes:
+def signing_bytes(record: Any, without: tuple[str, ...] = ("mac",)) -> bytes:
     """Canonical bytes of a record without its ``mac`` field (what an HMAC covers)."""
     d = to_dict(record)
-    d.pop("mac", None)
+    for name in without:
+        d.pop(name, None)
     return canonical_json(d)
 
 
 def identity_bytes(record: Any) -> bytes:
-    """Canonical bytes of a record without its ``mac`` and ``sig`` fields: what a node's
-    signature covers (with the run id, the record kind and its key: ``protocol.members``)."""
-    d = to_dict(record)
-    d.pop("mac", None)
-    d.pop("sig", None)
-    return canonical_json(d)
+    """Without ``mac`` and ``sig`` too: what a node's signature covers (``protocol.members``)."""
+    return signing_bytes(record, ("mac", "sig"))
 
 
 def decode(data: bytes | None, cls: type[R], *, key: str = "?") -> R:

@@ -109,10 +109,6 @@ class RunInfo:
         """The chunks of fragment ``f``'s parameters, deltas and changes (``codec/plan.py``)."""
         return fragment_plan(self.shapes[f], self.chunk_elements)
 
-    def outer_plan(self, f: int) -> list[list[Piece]]:
-        """The chunks of fragment ``f``'s outer-state payload (``outer_shapes``' order)."""
-        return fragment_plan(self.outer_shapes(f), self.chunk_elements)
-
     def checkpoint_due(self, f: int, version: int, *, final: bool, participants: int) -> bool:
         """Does the commit of fragment ``f``'s ``version`` write the full parameters and outer
         state? ``schedule.is_checkpoint``, and also a round between checkpoints whose record would
@@ -150,12 +146,9 @@ def open_run(
     rng: random.Random,
     create: bool = True,
 ) -> tuple[RunInfo, bool]:
-    """Join the run in the mailbox, creating it (manifest + initial parameters) if absent.
-
-    ``schema`` is the model's, ``read`` its current values (read only when this call creates the
-    run). Returns the run and whether this call created it. Raises ``RunConfigMismatch`` or
-    ``SchemaMismatch`` before anything is trained.
-    """
+    """Join the run in the mailbox, creating it (manifest + initial parameters) if absent; ``read``
+    is read only then. Returns the run and whether this call created it. Raises
+    ``RunConfigMismatch`` or ``SchemaMismatch`` before anything is trained."""
     manifest = read_manifest(store)
     created = False
     # More fragments than tensors: each fragment gets one tensor (min(fragments, tensors)), the
@@ -180,11 +173,9 @@ def initial_fragments(schema: list[TensorSpec], cfg: DiLoCo) -> list[list[str]]:
 def create_run(
     store: RunStore, schema: list[TensorSpec], cfg: DiLoCo, upload: Upload, *, learner: str, rng: random.Random
 ) -> tuple[Manifest, bool]:
-    """Create the run the mailbox does not hold yet: plan the fragments, refuse a plan whose records
-    would not fit (before anything is uploaded), ``upload`` every fragment's initial parameters,
-    then write the manifest, create-once. Returns the run's manifest and whether this call
-    created it: when another node created the run meanwhile, theirs (and our initial payloads that
-    are not theirs are deleted)."""
+    """Create the run: plan the fragments, refuse a plan whose records would not fit (before any
+    upload), ``upload`` the initial parameters, write the manifest create-once. Returns the
+    manifest and whether this call created it (else another node's, our other payloads deleted)."""
     cfg = cfg.for_tensors(len(schema))
     fragments = initial_fragments(schema, cfg)
     by_name = {s.name: tuple(int(d) for d in s.shape) for s in schema}

@@ -1,9 +1,8 @@
 """The round schedule (SPEC 3.4): which fragment each round syncs, and at which global step.
 
 Round r targets fragment ``r % P`` at nominal global step
-``floor(r/P)*H + floor(((r % P) + 1)*H/P)``, so each fragment is synced once per H steps and the
-P fragments are staggered evenly across those H steps. Every round commits exactly once and in
-order, so a fragment's version is simply the number of its rounds already committed.
+``floor(r/P)*H + floor(((r % P) + 1)*H/P)``. Every round commits exactly once and in order, so a
+fragment's version is the number of its rounds already committed.
 """
 
 from __future__ import annotations
@@ -18,37 +17,25 @@ def fragment_of(r: int, P: int) -> int:
 
 
 def slot(r: int, P: int) -> tuple[int, int]:
-    """``(fragment, version)``: the fragment round ``r`` syncs and the version it commits.
-
-    The one place the protocol's round arithmetic lives; a round record is consistent with the
-    schedule exactly when its ``(fragment, version)`` is this.
-    """
+    """``(fragment, version)``: the fragment round ``r`` syncs and the version it commits; a round
+    record is consistent with the schedule exactly when its ``(fragment, version)`` is this."""
     return fragment_of(r, P), version_after(r, P)
 
 
 def nominal_step(r: int, H: int, P: int) -> int:
-    """Global step at which round ``r`` is due. ``nominal_step(-1) == 0`` (the start of training).
-
-    Python's floor division makes the formula itself give 0 at r = -1 (``-H + P*H//P``), so the
-    start of training needs no special case.
-    """
+    """Global step at which round ``r`` is due; floor division makes ``nominal_step(-1) == 0``."""
     assert r >= -1 and 1 <= P <= H, (r, H, P)
     return (r // P) * H + ((r % P) + 1) * H // P
 
 
 def gap(r: int, H: int, P: int) -> int:
-    """Local steps a learner trains for round ``r`` since its contribution to round ``r - 1``.
-
-    Gaps are ``floor(H/P)`` or ``ceil(H/P)`` and any P consecutive gaps sum to H.
-    """
+    """Local steps for round ``r`` since round ``r - 1``: ``floor(H/P)`` or ``ceil(H/P)``, any P of
+    them summing to H."""
     return nominal_step(r, H, P) - nominal_step(r - 1, H, P)
 
 
 def version_before(r: int, P: int) -> int:
-    """The fragment version a round-``r`` delta is relative to (its ``base_version``).
-
-    Rounds ``fragment_of(r), fragment_of(r) + P, ...`` before r each committed the fragment once.
-    """
+    """The fragment version a round-``r`` delta is relative to (its ``base_version``)."""
     assert r >= 0 and P >= 1, (r, P)
     return r // P
 
@@ -65,12 +52,9 @@ def round_of(f: int, v: int, P: int) -> int:
 
 
 def is_checkpoint(version: int, *, final: bool, every: int) -> bool:
-    """Does the commit of ``version`` write the full parameters and outer state (a checkpoint)?
-
-    Every ``every``-th version of a fragment, and a final round (the end of a run must not hang on
-    a chain of changes). Version 0 (the initial parameters, zero momentum) is the first checkpoint.
-    With ``every == 1`` every commit is one.
-    """
+    """Does the commit of ``version`` write the full parameters and outer state? Every ``every``-th
+    version (0, the initial parameters, is the first) and a final round (the end of a run must not
+    hang on a chain of changes)."""
     return version % every == 0 or final
 
 

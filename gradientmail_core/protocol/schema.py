@@ -1,14 +1,7 @@
-"""Does this node's model fit the run? The schema check every path makes before it trains (a plain
-node in ``run.open_run``, ``gm.align`` in ``tape.load_newest``, a sharded node's rank 0), and the
-fix it suggests when one explains the difference.
-
-Names are compared as they are, canonical on both sides (``adapters/naming.py`` removes wrapper
-modules), so what is left to explain is the user's own structure: a node whose model holds the
-run's network one attribute deeper (``self.net``) has every name prefixed with ``net.``, which
-``module="net"`` (or opening the session on that submodule) removes; the opposite case, a run
-created from a model one level deeper than this node's, is a ``names=`` mapping that adds the
-prefix. A difference only in the shapes of adapter tensors (PEFT's ``lora_A``/``lora_B``) is a
-different adapter config.
+"""Does this node's model fit the run? The schema check every path makes before it trains, and
+the fix it suggests when one explains the difference (``module=`` for a model holding the run's
+network one attribute deeper, ``names=`` for the opposite, a different adapter config for
+adapter shapes alone). Names are compared canonical on both sides (``adapters/naming.py``).
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """Typed access to a run's mailbox: records in, records out, payloads by reference.
 
-``RunStore`` is the engine's single door to the store: the node, the lease, the run and the
-tape readers read, write, list and delete only through it, so validation (and, with a run
-secret, authentication) and the handling of create-once conflicts happen in one place.
-
-Payloads move as streams (``mailbox.write_stream`` / ``read_stream``): a ``PayloadStream`` goes
-out as it is produced, and a payload read is verified and decoded as its parts arrive
-(``codec.payload``), so moving one never needs a joined copy of it.
-
-A chunked payload (``docs/protocol.md``, "Chunked payloads") is one object per chunk; its ref
-lists them (``PayloadRef.more``). ``get_payload`` given the run's ``chunk_elements`` reads every
-chunk and returns the assembled fragment; ``get_chunk``/``put_chunk`` move one chunk (a sharded
-node's ranks), ``put_fragment`` writes every chunk of a whole fragment; where each part of a chunked payload
-lives is listed in ``protocol/layout.py``'s docstring.
+``RunStore`` is the engine's single door to the store: validation (and, with a run secret,
+authentication) and the handling of create-once conflicts happen in one place. Payloads move as
+streams, verified and decoded as their parts arrive, so moving one never needs a joined copy. A
+chunked payload is one object per chunk (``docs/protocol.md``, "Chunked payloads"); where each
+part of one lives is listed in ``protocol/layout.py``'s docstring.
 """
 
 from __future__ import annotations
@@ -99,10 +91,6 @@ class RunStore:
             if data is not None:
                 self.ahead[k] = data
 
-    def peek(self, key: str) -> bytes | None:
-        """The prefetched bytes of ``key`` (None if not fetched ahead), left for its read."""
-        return self.ahead.get(key)
-
     def drop_prefetched(self) -> None:
         self.ahead.clear()
 
@@ -143,14 +131,10 @@ class RunStore:
         return PayloadRef(key=key, sha256=sha, size=len(data))
 
     def put_blob(self, key: str, data: bytes | PayloadStream) -> None:
-        """Write payload bytes (or a stream of them) under their content-addressed ``key`` (the
-        caller hashed them to name it). Re-putting one is harmless: the key names the bytes.
-
-        A stream from ``JOIN_BELOW`` on, and bytes from ``STREAM_BYTES`` on, go out through ``write_stream`` (on S3 a
-        multipart upload, parts in parallel): a stream as it is produced, bytes as views of
-        ``PUT_PIECE``, never copied. A write that fails half-way (the store, or a stream whose
-        bytes come out differently the second time) leaves nothing under ``key``. Smaller ones
-        are one create-once PUT, as every other object."""
+        """Write payload bytes (or a stream of them) under their content-addressed ``key``; re-putting
+        one is harmless. A stream from ``JOIN_BELOW`` on, and bytes from ``STREAM_BYTES`` on, go out
+        through ``write_stream`` (parts in parallel), never copied; a write that fails half-way leaves
+        nothing under ``key``. Smaller ones are one create-once PUT."""
         blob = keys.parse_blob_key(key)
         assert blob is not None, f"{key} is not a payload key"
         if isinstance(data, PayloadStream) and data.size < JOIN_BELOW:
@@ -187,19 +171,12 @@ class RunStore:
         dtypes: Mapping[str, str] | None = None,
         chunk_elements: int | None = None,
     ) -> dict[str, np.ndarray] | None:
-        """Fetch, verify and decode a payload as its parts arrive. None if it is gone;
-        ``PayloadCorrupt`` if bad: cut short, too long, not hashing to ``ref.sha256``
-        (``PayloadLayoutMismatch`` if intact but of other tensors, or other ``dtypes``). Nothing
-        decoded is returned before the whole payload has been verified.
-
-        ``chunk_elements``: the run's (``RunInfo.chunk_elements``). The payload is then the chunks
-        of ``expected`` (in this order) its ref lists, each read, verified against its place in
-        the plan and decoded, and the fragment is returned assembled; a ref listing another number
-        of chunks is ``PayloadCorrupt``, chunks out of order ``PayloadLayoutMismatch``, and if any
-        chunk is gone the result is None. ``max_bytes`` then bounds the chunks' total (plus
-        ``CHUNK_HEADER_ALLOWANCE`` per chunk after the first); each chunk is also held to its own
-        cap. A fragment that is one chunk of whole tensors (always, with ``chunk_elements`` None)
-        is read exactly as a whole payload always was."""
+        """Fetch, verify and decode a payload as its parts arrive. None if it (or any chunk) is gone;
+        ``PayloadCorrupt`` if cut short, too long, not hashing to its sha256 or listing another number
+        of chunks than the plan of ``expected`` with the run's ``chunk_elements``;
+        ``PayloadLayoutMismatch`` if intact but of other tensors, ``dtypes`` or chunk order. Nothing is
+        returned before all of it is verified. ``max_bytes`` bounds the chunks' total (plus
+        ``CHUNK_HEADER_ALLOWANCE`` per chunk after the first); each chunk is held to its own cap too."""
         specs = chunk_specs(expected, chunk_elements)
         if len(specs) == 1 and not specs[0].meta:
             if ref.more:
@@ -237,12 +214,10 @@ class RunStore:
         kind: str | None = None,
         tee: Callable[[Chunk], object] | None = None,
     ) -> dict[str, np.ndarray] | None:
-        """Chunk ``k`` of ``n`` (``ref``: that chunk's own ref, ``chunk_refs(payload_ref)[k]``), of
-        these ``pieces`` of tensors of full ``shapes``: fetched, size- and sha256-checked, checked
-        against the plan's layout and decoded, as ``{piece name: flat float32 values}``. None if it
-        is gone; ``PayloadCorrupt``/``PayloadLayoutMismatch`` as ``get_payload``. ``tee(part)``,
-        if given, is handed each part of the object's bytes as it arrives, before it is decoded (a
-        closer keeps them in its spool, ``syncer/spool.py``; they are verified once this returns)."""
+        """Chunk ``k`` of ``n`` (``ref``: that chunk's own ref) of these ``pieces``, fetched, checked and
+        decoded as ``{piece name: flat float32 values}``; None if gone, errors as ``get_payload``.
+        ``tee(part)`` is handed each part of the bytes as it arrives (a closer's spool); they are
+        verified once this returns."""
         if ref.more:
             raise PayloadCorrupt(f"{ref.key}: a chunk's ref lists chunks of its own")
         got = self._get_chunk(
@@ -260,34 +235,10 @@ class RunStore:
         kind: str | None = None,
         tee: Callable[[Chunk], object] | None = None,
     ) -> dict[str, np.ndarray] | None:
+        """One chunk's bytes, streamed into its decoder; None if it is gone."""
         cap = s.cap() if max_bytes is None else min(max_bytes, s.cap())
-        return self._read(
-            ref,
-            lambda chunks, compression: decode_payload(
-                chunks,
-                s,
-                size=ref.size,
-                sha256=ref.sha256,
-                compression=compression,
-                max_bytes=cap,
-                kind=kind,
-                dtypes=dtypes,
-                key=ref.key,
-            ),
-            cap,
-            tee,
-        )
-
-    def _read(
-        self,
-        ref: PayloadRef,
-        decode: Callable[[Iterable[Chunk], str], dict[str, np.ndarray]],
-        max_bytes: int | None,
-        tee: Callable[[Chunk], object] | None = None,
-    ) -> dict[str, np.ndarray] | None:
-        """One object's bytes, streamed into ``decode(chunks, compression)``; None if it is gone."""
-        if max_bytes is not None and ref.size > max_bytes:
-            raise PayloadCorrupt(f"{ref.key}: declared size {ref.size} exceeds the cap of {max_bytes} bytes")
+        if ref.size > cap:
+            raise PayloadCorrupt(f"{ref.key}: declared size {ref.size} exceeds the cap of {cap} bytes")
         try:
             compression = keys.compression_of(ref.key)
         except ValueError as e:
@@ -297,7 +248,17 @@ class RunStore:
         if chunks is None:
             return None
         try:
-            return decode(self._counted(chunks, tee), compression)
+            return decode_payload(
+                self._counted(chunks, tee),
+                s,
+                size=ref.size,
+                sha256=ref.sha256,
+                compression=compression,
+                max_bytes=cap,
+                kind=kind,
+                dtypes=dtypes,
+                key=ref.key,
+            )
         finally:
             close = getattr(chunks, "close", None)  # cancels the reads still in flight
             if close is not None:
@@ -317,11 +278,8 @@ class RunStore:
         compression: str,
         f8_scales: Mapping[str, int] | None = None,
     ) -> PayloadRef:
-        """Encode chunk ``k`` of ``n`` from its pieces' values (``codec.payload.encode_payload``
-        with ``chunk=``: float32 values of each piece, or its ``QTensor``; an F8 piece of float
-        values needs its whole tensor's scale byte in ``f8_scales``) and upload it under
-        ``key_for_sha(sha256)``.
-        The ref of that one chunk; ``join_refs`` puts a payload's chunk refs together."""
+        """Encode chunk ``k`` of ``n`` from its pieces' values (float32, or a ``QTensor``; an F8 piece of
+        float values needs its tensor's scale byte in ``f8_scales``) and upload it: that chunk's ref."""
         s = chunk_spec(pieces, shapes, k, n)
         with encode_payload(
             values, dtypes, kind=kind, compression=compression, chunk=s, f8_scales=f8_scales, stream=True

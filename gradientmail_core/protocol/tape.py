@@ -1,8 +1,6 @@
-"""Reading the tape: the committed round records, the newest parameters, the open claim.
-
-The tape is ``rounds/``: one create-once record per committed round, contiguous and never
-deleted. Everything that reads it (a joining node, a node following it, ``gm.align``, the
-command line) uses these functions, so the rule for what counts as a valid record is said once.
+"""Reading the tape (``rounds/``: one create-once record per committed round, contiguous, never
+deleted): the committed records, the newest parameters, the open claim. Every reader uses these,
+so what counts as a valid record is said once.
 """
 
 from __future__ import annotations
@@ -48,12 +46,8 @@ def round_keys(store: RunStore) -> list[str]:
 
 
 def newest_records(store: RunStore, run: RunInfo, listed: list[str]) -> dict[int, RoundRecord]:
-    """The newest record of every fragment among the listed round keys, read newest first.
-
-    Normally the last P keys. An object that is not a valid record of its round (hostile input in
-    an unauthenticated run) is reported and skipped rather than trusted or fatal; at most
-    ``4P + 64`` keys are read.
-    """
+    """The newest record of every fragment among the listed round keys, read newest first (at most
+    ``4P + 64``); an object that is not a valid record of its round is reported and skipped."""
     out: dict[int, RoundRecord] = {}
     for k in reversed(listed[-(4 * run.P + 64) :]):
         r = keys.parse_round_key(k)
@@ -83,14 +77,9 @@ def fetch_theta(store: RunStore, run: RunInfo, f: int, record: RoundRecord | Non
 def read_newest(
     store: RunStore, run: RunInfo, *, attempts: int = 5
 ) -> tuple[dict[int, RoundRecord], dict[int, dict[str, np.ndarray]]]:
-    """The newest record and parameters of every fragment: ``(records, thetas)``.
-
-    A fragment without a record has its initial parameters; one whose newest record is between
-    checkpoints has them rebuilt from its checkpoint. A payload gone while we read means the run
-    committed 2P more rounds (or a newer checkpoint) meanwhile, and GC collected what we were
-    reading: newer records exist, so the tape is listed again, up to ``attempts`` times; then
-    ``ProtocolError``.
-    """
+    """The newest record and parameters of every fragment: ``(records, thetas)``. A payload gone
+    while we read means GC collected it under newer records: the tape is listed again, up to
+    ``attempts`` times; then ``ProtocolError``."""
     for _ in range(attempts):
         recs = newest_records(store, run, round_keys(store))
         thetas: dict[int, dict[str, np.ndarray]] = {}

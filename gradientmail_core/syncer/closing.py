@@ -51,23 +51,17 @@ class Closing:
         )
 
     def fragment_state(self, f: int) -> FragmentState:
-        """The merger's state of fragment ``f`` at its newest record (or the init): held from this
-        node's own commit, or recovered from its checkpoint and the rounds after it
-        (``replay.py``). Missing payloads mean this node's view is stale (paused after its
-        listing, the run committed meanwhile and collected them): ``MailboxUnavailable``, catch up
-        next poll."""
+        """The merger's state of fragment ``f`` at its newest record (``replay.recover``);
+        ``MailboxUnavailable`` when this node's view is stale: caught up next poll."""
         s = self.state
         return recover(self.merger, self.store, s.run, f, s.newest.get(f), s.thetas.get(f))
 
     # ---- judging --------------------------------------------------------------------------
 
     def due(self, c: Collector) -> int | None:
-        """Judge the round's new snapshots; the number of live learners once it may close (None:
-        not yet).
-
-        With ``max_contributions`` (a fleet of any size) nothing is read as it arrives: the
-        quorum counts the snapshot records listed, and once the round may close the closer reads
-        only the drawn ones (``_judge_drawn``)."""
+        """Judge the round's new snapshots; the number of live learners once it may close (None: not
+        yet). With ``max_contributions`` the quorum counts the records listed, and only the drawn ones
+        are read once the round may close (``_judge_drawn``)."""
         s = self.state
         cfg = s.run.cfg
         cap = cfg.max_contributions
@@ -105,13 +99,10 @@ class Closing:
             self.emit(ev.ContributionRejected(s.me, c.round, learner, j.reason))
 
     def _judge_drawn(self, c: Collector, cap: int, reported: set[str]) -> bool:
-        """Judge the reported snapshots in the order of the round's draw (``schedule.draw``: a hash
-        of the run, the round and the learner, which no learner's speed or data sways) until
-        ``cap`` are accepted; each batch's records, then payloads, are fetched together. A rejected
-        one is replaced by the next in the draw, so only rejections make this node read more than
-        ``cap`` contributions. The draw is taken again at every attempt (a commit that failed is
-        retried on a later poll, when lower draws may have been listed): judgements past the
-        ``cap``-th accepted are dropped. True if the round may close (at least one accepted)."""
+        """Judge the reported snapshots in the order of the round's draw (``schedule.draw``) until ``cap``
+        are accepted, each batch's records, then payloads, fetched together; a rejected one is replaced
+        by the next in the draw. The draw is taken again at every attempt (lower draws may have been
+        listed since): judgements past the ``cap``-th accepted are dropped. True if one is accepted."""
         run_id = self.state.run.manifest.run_id
         order = sorted(reported | set(c.judged), key=lambda lr: (draw(run_id, c.round, lr), lr))
 

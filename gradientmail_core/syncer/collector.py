@@ -1,9 +1,7 @@
 """A round this node closes, as its closer sees it (``Collector``): the snapshots judged (SPEC 3.6),
-quorum, then the grace window; outliers; the commit of the accepted contributions
-(``commit.merge_commit`` on this node's ``merger.FragmentMerger``) and the round record built from
-it. Contributions are merged in learner-id order, so a closer that recomputes a round after a
-crash writes the same bytes; a version that is no checkpoint (``checkpoint_every``) writes the
-change only, its record carrying the digests and contributions ``replay.py`` replays it from."""
+quorum, then the grace window; outliers; the commit of the accepted contributions and the round
+record built from it. Contributions are merged in learner-id order, so a closer that recomputes a
+round after a crash writes the same bytes."""
 
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
 """A commit of a fragment: what goes in, what comes out, and the one function from one to the other.
 
-``merge_commit(merger, state, contributions, round=, compression=, write=)``: the fragment's state
-at the version before, the accepted contributions in learner order (their chunks, weights, judged
-squared norms, ``final``), the run (the merger's) -> a ``Commit``: the payloads' refs and digests,
-the cosine, the new state. The live closer (``collector.Collector.commit``), a takeover's replay
-and ``gradientmail verify`` (``replay.recompute``) and the benches call it alike; the round record
-is built from a commit by the one who writes it (``Collector.record``), a replay compares a commit
-with the record it recomputes. The work runs on every rank of the merger (``merger.py``)."""
+``merge_commit``: the fragment's state at the version before, the accepted contributions in
+learner order, the run (the merger's) -> a ``Commit``. The live closer, a takeover's replay,
+``gradientmail verify`` and the benches call it alike; the round record is built from a commit by
+the one who writes it (``Collector.record``)."""
 
 from __future__ import annotations
 
@@ -75,12 +72,10 @@ class CommitOp:
 
 @dataclass(frozen=True)
 class Commit:
-    """A commit as its record names it (the payloads written, by kind: ``theta``, ``outer``,
-    ``change``; the digests; the cosine; ``final``; ``checkpoint``, None when this commit is one,
-    else the version it builds on), and what this process keeps of it: the new state (pending in
-    the merger until ``landed``), the new parameters for this node's learner (whole tensors; empty
-    where only ranges are held), each payload's size in the order written, and their bytes when
-    no ``write`` was given."""
+    """A commit as its record names it (payloads by kind, digests, cosine, ``final``, ``checkpoint``:
+    None when this is one, else the version it builds on), and what this process keeps: the new
+    state (pending until ``landed``), the new parameters for its learner (empty where only ranges
+    are held), each payload's size in the order written, and their bytes when no ``write`` was given."""
 
     refs: dict[str, PayloadRef]
     theta_digest: str

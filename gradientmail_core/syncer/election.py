@@ -1,19 +1,12 @@
 """Election and takeover: who closes the open round.
 
-The node that committed round r claims r + 1 at once (``claims/{r+1}/0001``). A follower watches
-the open round's newest claim (``Watch``); it claims the next number itself when the holder's
-lease lapses (``lease_lost``), when the round overruns what the past rounds predict (``timeout``),
-or at once when nobody claims it (``unclaimed``: number 1, which only one node can create, so
-followers racing for it and the previous closer's own late claim are safe). A node that finds a
-claim of its own id (it restarted under that id) resumes closing the round.
-
-Only nodes whose role may close (``role="both"``, the default, and syncers) take part. A
-learner-only node never claims: it only watches whether any node that may close is live, and says
-so once when none is (``NoCloser``, and ``waiting_for_closer`` in its lease for ``gradientmail
-status``) and once when one is back (``CloserBack``).
-
-``Election`` decides and writes claims; it never closes a round: ``watch`` and ``try_claim`` say
-whether this node holds the round's claim, and the node then opens its closing.
+The node that committed round r claims r + 1 at once. A follower watches the open round's newest
+claim (``Watch``) and claims the next number itself when the holder's lease lapses
+(``lease_lost``), when the round overruns what past rounds predict (``timeout``), or when nobody
+claims it (``unclaimed``: number 1, which only one node can create). A node that finds a claim of
+its own id (it restarted) resumes closing the round. A learner-only node never claims: it says
+once when no node that may close is live (``NoCloser``) and once when one is back
+(``CloserBack``). ``Election`` writes claims and never closes a round.
 """
 
 from __future__ import annotations
@@ -43,7 +36,6 @@ class Watch:
     opened_at: float
     claim: Claim | None = None
     claim_seen_at: float = 0.0
-    claims_listed_at: float = float("-inf")
     timer_from: float | None = None
 
 
@@ -60,14 +52,8 @@ class Election:
         options: NodeOptions,
         nonce: str,
     ) -> None:
-        self.store, self.clock, self.state, self.lease, self.bridge, self.emit = (
-            store,
-            clock,
-            state,
-            lease,
-            bridge,
-            emit,
-        )
+        self.store, self.clock, self.state = store, clock, state
+        self.lease, self.bridge, self.emit = lease, bridge, emit
         self.opts, self.nonce = options, nonce
         self.watching: Watch | None = None
         # A learner-only node that sees no live node that may close rounds: the round it waits in.
@@ -106,7 +92,6 @@ class Election:
             if fo.timer_from is None and n_snaps >= need:
                 fo.timer_from = now
         if fo.claim is None:
-            fo.claims_listed_at = now
             fo.claim = newest_claim(self.store, r)
             fo.claim_seen_at = now
             if fo.claim is None:

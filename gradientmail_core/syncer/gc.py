@@ -13,11 +13,10 @@ class GarbageCollector:
         self.store, self.state = store, state
 
     def collect(self, r: int) -> None:
-        """After committing r: snapshot records of rounds <= r, claims of rounds <= r, leases
-        abandoned long ago, and the payloads no reader needs: snapshot payloads of rounds <= r and
-        round payloads of rounds <= r - 2P, except, between checkpoints, a fragment's newest
-        checkpoint and what a recovery replays after it (``_checkpoint_rounds``), and what verifying
-        the newest rounds needs (``_window``)."""
+        """After committing r: snapshot records and claims of rounds <= r, leases abandoned long ago, and
+        the payloads no reader needs: snapshot payloads of rounds <= r and round payloads of rounds
+        <= r - 2P, except what a recovery replays (``_checkpoint_rounds``) and what verifying the newest
+        rounds needs (``_window``)."""
         store, s = self.store, self.state
         P = s.run.P
         ck = self._checkpoint_rounds()
@@ -77,11 +76,8 @@ class GarbageCollector:
         return first, first - (k - 1) * P, first - k * P
 
     def _checkpoint_rounds(self) -> list[int]:
-        """Per fragment, the round of its newest checkpoint (-1: the initial parameters). A
-        recovery needs that round's payloads and, after it, every change and every contribution
-        (a closer replays them), until a newer checkpoint commits. With ``checkpoint_every=1``
-        every record is a checkpoint: this is the fragment's newest round, and GC keeps exactly
-        what it kept before checkpoints existed (2P rounds of round payloads, no contributions)."""
+        """Per fragment, the round of its newest checkpoint (-1: the initial parameters): a recovery needs
+        its payloads and every change and contribution after it, until a newer checkpoint commits."""
         out, P = [], self.state.run.P
         for f in range(P):
             rec = self.state.newest.get(f)

@@ -1,10 +1,8 @@
 """The training-thread half of a learner: counts steps, decides when a fragment is due,
 hands contributions to the node, and aligns with commits in place between steps.
 
-Nothing here does I/O. The only blocking is ``overlap_steps`` (and ``close``), which wait
-on the commit queue the node fills. Fragments go out and come in through the adapter's handles
-(``adapters/handles.py``): with a device pipeline, publishing and aligning only queue device
-work (a snapshot of the fragment, and the copies or blends from a theta the node already staged).
+Nothing here does I/O; only ``overlap_steps`` (and ``close``) wait on the commit queue the node
+fills. With a device pipeline, publishing and aligning only queue device work.
 """
 
 from __future__ import annotations

@@ -2,14 +2,11 @@
 restarted under the same id takes its dead predecessor's lease over at once, instead of
 watching the lease for 1.5 renewal intervals (``LeaseWriter.acquire``).
 
-The marker is a file per (run, learner id) in a per-user local directory. It holds the nonce of
-the process holding the id, and that process keeps a POSIX record lock (``fcntl.lockf``) on it for
-as long as it runs. Such a lock dies with its process and is not inherited by forked children
-(data-loader workers), so a process that takes the lock knows the nonce in the file is a dead
-process's: a lease carrying that nonce belongs to nobody alive. Only then is the lease taken at
-once; in every other case (a restart on another host, no marker, the lock held, another session
-of this process with the id, no ``fcntl``) the lease is watched as before. The marker only ever
-shortens that wait; it never refuses anything on its own.
+The marker is a file per (run, learner id) holding the holder's nonce, on which that process keeps
+a POSIX record lock (``fcntl.lockf``). Such a lock dies with its process and is not inherited by
+forked children, so a process that takes the lock knows the nonce in the file is a dead
+process's. In every other case the lease is watched as before: the marker only ever shortens
+that wait.
 """
 
 from __future__ import annotations

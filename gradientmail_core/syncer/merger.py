@@ -2,20 +2,15 @@
 commit's payloads written (``docs/protocol.md`` section 10; ``docs/sharding.md`` section 5).
 
 A ``FragmentMerger`` works on the flat range of each tensor this process holds: every tensor
-whole in one process (``one_process``), or on each rank of a sharded node the ranges of its
-shards, the ranks meeting only in ``ranges.Ranks``. Its ops: ``load`` (a fragment's state at a
-checkpoint), ``judge`` (a contribution read into the spool, checked finite, its squared norms
-summed), ``commit`` (``passes.merge_and_step``, then ``write_commit``; the new state pending
+whole (``one_process``), or on each rank of a sharded node its shards, the ranks meeting only in
+``ranges.Ranks``. Its ops: ``load`` (a fragment's state at a checkpoint), ``judge`` (a contribution
+read into the spool, checked finite, its squared norms summed), ``commit`` (the new state pending
 until ``landed``: a commit whose record was not written is made again from the state before it).
-It keeps each fragment's state (``states``, let go by ``forget`` when another node commits the
-fragment) and the contributions of the rounds it closes (``spool``).
 
-The payloads of a commit (new parameters, quantized change, outer state) are written chunk by
-chunk, each built and written by the rank that owns it (``chunk_owner``; one process owns all)
-from the pieces the ranks hold (``Ranks.gather``), in ``write_plan``'s order; those not written
-are hashed for the record's digests. A chunk's new parameters are ``cast(master)``, or with
-``commit_dtype`` what a learner rebuilds (``prev + dequantize(quantize(master - prev))``, cast),
-built in place where this process holds the piece and sent back to the holders
+A commit's payloads are written chunk by chunk, each by the rank that owns it (``chunk_owner``),
+from the pieces the ranks hold (``Ranks.gather``); those not written are hashed for the record's
+digests. With ``commit_dtype`` a chunk's new parameters are what a learner rebuilds
+(``prev + dequantize(quantize(master - prev))``, cast), sent back to the holders
 (``Ranks.scatter``). Pieces start on 32-element blocks, so F4/I2 quantize as over the whole
 tensor; an F8 change takes the whole tensor's scale (the maximum of the ranks' maxima)."""
 
@@ -307,11 +302,9 @@ def read_chunk(
     round: int,
     decoded: bool = False,
 ) -> dict[str, np.ndarray] | None:
-    """Chunk ``s`` of a payload (``ref``: that chunk's ref), verified and decoded (``{piece name:
-    flat float32 values}``): from the spool (a file there that no longer verifies is read again),
-    else downloaded into it, tagged ``round`` (``decoded``: held in memory, for a one-chunk
-    fragment, else bytes on disk). None if the store has no such object; errors as
-    ``RunStore.get_chunk``."""
+    """Chunk ``s`` of a payload, verified and decoded: from the spool (a file there that no longer
+    verifies is read again), else downloaded into it, tagged ``round`` (``decoded``: held in memory,
+    else bytes on disk). None if the store has no such object; errors as ``RunStore.get_chunk``."""
     cap = s.cap() if max_bytes is None else min(max_bytes, s.cap())
     if ref.more:
         raise PayloadCorrupt(f"{ref.key}: a chunk's ref lists chunks of its own")

@@ -1,15 +1,9 @@
 """The background half of a learner: one ``tick()`` polls the mailbox once and does what is due.
 
 A tick is single-threaded and reads time only from the injected clock, so a simulation drives many
-nodes deterministically by calling ``tick()`` in a seeded order. The session runs ticks on a
-background thread.
-
-The node owns its parts, each given the shared ``NodeState`` and nothing of the others: the
-``Publisher`` (uploads contributions), the ``Follower`` (the tape; it screens commits with its
-``CommitScreen``), the ``Election`` (claims and takeover), the ``Closing`` of a round this node
-claimed, and the ``GarbageCollector``; and its ``Placement``, which says how parameters move and
-who merges. ``tick`` reads as one round's story, in order; ``_drive_round`` is where the parts'
-decisions meet.
+nodes deterministically. The node owns its parts, each given the shared ``NodeState`` and nothing
+of the others (``Publisher``, ``Follower``, ``Election``, ``Closing``, ``GarbageCollector``), and
+its ``Placement``. ``tick`` reads as one round's story, in order.
 """
 
 from __future__ import annotations
@@ -77,34 +71,29 @@ class Node:
     # ---- joining ----------------------------------------------------------------------
 
     def join(self, *, created: bool, predecessor: str | None = None) -> dict[int, dict[str, np.ndarray]]:
-        """Take a lease, read the tape and the newest parameters of every fragment.
-
-        ``predecessor``: the nonce of this learner id's previous process, known dead (its lease
-        is then taken over at once, ``LeaseWriter.acquire``)."""
+        """Take a lease, read the tape and the newest parameters of every fragment. ``predecessor``: the
+        nonce of this learner id's previous process, known dead (``LeaseWriter.acquire``)."""
         try:
-            return self._join(created, predecessor)
+            s = self.state
+            self.lease.acquire(poll=self.opts.poll_interval, predecessor=predecessor)
+            s.list_leases(self.store)
+            recs, thetas = self.placement.read_newest()
+            for f, theta in thetas.items():
+                s.thetas[f] = (recs[f].version if f in recs else 0, theta)
+            s.newest = recs
+            s.head = max((r.round for r in recs.values()), default=-1)
+            if created and self.election.try_claim(0, 1, previous=None, reason=None):
+                self._open(0)
+            # A node that closes round 0 (it created the run, and no node claimed the round first)
+            # recovers the outer state from what it read; any other lends it to its learner.
+            s.lent = self.follower.lends()
+            if s.lent:
+                s.thetas = {f: (v, None) for f, (v, _) in s.thetas.items()}
+            self._publish_view()
+            self.emit(ev.Joined(self.me, s.head, created, len(s.liveness.live())))
+            return thetas
         except PayloadCorrupt as e:  # a payload damaged in transit: transient, like any failed read
             raise MailboxUnavailable(f"{e}; retry joining") from e
-
-    def _join(self, created: bool, predecessor: str | None) -> dict[int, dict[str, np.ndarray]]:
-        s = self.state
-        self.lease.acquire(poll=self.opts.poll_interval, predecessor=predecessor)
-        s.list_leases(self.store)
-        recs, thetas = self.placement.read_newest()
-        for f, theta in thetas.items():
-            s.thetas[f] = (recs[f].version if f in recs else 0, theta)
-        s.newest = recs
-        s.head = max((r.round for r in recs.values()), default=-1)
-        if created and self.election.try_claim(0, 1, previous=None, reason=None):
-            self._open(0)
-        # A node that closes round 0 (it created the run, and no node claimed the round first)
-        # recovers the outer state from what it read; any other lends it to its learner.
-        s.lent = self.follower.lends()
-        if s.lent:
-            s.thetas = {f: (v, None) for f, (v, _) in s.thetas.items()}
-        self._publish_view()
-        self.emit(ev.Joined(self.me, s.head, created, len(s.liveness.live())))
-        return thetas
 
     def leave(self) -> None:
         self.lease.release()
@@ -116,19 +105,15 @@ class Node:
 
     def tick(self) -> None:
         try:
-            self._tick()
-        except PayloadCorrupt as e:
-            # A payload read back damaged (a flipped bit in transit): transient, retried next poll.
+            self.publisher.publish_pending()  # the learner's contributions, uploaded
+            self.lease.renew(local_step=self.bridge.local_step, tokens=self.bridge.tokens)
+            if self.follower.advance(self._list_rounds()):  # the commits since the last poll, followed
+                # (never for a round the listing shows committed but we could not read yet)
+                self._drive_round(self.state.head + 1)
+            self._release_own_snapshots()
+            self._publish_view()  # what the learner sees until the next poll
+        except PayloadCorrupt as e:  # read back damaged (a flipped bit in transit): retried next poll
             raise MailboxUnavailable(f"{e}; retrying on the next poll") from e
-
-    def _tick(self) -> None:
-        self.publisher.publish_pending()  # the learner's contributions, uploaded
-        self.lease.renew(local_step=self.bridge.local_step, tokens=self.bridge.tokens)
-        if self.follower.advance(self._list_rounds()):  # the commits since the last poll, followed
-            # (never for a round the listing shows committed but we could not read yet)
-            self._drive_round(self.state.head + 1)
-        self._release_own_snapshots()
-        self._publish_view()  # what the learner sees until the next poll
 
     def _drive_round(self, r: int) -> None:
         """The open round ``r``: watched, claimed, or judged and committed by this node."""
@@ -179,12 +164,8 @@ class Node:
             round_keys = self.store.keys(keys.ROUNDS, after=keys.round_key(s.head))
             s.listing += 1
             return round_keys
-        return self._list_open_rounds()
-
-    def _list_open_rounds(self) -> list[str]:
-        """The poll's listing of the new round records and the open rounds' snapshots (which
-        ``snapshot_keys`` takes), with the leases when due; returns the round records' keys."""
-        s = self.state
+        # Else the new round records and the open rounds' snapshots (which ``snapshot_keys`` takes),
+        # with the leases when due.
         if self.clock.now() - s.liveness.listed_at >= self.opts.lease_list_interval:
             s.list_leases(self.store)
         # One listing per poll: ``snapshots/`` sorts after ``rounds/``, so listing everything after

@@ -1,13 +1,12 @@
-"""The passes of a commit over the ranges this process holds, the merge and the outer step: each quantity
-``aggregators/merge.py`` defines, with ``fused.py``'s float operations in the same order, visited
-a chunk (or a block) and a range at a time, so one process and the ranks of a sharded node write
-the same bytes (``docs/protocol.md`` section 10; ``docs/sharding.md`` section 5).
+"""The passes of a commit over the ranges this process holds: each quantity ``aggregators/merge.py``
+defines, with ``fused.py``'s float operations in the same order, a chunk (or a block) and a range
+at a time, so one process and the ranks of a sharded node write the same bytes.
 
 Pass 0 (RDA with clipping): each clipped contribution's radial norms. Pass 1 (RDA): the merged
-norm of each radial tensor split over chunks or ranks. Pass 2: every chunk merged (with the
-cosine's sums), scaled and stepped. Whole-tensor sums cross the ranks as leaves (``Pooled``).
-Spooled chunks on disk are merged a chunk at a time, contribution by contribution (the next read
-ahead); chunks held in memory a block of one tensor at a time, all contributions together."""
+norm of each radial tensor. Pass 2: every chunk merged (with the cosine's sums), scaled and
+stepped. Whole-tensor sums cross the ranks as leaves (``Pooled``). Spooled chunks on disk are
+merged a chunk at a time, contribution by contribution (the next read ahead); chunks in memory a
+block of one tensor at a time, all contributions together."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
 """Where a node's parameters live, and so how they move (``Placement``): the one seam between the
-engine and a sharded node.
-
-The node asks its placement how a commit's parameters are read and handed to the model, how a
-contribution is uploaded, and which merger closes its rounds. ``OneProcess`` is every node whose
-model is in this process: it reads whole fragments, uploads the delta a contribution streams
-(or the chunks of its plan, in a chunked run) and merges on a ``FragmentMerger`` of its own. A
-sharded node's rank 0 passes ``sharded.lead_rank.OverRanks``: every rank reads and uploads the
-chunks it owns, and rank 0's merger runs each op on every rank's ranges.
+engine and a sharded node: how a commit's parameters are read and applied, how a contribution is
+uploaded, which merger closes its rounds. ``OneProcess`` is every node whose model is in this
+process; a sharded node's rank 0 passes ``sharded.lead_rank.OverRanks``.
 """
 
 from __future__ import annotations
@@ -146,10 +141,9 @@ class OneProcess:
         return ref, keep and len(spooled) == len(self.run.plan(f)) and all(spooled)
 
     def _hold_own(self, pub: Publish, data: PayloadStream, ref: PayloadRef) -> bool:
-        """The payload just uploaded (one chunk), decoded as the closer decodes a contribution (same
-        shapes, dtypes and cap; hash checked) from the stream produced again, never joined, and held
-        decoded in the spool: judging needs it decoded, so its bytes are not kept beside it. False
-        if it does not decode: then it is read back like any contribution."""
+        """The payload just uploaded (one chunk), decoded as the closer decodes a contribution from the
+        stream produced again and held decoded in the spool; False if it does not decode (then it is
+        read back like any contribution)."""
         f = pub.fragment
         try:
             own = decode_payload(
@@ -173,7 +167,7 @@ class OneProcess:
         payloads, budget = [], PREFETCH_BYTES
         for learner, key in snapshots.items():
             try:
-                snap = self.store.decode_record(self.store.peek(key), Snapshot, key)
+                snap = self.store.decode_record(self.store.ahead.get(key), Snapshot, key)
             except (RecordInvalid, ValueError):
                 continue  # (judged as it is read: corrupt, unsigned or missing)
             for x in chunk_refs(snap.payload):

@@ -1,16 +1,12 @@
 """Recovering a fragment's merger state (``FragmentState``) from the store, checkpoints included.
 
-A checkpoint record names the parameters and the fp32 outer state; with ``checkpoint_every > 1``
-the records between checkpoints name only the quantized change. Their outer step is a
-deterministic function of the state before and the contributions the record lists (payload,
-weight, steps, tokens, final), so a node that becomes closer starts from the checkpoint (or the
-initial parameters, or a state it still holds from a commit of its own after the checkpoint) and
-commits every later round again with ``commit.merge_commit`` itself, on the same merger: the same
-merge, in the same order, with the recorded weights and no outlier judgement (the record lists the
-participants after it). Each replayed round must give the record's change payload,
-``theta_digest`` and ``outer_digest`` bit for bit, or ``ProtocolError``: never a silently
-different state. ``recompute`` is that commit on its own, for any recorded round: verifying a
-round (``verify.py``) compares what it gives with every field of the record.
+With ``checkpoint_every > 1`` the records between checkpoints name only the quantized change; their
+outer step is a deterministic function of the state before and the contributions the record lists,
+so a node that becomes closer starts from the checkpoint (or the initial parameters, or a state of
+its own commit after it) and commits every later round again with ``commit.merge_commit``, with the
+recorded weights and no outlier judgement. Each replayed round must give the record's change,
+``theta_digest`` and ``outer_digest`` bit for bit, or ``ProtocolError``. ``recompute`` is that
+commit on its own, for any recorded round (``verify.py``).
 """
 
 from __future__ import annotations
@@ -38,16 +34,10 @@ def recover(
     theta: tuple[int, dict[str, np.ndarray] | None] | None = None,
 ) -> FragmentState:
     """Fragment ``f``'s state at ``rec`` (its newest record; None: the initial parameters), held by
-    ``merger`` afterwards.
-
-    A state ``merger`` holds (a commit of this node's own) is used when it is ``rec``'s version, or,
-    between checkpoints, when replaying from it is shorter than from the checkpoint. ``theta``:
-    ``(version, parameters)`` this node holds already (``NodeState.thetas``: read and verified, or
-    committed by itself), used instead of downloading them again at that version (a fragment less
-    to hold while the closer's first round merges); ``(version, None)``: lent to the training
-    thread (``NodeState.lends``), downloaded again. Missing payloads raise ``MailboxUnavailable``
-    (newer commits exist: GC collected what this node's stale view needs; it catches up on the
-    next poll)."""
+    ``merger`` afterwards: a state ``merger`` holds when it is ``rec``'s version or replaying from
+    it is shorter; else the checkpoint and the rounds after it. ``theta``: ``(version, parameters)``
+    this node holds already (``NodeState.thetas``), not downloaded again (``None``: lent, so
+    downloaded). Missing payloads raise ``MailboxUnavailable``: the view is stale, caught up next poll."""
     version = rec.version if rec else 0
     held = merger.held(f)
     if held is not None and held.version == version:
@@ -100,13 +90,10 @@ def recompute(
     rec: RoundRecord,
     refs: Sequence[PayloadRef],
 ) -> Commit:
-    """``rec``'s round committed again, through ``merger``, from ``state`` (the version before,
-    which ``merger`` holds) and ``refs`` (each participant's payload, in the record's order): the
-    same merge, in the same order, with the recorded weights, no outlier judgement, the payloads
-    hashed and not kept. The new state is pending in ``merger`` (``landed`` keeps it). What
-    ``replay_round`` checks, and ``verify.py`` compares field by field. A payload gone is
-    ``MailboxUnavailable``, one that reads back damaged ``PayloadCorrupt``, one that is not the
-    participant's ``ProtocolError``."""
+    """``rec``'s round committed again through ``merger`` from ``state`` (the version before) and
+    ``refs`` (each participant's payload, in record order): the recorded weights, no outlier
+    judgement, payloads hashed and not kept, the new state pending in ``merger``. A payload gone is
+    ``MailboxUnavailable``, damaged ``PayloadCorrupt``, not the participant's ``ProtocolError``."""
     r = rec.round
     assert state.version == rec.version - 1 and len(refs) == len(rec.participants)
     try:

@@ -1,26 +1,17 @@
-"""A closer's local spool: the contribution chunks it judged, kept for the merge.
+"""A closer's local spool: the contribution chunks it judged, kept for the merge passes.
 
-A closer reads every contribution twice or more: once to judge it (hash, decode, finite check,
-norms) and once per merge pass. The spool keeps each chunk, named by its sha256
-(content-addressed: the same bytes are one entry whoever sent them), in one of two ways, a
-storage policy the reader chooses (``reading.read_chunk``):
-
-- **on disk**, the encoded bytes as they arrived, in a temporary directory of this node, for the
-  chunks of a fragment of several chunks: the later passes read the local disk instead of the
-  store. Nothing read back from disk is trusted: every read is checked against the sha256 again
-  (``decode_payload``), and a file that does not match is dropped and the chunk downloaded again.
-- **decoded in memory** (``hold``), read-only float32 arrays, for a fragment of one chunk: what a
-  closer merging whole fragments always held, so a small fragment costs no disk and no second
-  decode. They were decoded from bytes this process verified.
+Each chunk is named by its sha256 (the same bytes are one entry whoever sent them) and kept either
+**on disk**, the encoded bytes in a temporary directory, for a fragment of several chunks (nothing
+read back is trusted: every read is checked against the sha256 again, and a mismatch is dropped
+and downloaded again), or **decoded in memory** (``hold``), read-only float32 arrays, for a
+fragment of one chunk, so a small fragment costs no disk and no second decode.
 
 Each entry is tagged with the newest round that needs it; ``drop_through(r)`` deletes what no
-round after ``r`` needs (after a commit, or when a round is abandoned because another node
-committed it). Bounded: an entry that would take the spool past ``max_bytes``, or leave less than
-``RESERVE_BYTES`` free on its disk, is not kept (the merge pass then downloads that chunk again).
-The directory is created on first use (``GRADIENTMAIL_SPOOL_DIR``, else the system's temporary
-directory) and removed by ``close()`` (``Node.leave``), when the spool is garbage collected, or at
-interpreter exit;
-a directory left by a process that died is removed by the next spool created under the same parent.
+round after ``r`` needs. Bounded: an entry that would take the spool past ``max_bytes``, or leave
+less than ``RESERVE_BYTES`` free on its disk, is not kept (the merge downloads it again). The
+directory (``GRADIENTMAIL_SPOOL_DIR``, else the system's temporary directory) is removed by
+``close()``, by garbage collection or at exit; one left by a dead process is removed by the next
+spool created under the same parent.
 """
 
 from __future__ import annotations
@@ -84,13 +75,12 @@ class Spool:
 
     @contextlib.contextmanager
     def writer(self, sha256: str, size: int, round: int) -> Iterator[Writer | None]:
-        """A file to write the bytes of ``sha256`` (``size`` bytes) into, as they arrive; kept
-        (under its sha256) only if the block exits normally, the writer is ``commit``ted (by
-        the caller that checked those bytes' sha256 as they passed: a reader decoding them, or a
-        stream produced again) and exactly ``size`` bytes were written. None when the spool has
-        that entry already (its round is raised to ``round``) or has no room for it."""
+        """A file to write the bytes of ``sha256`` into as they arrive; kept only if the block exits
+        normally, the writer is ``commit``ted (by the caller that checked their sha256) and exactly
+        ``size`` bytes were written. None when the entry is here already (its round raised) or no room."""
         if sha256 in self.entries:
-            self._tag(sha256, round)
+            kept, r = self.entries[sha256]
+            self.entries[sha256] = (kept, max(r, round))  # needed through the later round too
             yield None
             return
         w = None
@@ -145,14 +135,7 @@ class Spool:
         got = self.held.get(sha256)
         return None if got is None else got[0]
 
-    def _tag(self, sha256: str, round: int) -> None:
-        size, r = self.entries[sha256]
-        self.entries[sha256] = (size, max(r, round))
-
     # ---- reading ----------------------------------------------------------------------------
-    def has(self, sha256: str) -> bool:
-        return sha256 in self.entries or sha256 in self.held
-
     def read(
         self, ref: PayloadRef, s: ChunkSpec, *, dtypes: Mapping[str, str], cap: int
     ) -> dict[str, np.ndarray] | None:
@@ -193,10 +176,6 @@ class Spool:
                 left -= len(piece)
                 yield piece
 
-    def path(self, sha256: str) -> Path:
-        assert self.dir is not None
-        return self.dir / sha256
-
     # ---- forgetting -------------------------------------------------------------------------
     def discard(self, sha256: str) -> None:
         self.held.pop(sha256, None)
@@ -209,11 +188,6 @@ class Spool:
     def drop_through(self, round: int) -> None:
         """Delete every entry no round after ``round`` needs."""
         for sha in [s for s, (_, r) in [*self.entries.items(), *self.held.items()] if r <= round]:
-            self.discard(sha)
-
-    def clear(self) -> None:
-        self.held.clear()
-        for sha in list(self.entries):
             self.discard(sha)
 
     def close(self) -> None:

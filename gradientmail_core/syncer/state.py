@@ -1,7 +1,5 @@
-"""What a node knows between polls (``NodeState``): the tape as followed so far, the round it
-closes, the leases and snapshots it listed, its counts. One plain object that the node's parts
-(``publisher``, ``election``, ``closing``, ``follower``, ``gc``) are each given; none of them
-inherits it. Who writes a field is said beside it."""
+"""What a node knows between polls (``NodeState``): one plain object the node's parts are each
+given; none of them inherits it. Who writes a field is said beside it."""
 
 from __future__ import annotations
 

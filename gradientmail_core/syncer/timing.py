@@ -27,13 +27,9 @@ def grace_seconds(
     overlap_steps: int | None,
 ) -> float:
     """Seconds the closer keeps collecting after quorum:
-    ``min(0.5 * max(ahead*x_step - (x_quorum + x_sync), 0), gap*x_step)``.
-
-    ``ahead = in_flight * gap`` steps (or ``overlap_steps`` if smaller) is how long learners can
-    train before they need this round's commit; waiting half the slack left after the expected
-    quorum and commit times lets stragglers in without stalling anyone, and never longer than one
-    round's worth of steps. Zero while any estimate is missing (the first rounds).
-    """
+    ``min(0.5 * max(ahead*x_step - (x_quorum + x_sync), 0), gap*x_step)``, ``ahead = in_flight *
+    gap`` steps (or ``overlap_steps`` if smaller): half the slack learners have before they need
+    this round's commit, at most a round's worth of steps. Zero while any estimate is missing."""
     if x_step is None or x_quorum is None or x_sync is None:
         return 0.0
     ahead = in_flight * gap

@@ -1,30 +1,12 @@
 """Verifying a round: its commit recomputed from its recorded inputs and compared, bit for bit,
-with what its record names (``docs/security.md``, "Verifying commits").
-
-A round's commit is a deterministic function of the state its fragment was in and of the
-contributions the record lists (payload, weight, steps, tokens, final). Every input is in the store
-for the newest ``verify_window`` rounds (``gc.py``), so any reader recomputes it:
-
-- **the state before**: the fragment's previous commit, its theta and outer state loaded (between
-  checkpoints: replayed from its checkpoint, ``replay.recover``), or the initial parameters; or the
-  state a verifier holds already from verifying the round before;
-- **the contributions**: each participant's payload, named by the record (between checkpoints) or by
-  the participant's own snapshot record, which must name the same payload digest, steps, tokens and
-  ``final`` (and carry its learner's signature in a members-only run); each weight must be
-  ``tokens * tokens / steps``;
-- **the merge**: ``replay.recompute``, the one merge (``commit.merge_commit``: the same code, order
-  and weights).
-
-It is ``verified`` when the theta, outer-state and change payloads (every chunk's sha256, size and
-key), ``theta_digest``, ``outer_digest``, the cosine, ``final`` and ``checkpoint`` are the record's;
-``mismatch`` when anything differs, or the record's own inputs contradict it (a weight, a snapshot
-record, a contribution outside its learner's folder); ``unverifiable`` when an input is gone
-(collected: the round is older than the window) or reads back damaged. Nothing is written.
+with what its record names. The rules (the inputs, the weights, what ``verified``, ``mismatch``
+and ``unverifiable`` mean) are in ``docs/protocol.md`` section 11 and ``docs/security.md``,
+"Verifying commits"; the merge is ``replay.recompute``. Nothing is written.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -65,16 +47,7 @@ class RoundCheck:
     theta: dict[str, np.ndarray] | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "round": self.round,
-            "fragment": self.fragment,
-            "version": self.version,
-            "closer": self.closer,
-            "status": self.status,
-            "reason": self.reason,
-            "evidence": self.evidence,
-            "bytes_read": self.bytes_read,
-        }
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "theta"}
 
 
 class _Found(Exception):
@@ -146,7 +119,6 @@ class RoundVerifier:
             commit = recompute(self.merger, self.store, self.run, state, rec, refs)
             diff = differences(commit, rec)
             if diff:
-                self.merger.forget(f)
                 raise _Found(MISMATCH, f"recomputing the merge gives another {', '.join(diff)}")
             self.merger.landed(f, v)
             theta_out = commit.theta
@@ -154,14 +126,13 @@ class RoundVerifier:
                 self.merger.forget(f)
             status, reason = VERIFIED, ""
         except _Found as e:
-            self.merger.forget(f)
             status, reason = e.status, e.reason
         except (MailboxUnavailable, PayloadCorrupt) as e:
-            self.merger.forget(f)
             status, reason = UNVERIFIABLE, " ".join(str(e).split())
         except ProtocolError as e:  # a contribution that is not its participant's (replay._contributions)
-            self.merger.forget(f)
             status, reason = MISMATCH, " ".join(str(e).split())
+        if status != VERIFIED:
+            self.merger.forget(f)
         if status == UNVERIFIABLE and outside is not None:
             w = self.run.cfg.verify_window
             reason += (
