@@ -91,6 +91,10 @@ class RunStore:
             if data is not None:
                 self.ahead[k] = data
 
+    def peek(self, key: str) -> bytes | None:
+        """The prefetched bytes of ``key`` (None if not fetched ahead), left for its read."""
+        return self.ahead.get(key)
+
     def drop_prefetched(self) -> None:
         self.ahead.clear()
 

@@ -167,7 +167,7 @@ class OneProcess:
         payloads, budget = [], PREFETCH_BYTES
         for learner, key in snapshots.items():
             try:
-                snap = self.store.decode_record(self.store.ahead.get(key), Snapshot, key)
+                snap = self.store.decode_record(self.store.peek(key), Snapshot, key)
             except (RecordInvalid, ValueError):
                 continue  # (judged as it is read: corrupt, unsigned or missing)
             for x in chunk_refs(snap.payload):
