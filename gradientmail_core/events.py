@@ -115,6 +115,7 @@ class Aligned(Event):
     bytes: int
     participants: tuple[str, ...] = ()  # of the round aligned with, for loggers on every node
     cosine: float | None = None
+    dropped: int = 0  # local steps on this fragment the alignment discarded (none with Carry)
 
 
 @dataclass(frozen=True)

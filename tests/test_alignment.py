@@ -112,6 +112,17 @@ def test_carry_reports_the_kept_steps_in_the_next_contribution():
     assert m.learner.steps_since[0] == 3  # Overwrite would report 0: the steps are gone
 
 
+@pytest.mark.parametrize("rule, dropped", [(gm.Overwrite(), 3), (gm.Blend(mixing=0.5), 1), (gm.Carry(), 0)])
+def test_aligned_says_how_many_local_steps_the_alignment_discarded(rule, dropped):
+    c = Cluster(gm.DiLoCo(sync_every=4, fragments=1, alignment=rule))
+    m = c.join("a")
+    for _ in range(7):  # the 4th step published round 0; 3 more steps are local only
+        m.train()
+    m.learner.apply(CommitNotice(0, 0, 1, {n: p.copy() for n, p in m.params.items()}, participants=("a",)))
+    (aligned,) = [e for e in m.events if isinstance(e, gm.events.Aligned)]
+    assert aligned.dropped == dropped and m.learner.steps_since[0] == 3 - dropped  # Blend keeps round(1.5) = 2
+
+
 def test_adaptive_switches_per_fragment_with_hysteresis():
     rule = gm.Adaptive(carry_above=0.5, overwrite_below=0.1)
     c = Cluster(gm.DiLoCo(sync_every=4, fragments=1, alignment=rule))

@@ -141,13 +141,14 @@ class Learner:
         # Replacing the fragment drops the training it held since the contribution (all of it,
         # or 1 - mixing of it; none with Carry), so the next contribution reports only the
         # steps its delta still carries.
-        self.steps_since[f] = round(self.steps_since[f] * keep)
+        kept = round(self.steps_since[f] * keep)
+        dropped, self.steps_since[f] = self.steps_since[f] - kept, kept
         self.tokens_since[f] = round(self.tokens_since[f] * keep)
         self.seconds_since[f] *= keep
         self.aligned = max(self.aligned, c.round)
         while self.published and self.published[0].round <= self.aligned:
             self.published.popleft()
-        self.emit(ev.Aligned(self.me, c.round, c.fragment, c.version, c.nbytes, c.participants, c.cosine))
+        self.emit(ev.Aligned(self.me, c.round, c.fragment, c.version, c.nbytes, c.participants, c.cosine, dropped))
 
     def _carries(self, c: CommitNotice) -> bool:
         """Whether the alignment rule keeps the local steps for this commit (Carry, or Adaptive
