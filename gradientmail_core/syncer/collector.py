@@ -17,7 +17,7 @@ from ..protocol import keys
 from ..protocol.members import SignatureInvalid
 from ..protocol.records import Participant, Rejection, RoundRecord, Snapshot, chunk_refs, ref_digest
 from ..protocol.run import RunInfo
-from ..protocol.schedule import fragment_of, nominal_step, version_before
+from ..protocol.schedule import fragment_of, gap, nominal_step, version_before
 from ..protocol.store import RunStore
 from .commit import Accepted, Commit, FragmentState, Lost, Put, merge_commit
 from .merger import FragmentMerger
@@ -131,39 +131,30 @@ class Collector:
         self.judged[j.learner] = j
         return j
 
-    def update(
-        self,
-        live: set[str],
-        now: float,
-        *,
-        quorum_size: int,
-        gap: int,
-        in_flight: int,
-        overlap_steps: int | None,
-        reported: set[str] | None = None,
-    ) -> bool:
+    def update(self, live: set[str], now: float, *, reported: set[str] | None = None) -> bool:
         """Advance the quorum and grace state; True when the round should close now. ``reported``:
         with ``max_contributions``, the learners whose snapshot records are listed, which the
         quorum counts before any is read (judged only once the round may close)."""
+        quorum_size = self.run.cfg.quorum_size
         if reported is not None:
             cap = self.run.cfg.max_contributions or quorum_size
-            return self._advance(
-                now, len(reported), live <= reported, min(quorum_size, cap), gap, in_flight, overlap_steps
-            )
+            return self._advance(now, len(reported), live <= reported, min(quorum_size, cap))
         n_ok = len(self.accepted())
         all_reported = live <= set(self.judged)
         if all_reported and n_ok == 0:
             self.retry_unreadable()  # every live learner reported, none accepted: nothing else can close it
-        return self._advance(now, n_ok, all_reported, quorum_size, gap, in_flight, overlap_steps)
+        return self._advance(now, n_ok, all_reported, quorum_size)
 
-    def _advance(
-        self, now: float, n_ok: int, all_reported: bool, quorum_size: int, gap: int, in_flight: int,
-        overlap_steps: int | None,
-    ) -> bool:  # fmt: skip
+    def _advance(self, now: float, n_ok: int, all_reported: bool, quorum_size: int) -> bool:
+        cfg = self.run.cfg
         if self.quorum_at is None and (n_ok >= quorum_size or (all_reported and n_ok >= 1)):
             self.quorum_at = now
+            assert cfg.in_flight is not None
             self.grace = grace_seconds(
-                **asdict(self.estimates), gap=gap, in_flight=in_flight, overlap_steps=overlap_steps
+                **asdict(self.estimates),
+                gap=gap(self.round, cfg.sync_every, self.run.P),
+                in_flight=cfg.in_flight,
+                overlap_steps=cfg.overlap_steps,
             )
         if self.quorum_at is None:
             return False
