@@ -1,12 +1,8 @@
-"""Recovering a fragment's merger state (``FragmentState``) from the store, checkpoints included.
-
-With ``checkpoint_every > 1`` the records between checkpoints name only the quantized change; their
-outer step is a deterministic function of the state before and the contributions the record lists,
-so a node that becomes closer starts from the checkpoint (or the initial parameters, or a state of
-its own commit after it) and commits every later round again with ``commit.merge_commit``, with the
-recorded weights and no outlier judgement. Each replayed round must give the record's change,
-``theta_digest`` and ``outer_digest`` bit for bit, or ``ProtocolError``. ``recompute`` is that
-commit on its own, for any recorded round (``verify.py``).
+"""Recovering a fragment's merger state (``FragmentState``) from the store, checkpoints included
+(``docs/protocol.md`` section 9, "A node that becomes closer"): from the checkpoint, or a state of
+its own commit after it, each later round committed again (``recompute``) and compared with its
+record (``differences``), bit for bit, or ``ProtocolError``. ``recompute`` and ``differences`` are
+also what verifying a round runs (``verify.py``).
 """
 
 from __future__ import annotations
