@@ -71,7 +71,6 @@ class Syncer:
         self._marker = RestartMarker(self.syncer_id)
         self._stop = threading.Event()
         self.node: Node | None = None
-        self.run_info: RunInfo | None = None
         self._closed = False
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -143,7 +142,7 @@ class Syncer:
             self._marker.close()
             raise
         self._marker.hold(self.nonce)
-        self.node, self.run_info = node, run
+        self.node = node
         return True
 
     def tick(self) -> None:
