@@ -47,9 +47,12 @@ from gradientmail_core.protocol.schedule import round_of  # noqa: E402
 from gradientmail_core.protocol.store import RunStore  # noqa: E402
 from gradientmail_core.syncer.collector import Collector  # noqa: E402
 from gradientmail_core.syncer.merger import FragmentMerger  # noqa: E402
-from gradientmail_core.syncer.replay import recover  # noqa: E402
+from gradientmail_core.syncer.replay import (
+    differences,  # noqa: E402
+    recover,  # noqa: E402
+)
 from gradientmail_core.syncer.timing import Estimates  # noqa: E402
-from gradientmail_core.syncer.verify import VERIFIED, RoundVerifier, differences  # noqa: E402
+from gradientmail_core.syncer.verify import VERIFIED, RoundVerifier  # noqa: E402
 
 TENSOR = 250_000
 

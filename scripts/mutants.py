@@ -160,9 +160,9 @@ MUTATIONS: list[Mutation] = [
       "finding 8: a record between checkpoints forgets the change's refs (the old assertion was always true)",
       quick=True),
     M("refused-replay-changes-its-state", "gradientmail_core/syncer/replay.py",
-      "    if not _same(commit, rec):\n        merger.forget(f, unless=state.version)\n",
+      "    if differences(commit, rec, REPLAYED):\n        merger.forget(f, unless=state.version)\n",
       "    state.momentum.update(commit.state.momentum)\n"
-      "    if not _same(commit, rec):\n        merger.forget(f, unless=state.version)\n",
+      "    if differences(commit, rec, REPLAYED):\n        merger.forget(f, unless=state.version)\n",
       ("tests/test_checkpoint_every.py::test_a_missing_contribution_makes_the_new_closer_wait_and_a_wrong_one_is_refused",),
       "finding 8: a replay that is refused has already written its momentum into the state it started from",
       quick=True),
@@ -253,7 +253,7 @@ MUTATIONS: list[Mutation] = [
       "issue 29: error feedback that never gives the residual back: the quantization error is dropped", quick=True),
     # Verifying commits (issue 28): a verifier that compares nothing, trusts the weights it is
     # given, a follower that keeps applying a forger's commits, GC that keeps no window.
-    M("verify-compares-nothing", "gradientmail_core/syncer/verify.py",
+    M("verify-compares-nothing", "gradientmail_core/syncer/replay.py",
       "        if a != b:\n            out.append(name)",
       "        pass",
       (f"{T_VERIFY}test_verify_names_the_first_forged_round_and_its_closer_and_fails",

@@ -137,7 +137,7 @@ def close_rounds(
         c = Collector(r, run, state, 0.0, Estimates(), merger)
         for i in reversed(range(n)):
             c.judge_snapshot(store, f"l{i}")
-        c.update({f"l{i}" for i in range(n)}, 1.0, quorum_size=n, gap=1, in_flight=1, overlap_steps=None)
+        c.update({f"l{i}" for i in range(n)}, 1.0)
         mine: list[tuple[str, bytes]] = []
 
         def write(key: str, data, mine=mine) -> None:
@@ -396,7 +396,7 @@ def _round_peak(by_chunks: bool, tmp_path: Path) -> tuple[int, int]:
         base = tracemalloc.get_traced_memory()[0]
         for i in range(3):
             c.judge_snapshot(store, f"l{i}")
-        c.update({"l0", "l1", "l2"}, 1.0, quorum_size=3, gap=1, in_flight=1, overlap_steps=None)
+        c.update({"l0", "l1", "l2"}, 1.0)
         commit = c.commit(compression="", write=write)
         rec = c.record(commit, closer="c", live=3, now=2.0, sync_seconds=None)
         peak = tracemalloc.get_traced_memory()[1] - base
@@ -485,7 +485,7 @@ def test_a_damaged_spool_file_whose_store_copy_is_gone_rejects_the_contribution(
         c = Collector(0, run, merger.load(0, 0, run.manifest.init[0], None, params), 0.0, Estimates(), merger)
         for lr in learners:
             c.judge_snapshot(store, lr)
-        c.update(set(learners), 1.0, quorum_size=len(learners), gap=1, in_flight=1, overlap_steps=None)
+        c.update(set(learners), 1.0)
         return c
 
     c = collector(["l0", "l1", "l2"])

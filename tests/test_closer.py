@@ -56,7 +56,7 @@ def collected(cfg: DiLoCo, n: int, *, stale: int | None = None) -> tuple[Collect
     c = Collector(0, run, merger.load(0, 0, run.manifest.init[0], None, params), 0.0, Estimates(), merger)
     for i in reversed(range(n)):
         c.judge_snapshot(store, f"l{i}")
-    c.update({f"l{i}" for i in range(n)}, 1.0, quorum_size=n, gap=1, in_flight=1, overlap_steps=None)
+    c.update({f"l{i}" for i in range(n)}, 1.0)
     return c, store
 
 

@@ -133,11 +133,11 @@ def test_round_record_grace_is_the_realized_window_with_the_plan_beside_it() -> 
     col = Collector(0, run, state, 0.0, Estimates(x_step=1.0, x_quorum=0.5, x_sync=0.5), merger)
     col.judge_snapshot(store, "a")
     # Quorum at t=2 with a planned window; everyone live reported at t=3, so it closes then.
-    assert not col.update({"a", "b"}, 2.0, quorum_size=1, gap=4, in_flight=2, overlap_steps=None)
+    assert not col.update({"a", "b"}, 2.0)
     planned = col.grace
     assert planned > 1.0
     col.judged["b"] = Judged("b", "stale")
-    assert col.update({"a", "b"}, 3.0, quorum_size=1, gap=4, in_flight=2, overlap_steps=None)
+    assert col.update({"a", "b"}, 3.0)
     rec = col.record(col.commit(compression=""), closer="c", live=2, now=3.0, sync_seconds=None)
     assert rec.grace_seconds == 1.0  # quorum to close
     assert rec.grace_planned == round(planned, 6)

@@ -87,7 +87,7 @@ def _patch_points() -> tuple:
         GarbageCollector._checkpoint_rounds,
         GarbageCollector._window,
         replay._contributions,
-        replay._same,
+        replay.differences,
         LeaseWriter.renew,
         store.RunStore.get_payload,
         store.RunStore.get_chunk,

@@ -14,7 +14,7 @@ from ..errors import RecordInvalid
 from ..mailbox import CreateOutcome
 from ..protocol import keys
 from ..protocol.records import RoundRecord
-from ..protocol.schedule import draw, fragment_of, gap
+from ..protocol.schedule import draw, fragment_of
 from ..protocol.store import RunStore
 from .collector import IGNORED, Collector
 from .commit import Commit, FragmentState
@@ -63,8 +63,7 @@ class Closing:
         yet). With ``max_contributions`` the quorum counts the records listed, and only the drawn ones
         are read once the round may close (``_judge_drawn``)."""
         s = self.state
-        cfg = s.run.cfg
-        cap = cfg.max_contributions
+        cap = s.run.cfg.max_contributions
         reported = s.snapshot_keys.get(c.round, set())
         if cap is None:
             for learner in sorted(reported - set(c.judged)):
@@ -74,16 +73,7 @@ class Closing:
         # for must not hurry the round closed; a drawn one of them is judged like any other)
         counted = None if cap is None else reported & live
         had_quorum = c.quorum_at is not None
-        assert cfg.in_flight is not None
-        close = c.update(
-            live,
-            self.clock.now(),
-            quorum_size=cfg.quorum_size,
-            gap=gap(c.round, cfg.sync_every, s.run.P),
-            in_flight=cfg.in_flight,
-            overlap_steps=cfg.overlap_steps,
-            reported=counted,
-        )
+        close = c.update(live, self.clock.now(), reported=counted)
         if not had_quorum and c.quorum_at is not None:
             n = len(c.accepted()) if counted is None else len(counted)
             self.emit(ev.QuorumReached(s.me, c.round, n, c.quorum_at - c.opened_at))

@@ -17,7 +17,7 @@ from ..protocol import keys
 from ..protocol.members import SignatureInvalid
 from ..protocol.records import Participant, Rejection, RoundRecord, Snapshot, chunk_refs, ref_digest
 from ..protocol.run import RunInfo
-from ..protocol.schedule import fragment_of, nominal_step, version_before
+from ..protocol.schedule import fragment_of, gap, nominal_step, version_before
 from ..protocol.store import RunStore
 from .commit import Accepted, Commit, FragmentState, Lost, Put, merge_commit
 from .merger import FragmentMerger
@@ -58,6 +58,10 @@ class Collector:
 
     def accepted(self) -> list[Judged]:
         return [j for j in self.judged.values() if j.reason is None]
+
+    def merged(self) -> list[tuple[Judged, Snapshot]]:
+        """The accepted in learner order (the merge's), each with its snapshot."""
+        return [(j, j.snapshot) for j in sorted(self.accepted(), key=lambda j: j.learner) if j.snapshot is not None]
 
     def judge_snapshot(self, store: RunStore, learner: str, *, own: Snapshot | None = None) -> Judged:
         """Fetch and judge ``learner``'s snapshot for this round (SPEC 3.6). ``own``: the closer's
@@ -131,39 +135,28 @@ class Collector:
         self.judged[j.learner] = j
         return j
 
-    def update(
-        self,
-        live: set[str],
-        now: float,
-        *,
-        quorum_size: int,
-        gap: int,
-        in_flight: int,
-        overlap_steps: int | None,
-        reported: set[str] | None = None,
-    ) -> bool:
+    def update(self, live: set[str], now: float, *, reported: set[str] | None = None) -> bool:
         """Advance the quorum and grace state; True when the round should close now. ``reported``:
         with ``max_contributions``, the learners whose snapshot records are listed, which the
         quorum counts before any is read (judged only once the round may close)."""
+        quorum_size = self.run.cfg.quorum_size
         if reported is not None:
             cap = self.run.cfg.max_contributions or quorum_size
-            return self._advance(
-                now, len(reported), live <= reported, min(quorum_size, cap), gap, in_flight, overlap_steps
-            )
+            return self._advance(now, len(reported), live <= reported, min(quorum_size, cap))
         n_ok = len(self.accepted())
         all_reported = live <= set(self.judged)
         if all_reported and n_ok == 0:
             self.retry_unreadable()  # every live learner reported, none accepted: nothing else can close it
-        return self._advance(now, n_ok, all_reported, quorum_size, gap, in_flight, overlap_steps)
+        return self._advance(now, n_ok, all_reported, quorum_size)
 
-    def _advance(
-        self, now: float, n_ok: int, all_reported: bool, quorum_size: int, gap: int, in_flight: int,
-        overlap_steps: int | None,
-    ) -> bool:  # fmt: skip
+    def _advance(self, now: float, n_ok: int, all_reported: bool, quorum_size: int) -> bool:
+        cfg = self.run.cfg
         if self.quorum_at is None and (n_ok >= quorum_size or (all_reported and n_ok >= 1)):
             self.quorum_at = now
+            assert cfg.in_flight is not None
+            g = gap(self.round, cfg.sync_every, self.run.P)
             self.grace = grace_seconds(
-                **asdict(self.estimates), gap=gap, in_flight=in_flight, overlap_steps=overlap_steps
+                **asdict(self.estimates), gap=g, in_flight=cfg.in_flight, overlap_steps=cfg.overlap_steps
             )
         if self.quorum_at is None:
             return False
@@ -175,18 +168,16 @@ class Collector:
         rejected and the commit given up (``MailboxUnavailable``): the next poll decides again."""
         if self.run.cfg.outlier_factor is not None:
             self.reject_outliers(self.run.cfg.outlier_factor)
-        accepted = sorted(self.accepted(), key=lambda j: j.learner)
+        merged = self.merged()
         contributions = [
-            Accepted(tuple(chunk_refs(j.snapshot.payload)), j.weight, dict(j.norms or {}), j.snapshot.final)
-            for j in accepted
-            if j.snapshot is not None
+            Accepted(tuple(chunk_refs(s.payload)), j.weight, dict(j.norms or {}), s.final) for j, s in merged
         ]
         try:
             return merge_commit(
                 self.merger, self.state, contributions, round=self.round, compression=compression, write=write
             )
         except Lost as lost:
-            j = accepted[lost.i]
+            j = merged[lost.i][0]
             j.reason, j.weight, j.norms = lost.reason, 0.0, None
             if j.snapshot is not None:
                 self.forget(j.snapshot)
@@ -200,11 +191,9 @@ class Collector:
         ``closer`` at ``now``: the participants, the rejections, the payloads' refs and digests,
         the timings."""
         st, run, cfg = self.state, self.run, self.run.cfg
-        accepted = sorted(self.accepted(), key=lambda j: j.learner)
+        merged = self.merged()
         e = self.estimates
-        steps_seconds = [
-            j.snapshot.step_seconds for j in accepted if j.snapshot is not None and j.snapshot.step_seconds > 0
-        ]
+        steps_seconds = [s.step_seconds for _, s in merged if s.step_seconds > 0]
         x_step = ema(e.x_step, float(np.mean(steps_seconds))) if steps_seconds else e.x_step
         assert self.quorum_at is not None
         x_quorum = ema(e.x_quorum, max(self.quorum_at - self.opened_at, 0.0))
@@ -219,13 +208,12 @@ class Collector:
                 Participant(
                     learner=j.learner,
                     weight=j.weight,
-                    steps=j.snapshot.steps,
-                    tokens=j.snapshot.tokens,
-                    payload_sha256=ref_digest(j.snapshot.payload),
-                    final=j.snapshot.final,
+                    steps=s.steps,
+                    tokens=s.tokens,
+                    payload_sha256=ref_digest(s.payload),
+                    final=s.final,
                 )
-                for j in accepted
-                if j.snapshot is not None
+                for j, s in merged
             ],
             rejected=[
                 Rejection(learner=j.learner, reason=j.reason)
@@ -248,7 +236,5 @@ class Collector:
             x_sync=x_sync,
             checkpoint=commit.checkpoint,
             outer_digest=commit.outer_digest,
-            contributions=None
-            if commit.checkpoint is None
-            else [j.snapshot.payload for j in accepted if j.snapshot is not None],
+            contributions=None if commit.checkpoint is None else [s.payload for _, s in merged],
         )

@@ -1,12 +1,10 @@
-"""Election and takeover: who closes the open round.
+"""Election and takeover: who closes the open round (``docs/protocol.md`` section 4, steps 12 to 15).
 
-The node that committed round r claims r + 1 at once. A follower watches the open round's newest
-claim (``Watch``) and claims the next number itself when the holder's lease lapses
-(``lease_lost``), when the round overruns what past rounds predict (``timeout``), or when nobody
-claims it (``unclaimed``: number 1, which only one node can create). A node that finds a claim of
-its own id (it restarted) resumes closing the round. A learner-only node never claims: it says
-once when no node that may close is live (``NoCloser``) and once when one is back
-(``CloserBack``). ``Election`` writes claims and never closes a round.
+A follower watches the open round's newest claim (``Watch``) and claims the next number when the
+holder's lease lapses (``lease_lost``), the round overruns what past rounds predict (``timeout``),
+or nobody claims it (``unclaimed``). A learner-only node never claims: it reports when no node that
+may close is live (``NoCloser``) and when one is back (``CloserBack``). ``Election`` writes claims
+and never closes a round.
 """
 
 from __future__ import annotations
@@ -116,12 +114,9 @@ class Election:
                 s.list_leases(self.store)
                 return False
             if not s.snapshot_keys.get(r) and s.contributed < r:
-                # Nothing to close yet: no contribution listed, none of ours. A closer that left
-                # cleanly after its last round still holds the claim of the next (it claims r + 1
-                # before it writes r): taken over now, the round would cost this node the
-                # fragment's outer state (theta and momentum: a 300M-parameter follower peaked at
-                # 1.57x the model for it) when maybe nobody contributes again. The first
-                # contribution listed (anyone's) lets the takeover go ahead.
+                # Nothing to close yet (no contribution listed, none of ours): most often a clean
+                # leaver's claim of the round after its last. Taken over, it would load the outer
+                # state (as above) for a round nobody may contribute to again (protocol step 15).
                 return False
             reason = "lease_lost"
         if (

@@ -25,17 +25,11 @@ Theta = dict[str, np.ndarray]
 
 
 class CommitScreen:
-    """Checks commits before the follower applies them (``Session(verify=fraction)``).
-
-    Of the commits a node follows, it recomputes a share, drawn at random per node, on its
-    background thread, before its learner sees them (``verify.RoundVerifier``). A verified commit's
-    parameters are the recomputed ones (nothing more is downloaded for them). A commit that is not
-    the merge of its recorded inputs is reported (``ForgedCommit``) and not applied, and neither is
-    any later commit of the same closer (``CommitRefused``): the node keeps following the tape, and
-    its learner keeps the parameters of the last commit it applied for those fragments. A round that
-    cannot be verified (an input gone) is reported (``RoundUnverifiable``) and applied, as without
-    verification. What this does to liveness: ``docs/security.md``, "Verifying commits".
-    """
+    """Checks a share of the commits a node follows before its learner sees them
+    (``Session(verify=fraction)``, ``verify.RoundVerifier``; ``docs/security.md``, "Verifying
+    commits", says what is refused and applied, and what it does to liveness). A verified commit's
+    parameters are the recomputed ones (nothing more is downloaded for them); a refused one stays
+    on the tape, and the learner keeps the fragment's parameters of the last commit it applied."""
 
     def __init__(
         self,

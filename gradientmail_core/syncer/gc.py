@@ -61,11 +61,7 @@ class GarbageCollector:
     def _window(self, r: int) -> tuple[int, int, int]:
         """What verifying each of the newest ``W = verify_window`` rounds (``r - W + 1`` to ``r``)
         needs, as the first round of each kind kept: ``(snapshot records, snapshot payloads, round
-        payloads)``. A round's participants' snapshot records and payloads; and the state its
-        fragment started from: the theta and outer state of the previous version, or, between
-        checkpoints (``checkpoint_every = k``), the checkpoint at most ``k`` versions back and the
-        contributions of the rounds after it (``replay.recover``), so ``k P`` rounds before the
-        window for round payloads and ``(k - 1) P`` for contributions. ``W = 0``: nothing more than
+        payloads)`` (``docs/protocol.md`` section 11, "The window"). ``W = 0``: nothing more than
         the run needs (every bound past ``r``)."""
         cfg = self.state.run.cfg
         w = cfg.verify_window

@@ -1,20 +1,9 @@
-"""The host of a node: what a ``gm.Session`` delegates to, and how a node joins a run.
-
-The session is the user's object: its arguments, their checks, its properties. The engine runs in
-a host, chosen once when the session is built, from the model:
-
-- ``ProcessHost`` (below): the node is this process. A background thread runs ``Node.tick``, one
-  poll at a time, and does all of the node's I/O; the ``Learner`` runs on the training thread, in
-  ``step``, and never waits on the store; the ``Bridge`` carries what passes between them, and a
-  failure of the background work, re-raised on the training thread.
-- ``sharded/runtime.py`` (``sharded_host``): this process is one rank of a sharded (FSDP) node.
-  Rank 0 runs a ``ProcessHost`` whose learner records what every rank then does on its shards,
-  and drives it through ``join`` (with that IO and its placement), ``settle``, ``stop``, ``leave``.
-
-The session hands its host the settings below (``HostSetup``) and speaks to it only through
-``EngineHost``. Every node joins through ``join_run``: ``Session``, the simulation and the
-benchmarks' single-threaded cluster.
-"""
+"""The host of a node: what a ``gm.Session`` delegates to (``EngineHost``, handed ``HostSetup``),
+how every node joins a run (``join_run``), and ``ProcessHost``, the host of a node that is this
+process: a background thread runs ``Node.tick`` and does all the node's I/O, the ``Learner`` runs
+on the training thread and never waits on the store, and the ``Bridge`` carries what passes
+between them (a failure of the background work is re-raised on the training thread). A rank of a
+sharded node has ``sharded/runtime.py``'s host, whose rank 0 drives a ``ProcessHost``."""
 
 from __future__ import annotations
 

@@ -7,7 +7,6 @@ fills. With a device pipeline, publishing and aligning only queue device work.
 
 from __future__ import annotations
 
-import queue
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -167,15 +166,10 @@ class Learner:
         self._carrying[c.fragment] = carrying
         return carrying
 
-    def drain(self) -> int:
-        n = 0
-        while True:
-            try:
-                c = self.bridge.inbox.get_nowait()
-            except queue.Empty:
-                return n
-            self.apply(c)
-            n += 1
+    def drain(self) -> None:
+        """Align with every commit the node has queued (this thread is the queue's only reader)."""
+        while not self.bridge.inbox.empty():
+            self.apply(self.bridge.inbox.get_nowait())
 
     # ---- stepping -----------------------------------------------------------------------
 

@@ -1,18 +1,12 @@
 """The merger: the one place a round's contributions are judged, merged and stepped, and the
-commit's payloads written (``docs/protocol.md`` section 10; ``docs/sharding.md`` section 5).
+commit's payloads written, chunk by chunk (``docs/protocol.md`` section 10, "The closer";
+``docs/sharding.md`` section 5, for the ranks, the chunks' owners and the F8 scales).
 
 A ``FragmentMerger`` works on the flat range of each tensor this process holds: every tensor
 whole (``one_process``), or on each rank of a sharded node its shards, the ranks meeting only in
 ``ranges.Ranks``. Its ops: ``load`` (a fragment's state at a checkpoint), ``judge`` (a contribution
 read into the spool, checked finite, its squared norms summed), ``commit`` (the new state pending
-until ``landed``: a commit whose record was not written is made again from the state before it).
-
-A commit's payloads are written chunk by chunk, each by the rank that owns it (``chunk_owner``),
-from the pieces the ranks hold (``Ranks.gather``); those not written are hashed for the record's
-digests. With ``commit_dtype`` a chunk's new parameters are what a learner rebuilds
-(``prev + dequantize(quantize(master - prev))``, cast), sent back to the holders
-(``Ranks.scatter``). Pieces start on 32-element blocks, so F4/I2 quantize as over the whole
-tensor; an F8 change takes the whole tensor's scale (the maximum of the ranks' maxima)."""
+until ``landed``: a commit whose record was not written is made again from the state before it)."""
 
 from __future__ import annotations
 

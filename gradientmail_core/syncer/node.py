@@ -157,9 +157,8 @@ class Node:
     def _list_rounds(self) -> list[str]:
         s = self.state
         if s.polls_fleet():
-            # A follower of a fleet (``max_contributions``): one LIST of the round records after the
-            # head, of a size that does not grow with the fleet; the claimant's lease is watched
-            # by ``election`` and the live count comes from the newest record.
+            # A fleet's follower (docs/protocol.md section 12, rule 4): the round records after the
+            # head; the claimant's lease is watched by ``election``, the live count is the record's.
             s.snapshot_keys = {}
             round_keys = self.store.keys(keys.ROUNDS, after=keys.round_key(s.head))
             s.listing += 1
@@ -206,14 +205,10 @@ class Node:
                     self.spool.discard(ref.sha256)
 
     def _publish_view(self) -> None:
-        # A round is about to close once the others' snapshots, with ours, would meet the quorum
-        # the closer uses: ``max(min(quorum, live) - 1, 1)`` others, as the prior art counts them;
-        # a learner then contributes what it has rather than be left out. Not when the quorum is
-        # every live learner (textbook DiLoCo): that round waits for us anyway, and publishing
-        # before we are due would only cut our contribution short (by the steps we lag: the
-        # prior art's count breaks the equality with the textbook loop, tests/test_equivalence.py).
-        # Only live learners' snapshots count: objects under names nobody holds a lease for (stray
-        # or hostile) must not hurry every learner into contributing early.
+        # The rounds about to close, which a learner contributes to early (docs/protocol.md step 1;
+        # the prior art's count would break the equality with the textbook loop when the quorum is
+        # every live learner: tests/test_equivalence.py). Only live learners' snapshots count:
+        # objects under names nobody holds a lease for must not hurry every learner.
         s = self.state
         learners = s.liveness.live()
         live = len(learners)

@@ -1,12 +1,8 @@
-"""Recovering a fragment's merger state (``FragmentState``) from the store, checkpoints included.
-
-With ``checkpoint_every > 1`` the records between checkpoints name only the quantized change; their
-outer step is a deterministic function of the state before and the contributions the record lists,
-so a node that becomes closer starts from the checkpoint (or the initial parameters, or a state of
-its own commit after it) and commits every later round again with ``commit.merge_commit``, with the
-recorded weights and no outlier judgement. Each replayed round must give the record's change,
-``theta_digest`` and ``outer_digest`` bit for bit, or ``ProtocolError``. ``recompute`` is that
-commit on its own, for any recorded round (``verify.py``).
+"""Recovering a fragment's merger state (``FragmentState``) from the store, checkpoints included
+(``docs/protocol.md`` section 9, "A node that becomes closer"): from the checkpoint, or a state of
+its own commit after it, each later round committed again (``recompute``) and compared with its
+record (``differences``), bit for bit, or ``ProtocolError``. ``recompute`` and ``differences`` are
+also what verifying a round runs (``verify.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +19,11 @@ from ..protocol.run import RunInfo
 from ..protocol.store import RunStore
 from .commit import Accepted, Commit, FragmentState, discard, merge_commit
 from .merger import FragmentMerger
+
+# The fields of a record that its inputs determine (the rest are the closer's timings and views);
+# a replay needs those that make the state it continues from (the change, the digests, the chain).
+COMPARED = ("theta", "outer", "change", "theta_digest", "outer_digest", "cosine", "final", "checkpoint")
+REPLAYED = ("change", "theta_digest", "outer_digest", "final", "checkpoint")
 
 
 def recover(
@@ -72,7 +73,7 @@ def replay_round(
     f, r = rec.fragment, rec.round
     assert rec.change is not None and rec.contributions is not None
     commit = recompute(merger, store, run, state, rec, rec.contributions)
-    if not _same(commit, rec):
+    if differences(commit, rec, REPLAYED):
         merger.forget(f, unless=state.version)
         raise ProtocolError(
             f"{keys.round_key(r)}: replaying fragment {f} version {rec.version} from its contributions does not give "
@@ -136,15 +137,19 @@ def _contributions(
     return out
 
 
-def _same(mine: Commit, rec: RoundRecord) -> bool:
-    """The replayed commit is the recorded one: the same change payload, parameters (their digest)
-    and outer state (its digest), building on the same checkpoint."""
-    change = mine.refs.get("change")
-    return (
-        change is not None
-        and rec.change is not None
-        and [c.sha256 for c in chunk_refs(change)] == [c.sha256 for c in chunk_refs(rec.change)]
-        and mine.theta_digest == rec.theta_digest
-        and mine.outer_digest == rec.outer_digest
-        and (mine.checkpoint, mine.final) == (rec.checkpoint, rec.final)
-    )
+def differences(mine: Commit, rec: RoundRecord, compared: Sequence[str] = COMPARED) -> list[str]:
+    """The fields of ``compared`` in which a recomputed commit ``mine`` is not ``rec``'s (payloads:
+    every chunk's key, sha256 and size)."""
+
+    def chunks(ref: PayloadRef | None) -> list[tuple[str, str, int]] | None:
+        return None if ref is None else [(c.key, c.sha256, c.size) for c in chunk_refs(ref)]
+
+    out = []
+    for name in compared:
+        if name in ("theta", "outer", "change"):
+            a, b = chunks(mine.refs.get(name)), chunks(getattr(rec, name))
+        else:
+            a, b = getattr(mine, name), getattr(rec, name)
+        if a != b:
+            out.append(name)
+    return out

@@ -1,17 +1,11 @@
-"""A closer's local spool: the contribution chunks it judged, kept for the merge passes.
+"""A closer's local spool: the contribution chunks it judged, kept for the merge passes
+(``docs/protocol.md`` section 10, "The spool").
 
-Each chunk is named by its sha256 (the same bytes are one entry whoever sent them) and kept either
-**on disk**, the encoded bytes in a temporary directory, for a fragment of several chunks (nothing
-read back is trusted: every read is checked against the sha256 again, and a mismatch is dropped
-and downloaded again), or **decoded in memory** (``hold``), read-only float32 arrays, for a
-fragment of one chunk, so a small fragment costs no disk and no second decode.
-
-Each entry is tagged with the newest round that needs it; ``drop_through(r)`` deletes what no
-round after ``r`` needs. Bounded: an entry that would take the spool past ``max_bytes``, or leave
-less than ``RESERVE_BYTES`` free on its disk, is not kept (the merge downloads it again). The
-directory (``GRADIENTMAIL_SPOOL_DIR``, else the system's temporary directory) is removed by
-``close()``, by garbage collection or at exit; one left by a dead process is removed by the next
-spool created under the same parent.
+Each chunk is named by its sha256 and kept either on disk (its encoded bytes, checked against the
+sha256 on every read) for a fragment of several chunks, or decoded in memory (``hold``: read-only
+float32 arrays) for a fragment of one chunk. Each entry is tagged with the newest round that needs
+it (``drop_through``); an entry past ``max_bytes``, or leaving less than ``RESERVE_BYTES`` free on
+its disk, is not kept (the merge downloads it again).
 """
 
 from __future__ import annotations

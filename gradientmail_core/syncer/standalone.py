@@ -1,18 +1,11 @@
-"""``gm.Syncer``: a node that trains nothing and only closes rounds.
+"""``gm.Syncer``: a node that trains nothing and only closes rounds (``docs/options.md``, "gm.Syncer").
 
-A syncer joins a run that learners created (it never creates one: it waits for the manifest and
-says so, ``WaitingForRun``), holds a lease with the role "syncer" (``leases/{id}/{seq}.s.json``,
-so every node knows from its listing of ``leases/`` that it never contributes) and drives a
-``Node`` with no learner: it claims, closes and takes over rounds by the usual rules, and never
-publishes. Put it next to the store (a cloud VM) and start the laptops with ``role="learner"``:
+It waits for the run's manifest (it never creates one), holds a lease of role "syncer" and drives a
+``Node`` with no learner. Put it next to the store and start the laptops with ``role="learner"``:
 the rounds are merged where the bandwidth is.
 
     with gm.Syncer(gm.open_mailbox(url), syncer_id="sync-1") as syncer:
         syncer.run()                    # until stop() (another thread, a signal) or Ctrl-C
-
-or ``gradientmail syncer URL --id sync-1``. Numpy only: no framework is imported. What it holds
-is what closing needs: per fragment the newest parameters and the outer state of the fragments
-it closes.
 """
 
 from __future__ import annotations
@@ -71,7 +64,6 @@ class Syncer:
         self._marker = RestartMarker(self.syncer_id)
         self._stop = threading.Event()
         self.node: Node | None = None
-        self.run_info: RunInfo | None = None
         self._closed = False
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -143,7 +135,7 @@ class Syncer:
             self._marker.close()
             raise
         self._marker.hold(self.nonce)
-        self.node, self.run_info = node, run
+        self.node = node
         return True
 
     def tick(self) -> None:

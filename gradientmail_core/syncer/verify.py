@@ -16,18 +16,16 @@ from ..errors import MailboxUnavailable, PayloadCorrupt, ProtocolError, RecordIn
 from ..protocol import identity as ids
 from ..protocol import keys
 from ..protocol.members import signature_ok
-from ..protocol.records import PayloadRef, RoundRecord, Snapshot, chunk_refs, decode, ref_digest
+from ..protocol.records import PayloadRef, RoundRecord, Snapshot, decode, ref_digest
 from ..protocol.run import RunInfo
 from ..protocol.schedule import round_of, slot, version_before
 from ..protocol.store import RunStore
 from ..protocol.tape import schedule_problem
-from .commit import Commit, FragmentState
+from .commit import FragmentState
 from .merger import FragmentMerger
-from .replay import recompute, recover
+from .replay import differences, recompute, recover
 
 VERIFIED, MISMATCH, UNVERIFIABLE = "verified", "mismatch", "unverifiable"
-# The fields of a record that its inputs determine (the rest are the closer's timings and views).
-COMPARED = ("theta", "outer", "change", "theta_digest", "outer_digest", "cosine", "final", "checkpoint")
 
 
 @dataclass(frozen=True)
@@ -54,23 +52,6 @@ class _Found(Exception):
     def __init__(self, status: str, reason: str) -> None:
         super().__init__(reason)
         self.status, self.reason = status, reason
-
-
-def differences(mine: Commit, rec: RoundRecord) -> list[str]:
-    """The fields of ``COMPARED`` in which a recomputed commit ``mine`` is not ``rec``'s."""
-
-    def chunks(ref: PayloadRef | None) -> list[tuple[str, str, int]] | None:
-        return None if ref is None else [(c.key, c.sha256, c.size) for c in chunk_refs(ref)]
-
-    out = []
-    for name in COMPARED:
-        if name in ("theta", "outer", "change"):
-            a, b = chunks(mine.refs.get(name)), chunks(getattr(rec, name))
-        else:
-            a, b = getattr(mine, name), getattr(rec, name)
-        if a != b:
-            out.append(name)
-    return out
 
 
 class RoundVerifier:
