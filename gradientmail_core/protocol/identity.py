@@ -69,12 +69,8 @@ def verify(public_hex: str, sig_hex: str, message: bytes) -> bool:
     if not PUBKEY.fullmatch(public_hex) or not SIG.fullmatch(sig_hex):
         return False
     try:
-        key = _public_key(public_hex)
-    except ValueError:
-        return False
-    try:
-        key.verify(bytes.fromhex(sig_hex), message)
-    except _crypto("exceptions").InvalidSignature:
+        _public_key(public_hex).verify(bytes.fromhex(sig_hex), message)
+    except (ValueError, _crypto("exceptions").InvalidSignature):  # not a point on the curve; a bad signature
         return False
     return True
 
