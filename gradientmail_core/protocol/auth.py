@@ -1,11 +1,7 @@
-"""Authenticated runs: a run secret, a MAC on every record, and secret-tagged record keys.
-
-A run started with ``secret=`` (or ``secret_file=``) is authenticated: every record carries a MAC
-keyed by ``HMAC-SHA256(secret, "gradientmail/1\\0run\\0" + run_id)`` that binds its kind, its
-logical key and every field, and record keys are stored under a tag of the same key
-(``keys.tag_key``), so whoever lacks the secret can neither forge a record nor take a key first.
-Unauthenticated runs use ``Unauthenticated``. The exact messages, and what this protects against,
-are in ``docs/security.md``.
+"""Authenticated runs: a run secret (``secret=`` or ``secret_file=``), a MAC on every record binding
+its kind, logical key and fields, and secret-tagged record keys, so whoever lacks the secret can
+neither forge a record nor take a key first. The keys, the MAC's message and what this protects
+against: ``docs/security.md``, "Authenticated runs". A run without a secret uses ``Unauthenticated``.
 """
 
 from __future__ import annotations
