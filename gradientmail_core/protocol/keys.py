@@ -192,9 +192,7 @@ def _check_sha(sha: str) -> None:
 
 def parse_claim_key(key: str) -> tuple[int, int] | None:
     m = _CLAIM_RE.fullmatch(key)
-    if not m or int(m[2]) < 1:
-        return None
-    return int(m[1]), int(m[2])
+    return (int(m[1]), int(m[2])) if m and int(m[2]) >= 1 else None
 
 
 def parse_round_key(key: str) -> int | None:

@@ -129,11 +129,8 @@ class Liveness:
 
     def observe(self, lease_keys: list[str]) -> None:
         now = self.clock.now()
-        newest: dict[str, str] = {}
-        for k in lease_keys:
-            parsed = keys.parse_lease_key(k)
-            if parsed:
-                newest[parsed[0]] = k  # keys are listed in order: the last one is the newest
+        # Keys are listed in order: the last one of each learner is its newest.
+        newest = {p[0]: k for k in lease_keys if (p := keys.parse_lease_key(k))}
         # After a gap of a whole timeout between our listings we do not know that any lease
         # stayed unchanged: a learner that restarted meanwhile (its lease deleted, its sequence
         # starting over) may be back at the very key we saw last. Start watching afresh.

@@ -53,10 +53,7 @@ class NotAMember(ProtocolError):
 
 def message(run_id: str, kind: str, key: str, record: Any) -> bytes:
     """The bytes a node signs for ``record`` written under logical ``key`` in run ``run_id``."""
-    return b"".join(
-        [_DOMAIN, b"sig\x00", run_id.encode(), b"\x00", kind.encode(), b"\x00", key.encode(), b"\x00"]
-        + [identity_bytes(record)]
-    )
+    return b"\x00".join([_DOMAIN + b"sig", run_id.encode(), kind.encode(), key.encode(), identity_bytes(record)])
 
 
 def sign_record(record: Any, identity: ids.Identity, run_id: str, key: str) -> Any:
