@@ -95,10 +95,9 @@ def _ext(compression: str) -> str:
 
 def compression_of(key: str) -> str:
     """The codec a payload was written with, from its key's extension."""
-    if key.endswith(".safetensors.zst"):
-        return "zstd"
-    if key.endswith(".safetensors"):
-        return ""
+    for compression, extension in EXTENSIONS.items():
+        if key.endswith(extension):
+            return compression
     raise ValueError(f"key {key!r} is not a payload key")
 
 

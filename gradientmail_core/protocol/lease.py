@@ -173,10 +173,7 @@ class Liveness:
 
     def live_nodes(self) -> set[str]:
         """Every live node, whatever its role (this one included)."""
-        out = {n for n in self.seen if self.is_live(n)}
-        if self.me is not None:
-            out.add(self.me)
-        return out
+        return {n for n in [*self.seen, self.me] if n is not None and self.is_live(n)}
 
     def live(self) -> set[str]:
         """The live learners: nodes that train (roles "both" and "learner"), this one included

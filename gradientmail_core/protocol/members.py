@@ -349,21 +349,18 @@ class MemberAuth:
     def _sign_manifest(self, manifest: Manifest) -> Manifest:
         if self.identity is None:
             return manifest
-        if manifest.owner is None:
+        if manifest.owner is None:  # a run this node creates: entry 0 of its log admits the creator
             assert self.owner_identity is not None
+            if self._mailbox is None:
+                raise ProtocolError("a members-only run is created through a GuardedMailbox (it writes the log)")
             manifest = dataclasses.replace(manifest, owner=self.owner_identity.public_hex)
-            self._write_genesis(manifest)
+            entry = MemberEntry(
+                run_id=manifest.run_id, seq=0, prev=NO_PREV, add=[self.identity.public_hex], note="genesis"
+            )
+            write_entry(self._mailbox, entry, self.owner_identity)
         signed = sign_record(manifest, self.identity, manifest.run_id, keys.MANIFEST)
         self._bind(signed)
         return signed
-
-    def _write_genesis(self, manifest: Manifest) -> None:
-        """Entry 0 of the log of the run ``manifest`` is about to create: it admits the creator."""
-        assert self.identity is not None and self.owner_identity is not None and manifest.owner is not None
-        if self._mailbox is None:
-            raise ProtocolError("a members-only run is created through a GuardedMailbox (it writes the log)")
-        entry = MemberEntry(run_id=manifest.run_id, seq=0, prev=NO_PREV, add=[self.identity.public_hex], note="genesis")
-        write_entry(self._mailbox, entry, self.owner_identity)
 
     def _check_self(self) -> None:
         assert self.identity is not None and self.membership is not None

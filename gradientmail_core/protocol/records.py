@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..errors import RecordInvalid
+from .identity import PUBKEY as _PUBKEY
+from .identity import SIG as _SIG
 from .keys import LEARNER_ID as _LEARNER
 from .keys import ROLES
 
@@ -30,8 +32,6 @@ MAX_INT = 2**63 - 1
 _SHA = re.compile(r"[0-9a-f]{64}")
 _NONCE = re.compile(r"[0-9a-f]{8,64}")
 _MAC = re.compile(r"[0-9a-f]{64}")
-_PUBKEY = re.compile(r"[0-9a-f]{64}")
-_SIG = re.compile(r"[0-9a-f]{128}")
 _MEMBERS_REF = re.compile(r"\d{10}-[0-9a-f]{64}")
 # A payload key: under blobs/, no empty, '.' or '..' segment (checked on decode, so a hostile ref
 # can never name a key outside the payload folders or one a backend refuses).
@@ -347,8 +347,7 @@ def _build(cls: type[R], raw: Any, where: str) -> R:
     if not isinstance(raw, dict):
         raise RecordInvalid(f"{where}: expected an object for {cls.__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = set(raw) - set(fields)
-    if unknown:
+    if unknown := set(raw) - set(fields):
         raise RecordInvalid(f"{where}: unknown field(s) {sorted(unknown)[:5]} in {cls.__name__}")
     hints = _type_hints(cls)  # type: ignore[arg-type]
     values: dict[str, Any] = {}
