@@ -1,11 +1,7 @@
-"""Authenticated runs: a run secret, a MAC on every record, and secret-tagged record keys.
-
-A run started with ``secret=`` (or ``secret_file=``) is authenticated: every record carries a MAC
-keyed by ``HMAC-SHA256(secret, "gradientmail/1\\0run\\0" + run_id)`` that binds its kind, its
-logical key and every field, and record keys are stored under a tag of the same key
-(``keys.tag_key``), so whoever lacks the secret can neither forge a record nor take a key first.
-Unauthenticated runs use ``Unauthenticated``. The exact messages, and what this protects against,
-are in ``docs/security.md``.
+"""Authenticated runs: a run secret (``secret=`` or ``secret_file=``), a MAC on every record binding
+its kind, logical key and fields, and secret-tagged record keys, so whoever lacks the secret can
+neither forge a record nor take a key first. The keys, the MAC's message and what this protects
+against: ``docs/security.md``, "Authenticated runs". A run without a secret uses ``Unauthenticated``.
 """
 
 from __future__ import annotations
@@ -148,19 +144,15 @@ class RunAuth:
 
     # ---- records ------------------------------------------------------------------------
 
-    def _mac(self, run_key: bytes, key: str, record: Any) -> str:
-        msg = b"".join(
-            [_DOMAIN, b"mac\x00", type(record).__name__.encode(), b"\x00", key.encode(), b"\x00", signing_bytes(record)]
-        )
+    def _mac(self, key: str, record: Any) -> str:
+        """Keyed by the run a manifest names, else by the run this policy is bound to."""
+        run_key = self._key_for_run(record.run_id) if isinstance(record, Manifest) else self._bound_key()
+        msg = b"\x00".join([_DOMAIN + b"mac", type(record).__name__.encode(), key.encode(), signing_bytes(record)])
         return hmac.new(run_key, msg, hashlib.sha256).hexdigest()
-
-    def _key_of(self, record: Any) -> bytes:
-        return self._key_for_run(record.run_id) if isinstance(record, Manifest) else self._bound_key()
 
     def sign(self, record: Any) -> Any:
         """``record`` with its ``mac`` set. Signing a manifest binds this policy to its run."""
-        key = record_key(record)
-        signed = dataclasses.replace(record, mac=self._mac(self._key_of(record), key, record))
+        signed = dataclasses.replace(record, mac=self._mac(record_key(record), record))
         if isinstance(record, Manifest):
             self.bind(record.run_id)
         return signed
@@ -177,7 +169,7 @@ class RunAuth:
                 f"{key}: {what}, but this node has a run secret; it was written without the secret "
                 "(for the manifest: the run was created without one, so use a new mailbox prefix or drop secret=)"
             )
-        if not hmac.compare_digest(record.mac, self._mac(self._key_of(record), key, record)):
+        if not hmac.compare_digest(record.mac, self._mac(key, record)):
             what = "the run was created with a different secret, or" if isinstance(record, Manifest) else ""
             raise RecordInvalid(f"{key}: MAC does not verify: {what} the object was forged or altered")
         if isinstance(record, Manifest):

@@ -1,17 +1,11 @@
-"""The engine's view of the mailbox, hardened against hostile objects in a shared bucket.
+"""The engine's view of the mailbox, hardened against hostile objects in a shared bucket
+(``docs/security.md``, "Validation where input enters" and "Authenticated runs").
 
-``GuardedMailbox`` wraps the user's mailbox (it is itself a ``ForwardingMailbox``, logical keys in
-and out) and adds:
-
-- **Read caps by key kind** (records, the manifest, payloads: the run's largest, from the
-  schema). A larger object reads back as its first ``cap + 1`` bytes, which every decoder rejects;
-  with a backend's ``get_prefix`` no more than that is ever transferred.
-- **Reporting**: non-protocol objects in the record folders are reported once (``IgnoredObject``).
-- **Authenticated runs**: record keys are stored under secret-tagged names (``keys.tag_key``);
-  listings drop, reporting once, every record object without a valid tag, so nobody without the
-  secret can take a key the run is going to write.
-- **Squatted payload names**: an object under a payload key whose bytes do not hash to its name
-  was written by no node: it is deleted and the payload written.
+``GuardedMailbox`` wraps the user's mailbox (logical keys in and out) and adds: read caps by key
+kind (a larger object reads back as its first ``cap + 1`` bytes, which every decoder rejects);
+non-protocol objects in the record folders reported once (``IgnoredObject``); secret-tagged record
+keys in authenticated runs (listings drop every record object without a valid tag); and an object
+under a payload key whose bytes do not hash to its name, written by no node, replaced.
 """
 
 from __future__ import annotations

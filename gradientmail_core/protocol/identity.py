@@ -8,6 +8,7 @@ extra) is imported on first use only.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib
@@ -69,12 +70,8 @@ def verify(public_hex: str, sig_hex: str, message: bytes) -> bool:
     if not PUBKEY.fullmatch(public_hex) or not SIG.fullmatch(sig_hex):
         return False
     try:
-        key = _public_key(public_hex)
-    except ValueError:
-        return False
-    try:
-        key.verify(bytes.fromhex(sig_hex), message)
-    except _crypto("exceptions").InvalidSignature:
+        _public_key(public_hex).verify(bytes.fromhex(sig_hex), message)
+    except (ValueError, _crypto("exceptions").InvalidSignature):  # not a point on the curve; a bad signature
         return False
     return True
 
@@ -135,10 +132,8 @@ def _create(path: str) -> None:
             f.write(pem)
             f.flush()
             os.fsync(f.fileno())
-        try:
+        with contextlib.suppress(FileExistsError):
             os.link(tmp, path)  # fails if it exists: never overwrites a key
-        except FileExistsError:
-            pass
     finally:
         os.unlink(tmp)
 
@@ -146,16 +141,13 @@ def _create(path: str) -> None:
 def _read(path: str) -> Any:
     try:
         st = os.stat(path)
-    except OSError as e:
-        raise ValueError(f"identity file {path!r} cannot be read: {e}") from None
-    if os.name == "posix" and st.st_mode & 0o077:
-        raise ValueError(
-            f"identity file {path!r} is readable by others (mode {st.st_mode & 0o777:o}): a private key must be "
-            f"private; run chmod 600 {path}"
-        )
-    if st.st_size > _MAX_KEY_FILE:
-        raise ValueError(f"identity file {path!r} is {st.st_size} bytes: not a key file")
-    try:
+        if os.name == "posix" and st.st_mode & 0o077:
+            raise ValueError(
+                f"identity file {path!r} is readable by others (mode {st.st_mode & 0o777:o}): a private key must be "
+                f"private; run chmod 600 {path}"
+            )
+        if st.st_size > _MAX_KEY_FILE:
+            raise ValueError(f"identity file {path!r} is {st.st_size} bytes: not a key file")
         with open(path, "rb") as f:
             data = f.read(_MAX_KEY_FILE + 1)
     except OSError as e:

@@ -27,7 +27,8 @@ MAX_CLAIM = 999
 MAX_SEQ = 10**10 - 1
 MAX_FRAGMENT = 999
 
-LEARNER_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
+_LEARNER = r"[a-z0-9][a-z0-9-]{0,63}"
+LEARNER_ID = re.compile(_LEARNER)
 
 MANIFEST = "manifest.json"
 CLAIMS = "claims/"
@@ -45,7 +46,6 @@ ROUND_BLOB_KINDS = ("theta", "outer", "change")
 
 _SHA = r"[0-9a-f]{64}"
 _EXT = r"\.safetensors(?:\.zst)?"
-_LEARNER = r"[a-z0-9][a-z0-9-]{0,63}"
 _CLAIM_RE = re.compile(r"claims/(\d{10})/(\d{3})\.json")
 _ROUND_RE = re.compile(r"rounds/(\d{10})\.json")
 _SNAPSHOT_RE = re.compile(rf"snapshots/(\d{{10}})/({_LEARNER})\.json")
@@ -95,10 +95,9 @@ def _ext(compression: str) -> str:
 
 def compression_of(key: str) -> str:
     """The codec a payload was written with, from its key's extension."""
-    if key.endswith(".safetensors.zst"):
-        return "zstd"
-    if key.endswith(".safetensors"):
-        return ""
+    for compression, extension in EXTENSIONS.items():
+        if key.endswith(extension):
+            return compression
     raise ValueError(f"key {key!r} is not a payload key")
 
 
@@ -192,9 +191,7 @@ def _check_sha(sha: str) -> None:
 
 def parse_claim_key(key: str) -> tuple[int, int] | None:
     m = _CLAIM_RE.fullmatch(key)
-    if not m or int(m[2]) < 1:
-        return None
-    return int(m[1]), int(m[2])
+    return (int(m[1]), int(m[2])) if m and int(m[2]) >= 1 else None
 
 
 def parse_round_key(key: str) -> int | None:
@@ -249,12 +246,9 @@ def in_snapshot_folder(key: str, sha256: str, r: int, learner: str) -> bool:
 
 # ---- authenticated runs: secret-tagged record keys --------------------------------------
 #
-# In a run with a secret, every protocol record key (claims, rounds, snapshots, leases) is
-# stored under a physical name that carries a tag derived from the run secret and the logical
-# key: ``rounds/0000000007.json`` is stored as ``rounds/0000000007.{tag}.json``. A party without
-# the secret cannot compute the tag of a future key, so it cannot take a commit point, a claim or
-# a learner's snapshot key first. The tag goes before ``.json`` and after a '.', which sorts
-# between '-' and every digit and letter, so physical byte order is logical byte order.
+# ``rounds/0000000007.json`` is stored as ``rounds/0000000007.{tag}.json`` (docs/security.md,
+# "Forged commits"): the '.' before the tag sorts between '-' and every digit and letter, so physical
+# byte order is logical byte order.
 
 TAGGED_PREFIXES = (CLAIMS, ROUNDS, SNAPSHOTS, LEASES, WORK)  # (the work queues' too: docs/protocol.md section 7)
 TAG_HEX = 32
@@ -283,12 +277,5 @@ def untag_key(key: str) -> tuple[str, str] | None:
 def is_known_key(key: str) -> bool:
     """True if ``key`` is any key the run's protocol writes (after untagging); a work queue's keys
     are ``workqueue.keys.is_known``'s."""
-    return (
-        key == MANIFEST
-        or parse_claim_key(key) is not None
-        or parse_round_key(key) is not None
-        or parse_snapshot_key(key) is not None
-        or parse_lease_key(key) is not None
-        or parse_blob_key(key) is not None
-        or parse_member_key(key) is not None
-    )
+    parsers = (parse_claim_key, parse_round_key, parse_snapshot_key, parse_lease_key, parse_blob_key, parse_member_key)
+    return key == MANIFEST or any(parse(key) is not None for parse in parsers)

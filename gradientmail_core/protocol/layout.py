@@ -13,7 +13,7 @@ chunk in ``codec/plan.py`` and ``codec/payload.py``; fetching and uploading chun
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..codec.plan import Piece, numel
@@ -58,6 +58,15 @@ class Layout:
         """The rank holding flat ``element`` of ``name``."""
         return bisect.bisect_right(self.bounds[name], element) - 1
 
+    def split(self, piece: Piece) -> Iterator[tuple[int, int, int]]:
+        """``(rank, start, stop)``: the parts of ``piece`` each rank holds, in element order."""
+        at = piece.start
+        while at < piece.stop:
+            h = self.holder(piece.name, at)
+            stop = min(piece.stop, self.range(piece.name, h)[1])
+            yield h, at, stop
+            at = stop
+
     def renamed(self, names: Mapping[str, str]) -> Layout:
         """The same ranges under other names (``{new: old}``): e.g. ``momentum/x`` held as ``x``."""
         return Layout(self.world, {new: self.bounds[old] for new, old in names.items()})
@@ -69,12 +78,8 @@ def chunk_owner(pieces: Sequence[Piece], layout: Layout) -> int:
     elements move and a chunk straddling two shards goes to the rank with more of it."""
     held = [0] * layout.world
     for p in pieces:
-        at = p.start
-        while at < p.stop:
-            h = layout.holder(p.name, at)
-            stop = min(p.stop, layout.range(p.name, h)[1])
-            held[h] += stop - at
-            at = stop
+        for h, start, stop in layout.split(p):
+            held[h] += stop - start
     return max(range(layout.world), key=lambda r: (held[r], -r))
 
 
@@ -101,13 +106,5 @@ def transfers(plan: Sequence[Sequence[Piece]], layout: Layout) -> list[Transfer]
     for k, pieces in enumerate(plan):
         owner = chunk_owner(pieces, layout)
         for i, p in enumerate(pieces):
-            if not p.size:
-                continue
-            at = p.start
-            while at < p.stop:
-                h = layout.holder(p.name, at)
-                stop = min(p.stop, layout.range(p.name, h)[1])
-                if h != owner:
-                    out.append(Transfer(h, owner, k, i, Piece(p.name, at, stop)))
-                at = stop
+            out += [Transfer(h, owner, k, i, Piece(p.name, lo, hi)) for h, lo, hi in layout.split(p) if h != owner]
     return out

@@ -129,11 +129,8 @@ class Liveness:
 
     def observe(self, lease_keys: list[str]) -> None:
         now = self.clock.now()
-        newest: dict[str, str] = {}
-        for k in lease_keys:
-            parsed = keys.parse_lease_key(k)
-            if parsed:
-                newest[parsed[0]] = k  # keys are listed in order: the last one is the newest
+        # Keys are listed in order: the last one of each learner is its newest.
+        newest = {p[0]: k for k in lease_keys if (p := keys.parse_lease_key(k))}
         # After a gap of a whole timeout between our listings we do not know that any lease
         # stayed unchanged: a learner that restarted meanwhile (its lease deleted, its sequence
         # starting over) may be back at the very key we saw last. Start watching afresh.
@@ -176,10 +173,7 @@ class Liveness:
 
     def live_nodes(self) -> set[str]:
         """Every live node, whatever its role (this one included)."""
-        out = {n for n in self.seen if self.is_live(n)}
-        if self.me is not None:
-            out.add(self.me)
-        return out
+        return {n for n in [*self.seen, self.me] if n is not None and self.is_live(n)}
 
     def live(self) -> set[str]:
         """The live learners: nodes that train (roles "both" and "learner"), this one included

@@ -1,9 +1,7 @@
 """Members-only runs: who may take part, signed by each node, revocable.
 
-The format and its rules (the manifest's ``owner``, the append-only, owner-signed membership log
-``members/{seq:010d}-{sha256}.json``, the signed message, the ``members`` a round record names,
-which records count while their signer is a member) are in ``docs/protocol.md`` section 8; what
-this protects against is in ``docs/security.md``.
+The format and its rules (the owner-signed, append-only log, the signed message, which records
+count) are in ``docs/protocol.md`` section 8; what this protects against in ``docs/security.md``.
 
 Here: signing and checking a record (``sign_record``, ``signature_ok``), the log as read
 (``Membership``), writing, reading and changing it (``write_entry``, ``read_log``, ``change``), and
@@ -55,10 +53,7 @@ class NotAMember(ProtocolError):
 
 def message(run_id: str, kind: str, key: str, record: Any) -> bytes:
     """The bytes a node signs for ``record`` written under logical ``key`` in run ``run_id``."""
-    return b"".join(
-        [_DOMAIN, b"sig\x00", run_id.encode(), b"\x00", kind.encode(), b"\x00", key.encode(), b"\x00"]
-        + [identity_bytes(record)]
-    )
+    return b"\x00".join([_DOMAIN + b"sig", run_id.encode(), kind.encode(), key.encode(), identity_bytes(record)])
 
 
 def sign_record(record: Any, identity: ids.Identity, run_id: str, key: str) -> Any:
@@ -141,16 +136,14 @@ class Membership:
                 raise RecordInvalid(f"{key}: its predecessor {rec.prev[:12]}... is not entry {seq - 1} of the log")
         return Entry(seq, sha, rec)
 
-    def add_listed(
-        self, listed: list[str], read: Callable[[str], bytes | None], report: Callable[[str, str], None]
-    ) -> None:
-        """Take in the entries among ``listed`` (keys in byte order, so in seq order) not seen yet."""
-        for key in listed:
+    def read(self, mailbox: Any, report: Callable[[str, str], None] = lambda key, why: None) -> None:
+        """Take in the entries not seen yet: one LIST (keys in byte order, so in seq order), a GET each."""
+        for key in mailbox.list(keys.MEMBERS):
             parsed = keys.parse_member_key(key)
             if parsed is None or parsed[1] in self.entries or key in self._bad:
                 continue
             try:
-                entry = self.check_entry(key, read(key))
+                entry = self.check_entry(key, mailbox.get(key))
             except RecordInvalid as e:
                 self._bad.add(key)
                 report(key, str(e))
@@ -205,12 +198,14 @@ def write_entry(mailbox: Any, entry: MemberEntry, owner: ids.Identity) -> str:
     return key
 
 
-def read_log(mailbox: Any, manifest: Manifest, report: Callable[[str, str], None] | None = None) -> Membership:
+def read_log(
+    mailbox: Any, manifest: Manifest, report: Callable[[str, str], None] = lambda key, why: None
+) -> Membership:
     """The membership log of the run ``manifest`` describes, read from ``mailbox``."""
     if manifest.owner is None:
         raise ProtocolError("this run is open to anyone: it has no membership (it was created without an identity)")
     m = Membership(manifest.run_id, manifest.owner)
-    m.add_listed(mailbox.list(keys.MEMBERS), mailbox.get, report or (lambda key, why: None))
+    m.read(mailbox, report)
     return m
 
 
@@ -248,7 +243,7 @@ def change(
         remove=sorted(set(remove)),
     )
     key = write_entry(mailbox, entry, owner)
-    m.add_listed(mailbox.list(keys.MEMBERS), mailbox.get, lambda k, why: None)
+    m.read(mailbox)
     if m.head is None or keys.member_key(m.head.seq, m.head.sha) != key:
         raise ProtocolError(f"another change of the membership was written at the same time ({key} lost); run it again")
     return key, m
@@ -307,11 +302,9 @@ class MemberAuth:
     # ---- the log ----------------------------------------------------------------------------
 
     def refresh(self) -> None:
-        """Read the membership log's new entries (one LIST, a GET per new entry)."""
-        m = self.membership
-        if m is None or self._mailbox is None:
-            return
-        m.add_listed(self._mailbox.list(keys.MEMBERS), self._mailbox.get, self._report)
+        """Read the membership log's new entries."""
+        if self.membership is not None and self._mailbox is not None:
+            self.membership.read(self._mailbox, self._report)
 
     def _bind(self, manifest: Manifest) -> None:
         if manifest.run_id == self.run_id:
@@ -356,21 +349,18 @@ class MemberAuth:
     def _sign_manifest(self, manifest: Manifest) -> Manifest:
         if self.identity is None:
             return manifest
-        if manifest.owner is None:
+        if manifest.owner is None:  # a run this node creates: entry 0 of its log admits the creator
             assert self.owner_identity is not None
+            if self._mailbox is None:
+                raise ProtocolError("a members-only run is created through a GuardedMailbox (it writes the log)")
             manifest = dataclasses.replace(manifest, owner=self.owner_identity.public_hex)
-            self._write_genesis(manifest)
+            entry = MemberEntry(
+                run_id=manifest.run_id, seq=0, prev=NO_PREV, add=[self.identity.public_hex], note="genesis"
+            )
+            write_entry(self._mailbox, entry, self.owner_identity)
         signed = sign_record(manifest, self.identity, manifest.run_id, keys.MANIFEST)
         self._bind(signed)
         return signed
-
-    def _write_genesis(self, manifest: Manifest) -> None:
-        """Entry 0 of the log of the run ``manifest`` is about to create: it admits the creator."""
-        assert self.identity is not None and self.owner_identity is not None and manifest.owner is not None
-        if self._mailbox is None:
-            raise ProtocolError("a members-only run is created through a GuardedMailbox (it writes the log)")
-        entry = MemberEntry(run_id=manifest.run_id, seq=0, prev=NO_PREV, add=[self.identity.public_hex], note="genesis")
-        write_entry(self._mailbox, entry, self.owner_identity)
 
     def _check_self(self) -> None:
         assert self.identity is not None and self.membership is not None
@@ -393,27 +383,24 @@ class MemberAuth:
     # ---- verifying ------------------------------------------------------------------------------
 
     def verify(self, record: Any, key: str) -> None:
+        self.inner.verify(record, key)
         if isinstance(record, Manifest):
-            self.inner.verify(record, key)
             if record.owner is not None:
                 self._check_signed(record, record.run_id, key)
             self._bind(record)
             return
-        self.inner.verify(record, key)
         if self.membership is None or isinstance(record, MemberEntry):
             return
         assert self.run_id is not None
-        expected = record_key(record)
-        if key != expected:
+        if key != (expected := record_key(record)):
             raise SignatureInvalid(f"{key}: holds a record that belongs at {expected} (copied or replayed)")
         self._check_signed(record, self.run_id, key)
-        signer = record.signer
         if isinstance(record, RoundRecord):
             self._check_round(record, key)
             return
         members, removed = self.membership.current()
-        if signer not in members:
-            raise SignatureInvalid(self._not_member(key, signer, removed))
+        if record.signer not in members:
+            raise SignatureInvalid(self._not_member(key, record.signer, removed))
 
     def _check_signed(self, record: Any, run_id: str, key: str) -> None:
         if record.signer is None or record.sig is None:
@@ -498,21 +485,19 @@ class MemberAuth:
         return None
 
     def _check_lease(self, key: str) -> str | None:
-        ok = self._leases_ok.get(key)
-        if ok is None:
+        if key not in self._leases_ok:
             data = self._mailbox.get(key) if self._mailbox is not None else None
             if data is None:
                 return None  # gone meanwhile: renewed
+            if len(self._leases_ok) > 65536:
+                self._leases_ok.clear()
             try:
                 self.verify(decode(data, Lease, key=key), key)
-                ok = True
             except RecordInvalid as e:
                 self._leases_ok[key] = False
                 return str(e)
-            if len(self._leases_ok) > 65536:
-                self._leases_ok.clear()
-            self._leases_ok[key] = ok
-        return None if ok else "its signature does not verify"
+            self._leases_ok[key] = True
+        return None if self._leases_ok[key] else "its signature does not verify"
 
     def _fingerprints(self) -> tuple[frozenset[str], frozenset[str]]:
         """Fingerprints of the members and of the revoked keys, as of the newest entry read."""

@@ -18,6 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..errors import RecordInvalid
+from .identity import PUBKEY as _PUBKEY
+from .identity import SIG as _SIG
+from .keys import LEARNER_ID as _LEARNER
+from .keys import ROLES
 
 FORMAT = 1
 MAX_RECORD_BYTES = 1 << 20
@@ -26,22 +30,20 @@ MAX_LIST = 100_000
 MAX_INT = 2**63 - 1
 
 _SHA = re.compile(r"[0-9a-f]{64}")
-_LEARNER = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
 _NONCE = re.compile(r"[0-9a-f]{8,64}")
 _MAC = re.compile(r"[0-9a-f]{64}")
-_PUBKEY = re.compile(r"[0-9a-f]{64}")
-_SIG = re.compile(r"[0-9a-f]{128}")
 _MEMBERS_REF = re.compile(r"\d{10}-[0-9a-f]{64}")
 # A payload key: under blobs/, no empty, '.' or '..' segment (checked on decode, so a hostile ref
 # can never name a key outside the payload folders or one a backend refuses).
 _KEY = re.compile(r"blobs/(?:[A-Za-z0-9_-][A-Za-z0-9._-]*/)*[A-Za-z0-9_-][A-Za-z0-9._-]*")
 
-ROLES = ("both", "learner", "syncer")  # as protocol.keys.ROLES
 REJECT_REASONS = ("zero_steps", "schema", "stale", "missing", "corrupt", "nonfinite", "outlier", "late")
 
 
-def _meta(**kw: Any) -> dict[str, Any]:
-    return {"check": kw}
+def _meta(omit: bool = False, **check: Any) -> dict[str, Any]:
+    """A field's checks on decode; ``omit``: left out of the JSON while it holds its default, so the
+    records that do not use it keep the bytes they had before it existed."""
+    return {"check": check, "omit_default": True} if omit else {"check": check}
 
 
 def sha(**kw: Any) -> Any:
@@ -64,8 +66,8 @@ class Signed:
 
     format: int = FORMAT
     mac: str | None = field(default=None, metadata=_meta(pattern=_MAC))
-    signer: str | None = field(default=None, metadata=_meta(pattern=_PUBKEY))
-    sig: str | None = field(default=None, metadata=_meta(pattern=_SIG))
+    signer: str | None = field(default=None, metadata=_meta(pattern=_PUBKEY, omit=True))
+    sig: str | None = field(default=None, metadata=_meta(pattern=_SIG, omit=True))
 
 
 @typing.runtime_checkable
@@ -86,9 +88,7 @@ class PayloadRef:
     key: str = field(metadata=_meta(pattern=_KEY, max_len=512))
     sha256: str = sha()
     size: int = nonneg()
-    more: list[PayloadRef] = field(
-        default_factory=list, hash=False, metadata={**_meta(max_len=MAX_LIST), "omit_default": True}
-    )
+    more: list[PayloadRef] = field(default_factory=list, hash=False, metadata=_meta(max_len=MAX_LIST, omit=True))
 
 
 def chunk_refs(ref: PayloadRef) -> list[PayloadRef]:
@@ -140,7 +140,7 @@ class Manifest(Signed):
     fragments: list[list[str]] = field(metadata=_meta(min_len=1))
     config: dict[str, Any] = field(default_factory=dict)
     init: list[PayloadRef] = field(default_factory=list)
-    owner: str | None = field(default=None, metadata=_meta(pattern=_PUBKEY))  # members-only runs
+    owner: str | None = field(default=None, metadata=_meta(pattern=_PUBKEY, omit=True))  # members-only runs
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,10 +160,10 @@ class Lease(Signed):
     tokens: int = nonneg()
     # The holder's role, as its key names it (``keys.lease_key``); left out of the JSON when
     # "both", so the leases of a node without a role keep the bytes they had before roles.
-    role: str = field(default="both", metadata={**_meta(choices=ROLES), "omit_default": True})
+    role: str = field(default="both", metadata=_meta(choices=ROLES, omit=True))
     # A learner-only node sees no live node that may close rounds: the run waits (for
     # ``gradientmail status``, which reads one look and cannot judge liveness). Left out when False.
-    waiting_for_closer: bool = field(default=False, metadata={"omit_default": True})
+    waiting_for_closer: bool = field(default=False, metadata=_meta(omit=True))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,17 +219,15 @@ class RoundRecord(Signed):
     x_step: float | None = field(default=None, metadata=_meta(min=0))
     x_quorum: float | None = field(default=None, metadata=_meta(min=0))
     x_sync: float | None = field(default=None, metadata=_meta(min=0))
-    members: str | None = field(default=None, metadata=_meta(pattern=_MEMBERS_REF))  # the membership judged under
+    members: str | None = field(default=None, metadata=_meta(pattern=_MEMBERS_REF, omit=True))  # judged under it
     # A commit between checkpoints (``checkpoint_every > 1``; docs/protocol.md, "Checkpoints") has
     # no ``theta`` and no ``outer``; instead: the version of the fragment's checkpoint it builds on,
     # the sha256 of the outer payload it would have written uncompressed, and the payload of each
     # participant (same order), which a recovering closer merges again. Left out when unset, so a
     # checkpoint's record has the bytes it had before.
-    checkpoint: int | None = field(default=None, metadata={**_meta(min=0), "omit_default": True})
-    outer_digest: str | None = field(default=None, metadata={**_meta(pattern=_SHA), "omit_default": True})
-    contributions: list[PayloadRef] | None = field(
-        default=None, metadata={**_meta(min_len=1, max_len=MAX_LIST), "omit_default": True}
-    )
+    checkpoint: int | None = field(default=None, metadata=_meta(min=0, omit=True))
+    outer_digest: str | None = field(default=None, metadata=_meta(pattern=_SHA, omit=True))
+    contributions: list[PayloadRef] | None = field(default=None, metadata=_meta(min_len=1, max_len=MAX_LIST, omit=True))
 
     @property
     def is_checkpoint(self) -> bool:
@@ -250,16 +248,13 @@ class MemberEntry:
     remove: list[str] = field(default_factory=list, metadata=_meta(pattern=_PUBKEY, max_len=10_000))
     note: str = field(default="", metadata=_meta(max_len=256))
     format: int = FORMAT
-    signer: str | None = field(default=None, metadata=_meta(pattern=_PUBKEY))
-    sig: str | None = field(default=None, metadata=_meta(pattern=_SIG))
+    signer: str | None = field(default=None, metadata=_meta(pattern=_PUBKEY, omit=True))
+    sig: str | None = field(default=None, metadata=_meta(pattern=_SIG, omit=True))
 
 
 R = TypeVar("R")
 
 _LIMITS = {Manifest: MAX_MANIFEST_BYTES}
-# Fields of the signed-record format that are left out of the JSON when unset, so a record of a
-# run without identities has exactly the bytes it had before they existed.
-_OMIT_IF_NONE = ("owner", "members", "signer", "sig")
 
 
 def to_dict(record: Any) -> dict[str, Any]:
@@ -271,9 +266,6 @@ def to_dict(record: Any) -> dict[str, Any]:
 def _omit(record: Any, d: dict[str, Any]) -> None:
     """Leave out of ``d`` (``asdict(record)``) what is left out of the JSON, in nested records too
     (a ``PayloadRef`` without chunks inside a round record keeps the bytes it had)."""
-    for name in _OMIT_IF_NONE:
-        if name in d and d[name] is None:
-            del d[name]
     for f in _omitted_if_default(type(record)):  # type: ignore[arg-type]
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         if d.get(f.name, default) == default:
@@ -355,8 +347,7 @@ def _build(cls: type[R], raw: Any, where: str) -> R:
     if not isinstance(raw, dict):
         raise RecordInvalid(f"{where}: expected an object for {cls.__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = set(raw) - set(fields)
-    if unknown:
+    if unknown := set(raw) - set(fields):
         raise RecordInvalid(f"{where}: unknown field(s) {sorted(unknown)[:5]} in {cls.__name__}")
     hints = _type_hints(cls)  # type: ignore[arg-type]
     values: dict[str, Any] = {}

@@ -218,8 +218,9 @@ def upload_values(
         values = read(names)
         key_for_sha = functools.partial(keys.init_blob_key, f, compression=compression)
         shapes = {n: by_name[n] for n in names}
+        frag_dtypes = {n: dtypes[n] for n in names}
         if RunStore.one_payload(shapes, cfg.chunk_elements):
-            data = encode_payload(values, {n: dtypes[n] for n in names}, kind="init", compression=compression)
+            data = encode_payload(values, frag_dtypes, kind="init", compression=compression)
             refs.append(store.put_payload(key_for_sha, data))
         else:
             refs.append(
@@ -227,7 +228,7 @@ def upload_values(
                     key_for_sha,
                     values,
                     shapes=shapes,
-                    dtypes={n: dtypes[n] for n in names},
+                    dtypes=frag_dtypes,
                     chunk_elements=cfg.chunk_elements,
                     kind="init",
                     compression=compression,
@@ -247,11 +248,7 @@ def check_record_size(shapes: list[dict[str, tuple[int, ...]]], cfg: DiLoCo) -> 
         n = len(fragment_plan(frag, c))
         # The outer state: momentum and master of every tensor (the master may be theta itself; the
         # bound counts it, so the check does not depend on the parameters' dtypes).
-        outer = len(
-            fragment_plan(
-                {**{f"momentum/{k}": v for k, v in frag.items()}, **{f"master/{k}": v for k, v in frag.items()}}, c
-            )
-        )
+        outer = len(fragment_plan({f"{part}/{k}": v for part in ("momentum", "master") for k, v in frag.items()}, c))
         refs = n + outer + (n if cfg.commit_dtype is not None else 0)
         if refs > RECORD_REFS:
             elements = sum(int(np.prod(s, dtype=np.int64)) for s in frag.values())

@@ -6,6 +6,7 @@ adapter shapes alone). Names are compared canonical on both sides (``adapters/na
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 from ..errors import SchemaMismatch
@@ -29,16 +30,7 @@ def schema_differences(run: list[TensorSpec], mine: list[TensorSpec]) -> list[st
 
 def _prefixes(names: Iterable[str]) -> list[str]:
     """The dotted prefixes every name shares, shortest first (``a.b.c``, ``a.b.d`` -> ``a``, ``a.b``)."""
-    names = list(names)
-    if not names:
-        return []
-    common = names[0].split(".")[:-1]
-    for n in names[1:]:
-        parts = n.split(".")[:-1]
-        k = 0
-        while k < min(len(common), len(parts)) and common[k] == parts[k]:
-            k += 1
-        common = common[:k]
+    common = os.path.commonprefix([n.split(".")[:-1] for n in names])  # element-wise on lists
     return [".".join(common[: i + 1]) for i in range(len(common))]
 
 

@@ -19,6 +19,7 @@ from ..codec.payload import PayloadStream, Values, decode_payload, encode_payloa
 from ..codec.plan import ChunkSpec, Piece, assemble, chunk_spec, chunk_specs, fragment_plan, is_one_whole_chunk
 from ..errors import MailboxUnavailable, PayloadCorrupt, RecordInvalid
 from ..mailbox import Chunk, CreateOutcome, Mailbox, create_once, read_many, read_stream, write_stream
+from ..mailbox.contract import close_stream
 from . import keys
 from .records import PayloadRef, chunk_refs, decode, encode, join_refs
 
@@ -141,12 +142,12 @@ class RunStore:
         nothing under ``key``. Smaller ones are one create-once PUT."""
         blob = keys.parse_blob_key(key)
         assert blob is not None, f"{key} is not a payload key"
-        if isinstance(data, PayloadStream) and data.size < JOIN_BELOW:
+        if isinstance(data, PayloadStream):
             assert data.sha256 == blob.sha, f"{key} does not name the stream's sha256 {data.sha256}"
-            data = data.read()
+            if data.size < JOIN_BELOW:
+                data = data.read()
         if isinstance(data, PayloadStream) or len(data) >= STREAM_BYTES:
             if isinstance(data, PayloadStream):
-                assert data.sha256 == blob.sha, f"{key} does not name the stream's sha256 {data.sha256}"
                 chunks: Iterable[Chunk] = data.chunks()
             else:
                 view = memoryview(data)
@@ -189,14 +190,13 @@ class RunStore:
         refs = chunk_refs(ref)
         if len(refs) != len(specs):
             raise PayloadCorrupt(f"{ref.key}: the ref lists {len(refs)} chunks, the plan {len(specs)}")
-        total = sum(r.size for r in refs)
         if max_bytes is not None:
             # Each chunk beyond the first repeats a header (metadata, the split tensor's entry).
             max_bytes += CHUNK_HEADER_ALLOWANCE * (len(refs) - 1)
-        if max_bytes is not None and total > max_bytes:
-            raise PayloadCorrupt(
-                f"{ref.key}: declared size {total} of {len(refs)} chunks exceeds the cap of {max_bytes}"
-            )
+            if (total := sum(r.size for r in refs)) > max_bytes:
+                raise PayloadCorrupt(
+                    f"{ref.key}: declared size {total} of {len(refs)} chunks exceeds the cap of {max_bytes}"
+                )
         parts: list[dict[str, np.ndarray]] = []
         for r, s in zip(refs, specs, strict=True):
             got = self._get_chunk(r, s, dtypes=dtypes, max_bytes=max_bytes)
@@ -264,9 +264,7 @@ class RunStore:
                 key=ref.key,
             )
         finally:
-            close = getattr(chunks, "close", None)  # cancels the reads still in flight
-            if close is not None:
-                close()
+            close_stream(chunks)  # cancels the reads still in flight
 
     def put_chunk(
         self,
