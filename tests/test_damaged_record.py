@@ -80,3 +80,29 @@ def test_without_its_writer_every_follower_stops_within_the_bound_naming_the_key
         rec = decode(mb.get(keys.round_key(r)), RoundRecord, key=keys.round_key(r))
         assert rec.round == r
     assert b.node.state.head == DAMAGED - 1
+
+
+def test_status_and_rounds_say_what_to_do_about_a_damaged_record(tmp_path, capsys):
+    from gradientmail_core.cli import main
+
+    url = f"file://{tmp_path / 'run'}"
+    mb = gm.open_mailbox(url)
+    c = Cluster(gm.DiLoCo(sync_every=4, fragments=2, quorum_size=2), mailbox=mb)
+    c.join_all(["a", "b"])
+    c.run(40, ticks_per_step=2)
+    for m in list(c.members.values()):
+        c.close(m)
+    rounds = mb.list(keys.ROUNDS)
+    for key, later in ((rounds[-3], True), (rounds[-1], False)):
+        data = mb.get(key)
+        mb.delete([key])
+        mb.put_if_absent(key, data[: len(data) // 2])
+        for command in ("status", "rounds"):
+            rc = main([command, url])
+            out, err = capsys.readouterr()
+            text = " ".join((out + err).split())
+            assert f"{key} fails its check" in text and "restore the object from a copy of the bucket" in text, text
+            assert ("later rounds build on it" in text) == later and (f"or delete {key}" in text) == (not later)
+            assert rc == (1 if command == "rounds" else 0)
+        mb.delete([key])
+        mb.put_if_absent(key, data)
