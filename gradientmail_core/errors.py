@@ -52,6 +52,15 @@ class RecordInvalid(ProtocolError):
     """A record failed validation while decoding. It is treated as corrupt, never trusted."""
 
 
+class UnsupportedFormat(RecordInvalid):
+    """A record of a format version this gradientmail does not read (a newer one's): upgrade."""
+
+
+class RecordDamaged(ProtocolError):
+    """A round's record is on the tape but does not read back as a commit, and nobody repaired it
+    within the bound: the tape cannot be followed past it. The message names the key and the remedy."""
+
+
 class RunConfigMismatch(GradientMailError):
     """This node's algorithm config differs from the run's manifest. Fix the config."""
 

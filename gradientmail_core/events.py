@@ -134,6 +134,15 @@ class IgnoredObject(Event):
 
 
 @dataclass(frozen=True)
+class RecordRepaired(Event):
+    """This node's own round record read back damaged (``reason``) and was written again."""
+
+    round: int
+    key: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class GaveUp(Event):
     round: int
     reason: str

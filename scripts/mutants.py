@@ -354,6 +354,18 @@ MUTATIONS: list[Mutation] = [
       ("tests/test_engine_takeover.py::test_a_clean_leavers_round_is_taken_over_only_once_it_has_a_contribution",),
       "issue 35: the round a clean leaver claimed is taken over before anyone contributed (the outer state loaded for nothing)",
       quick=True),
+    # A round record damaged in the store after it landed (issue 36)
+    M("own-records-never-read-back", "gradientmail_core/syncer/node.py",
+      "            self.closing.recheck()  # this node's own records, read back when due\n",
+      "",
+      ("tests/test_damaged_record.py::test_the_writer_reads_its_record_back_and_writes_it_again_and_the_run_goes_on",),
+      "issue 36: a truncated round record hangs every follower (the writer never reads it back)", quick=True),
+    M("stuck-on-a-damaged-record-forever", "gradientmail_core/syncer/follower.py",
+      "        if waited < self.damaged_after:\n",
+      "        if True:\n",
+      ("tests/test_damaged_record.py::test_without_its_writer_every_follower_stops_within_the_bound_naming_the_key_and_the_remedy",),
+      "issue 36: with its writer gone, a damaged record leaves the followers polling it forever, with no error",
+      quick=True),
 ]
 # fmt: on
 

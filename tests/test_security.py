@@ -387,13 +387,14 @@ def test_authenticated_run_ignores_forged_commits_claims_and_snapshots_and_ends_
     assert all(m.node.follower.stuck is None for m in attacked.members.values())
 
 
-def test_unauthenticated_run_stalls_without_crashing_on_a_garbage_commit_point():
-    # The documented limit: without a secret a party that writes first owns the commit point.
+def test_unauthenticated_run_stops_with_the_key_and_the_remedy_on_a_garbage_commit_point():
+    # The documented limit: without a secret a party that writes first owns the commit point. Garbage
+    # there is a record no node wrote (none rewrites it): the nodes stop, saying which key and what to do.
     def garbage(sim: SimRun, r: int) -> None:
         if r == 3:
             sim.mailbox.put_if_absent(keys.round_key(3), b"not a record")
 
-    with pytest.raises(AssertionError, match="round 3 did not reach"):
+    with pytest.raises(gm.RecordDamaged, match=r"rounds/0000000003\.json does not read back.*delete rounds/0000000003"):
         run_three(None, garbage)
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..codec import quant, safetensors_io
-from ..errors import ProtocolError, RecordInvalid
+from ..errors import ProtocolError, RecordInvalid, UnsupportedFormat
 from ..mailbox import Mailbox
 from ..protocol import keys
 from ..protocol.records import Claim, Lease, Manifest, RoundRecord, decode
@@ -122,9 +122,9 @@ def read_records(
     mailbox: Mailbox, rounds: list[int], *, auth: Any = None, failed: list[Failed] | None = None
 ) -> list[RoundRecord]:
     """The records of ``rounds``, in that order (fetched concurrently). With ``auth`` each is
-    checked in round order (a members-only run's membership rules depend on it); one that fails is
-    left out and added to ``failed`` (without ``failed``: raised). A record that is malformed or of
-    another format raises ``RecordInvalid``."""
+    checked in round order (a members-only run's membership rules depend on it); one that fails, or
+    does not decode (damaged in the store), is left out and added to ``failed`` with what to do
+    (without ``failed``: raised, ``RecordInvalid``)."""
 
     def fetch(r: int) -> bytes | None:
         return mailbox.get(keys.round_key(r))
@@ -137,7 +137,15 @@ def read_records(
     out = []
     for r, data in zip(rounds, blobs, strict=True):
         key = keys.round_key(r)
-        rec = decode(data, RoundRecord, key=key)  # (malformed, or another format: an error, as ever)
+        try:
+            rec = decode(data, RoundRecord, key=key)
+        except UnsupportedFormat:
+            raise  # (written by a newer gradientmail: upgrading is the remedy, as the error says)
+        except RecordInvalid as e:
+            if failed is None:
+                raise
+            failed.append(Failed(key, f"{e}; {damaged_remedy(r, r < rounds[-1])}"))
+            continue
         try:
             if auth is not None:
                 auth.verify(rec, key)
@@ -148,6 +156,20 @@ def read_records(
             continue
         out.append(rec)
     return out
+
+
+def damaged_remedy(r: int, built_on: bool) -> str:
+    """What to do about round ``r``'s record on the tape that does not decode (``built_on``: later
+    rounds are committed after it)."""
+    fix = "if its closer still runs it writes the record again within a round timeout; else "
+    if built_on:
+        return (
+            fix + "restore the object from a copy of the bucket (later rounds build on it: it cannot be closed again)"
+        )
+    return fix + (
+        f"restore the object from a copy of the bucket, or delete {keys.round_key(r)} so that round {r} is closed again from "
+        "its contributions (no round builds on it yet), then restart the nodes that stopped"
+    )
 
 
 def iter_records(

@@ -17,7 +17,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ..errors import RecordInvalid
+from ..errors import RecordInvalid, UnsupportedFormat
 from .identity import PUBKEY as _PUBKEY
 from .identity import SIG as _SIG
 from .keys import LEARNER_ID as _LEARNER
@@ -325,7 +325,7 @@ def decode(data: bytes | None, cls: type[R], *, key: str = "?") -> R:
         raise RecordInvalid(f"{key}: expected a JSON object, found {type(raw).__name__}")
     fmt = raw.get("format")
     if fmt != FORMAT:
-        raise RecordInvalid(
+        raise UnsupportedFormat(
             f"{key}: format version {fmt!r}, this gradientmail reads version {FORMAT}; "
             "upgrade gradientmail on every node of the run"
         )

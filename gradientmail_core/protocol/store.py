@@ -61,7 +61,10 @@ class RunStore:
         return encode(record)
 
     def put_record(self, key: str, record: Any) -> tuple[CreateOutcome, bytes | None]:
-        data = self.encode_record(record)
+        return self.put_encoded(key, self.encode_record(record))
+
+    def put_encoded(self, key: str, data: bytes) -> tuple[CreateOutcome, bytes | None]:
+        """Create the record bytes ``data`` (``encode_record``'s) at ``key`` once."""
         self.bytes_up += len(data)
         return create_once(self.mailbox, key, data)
 

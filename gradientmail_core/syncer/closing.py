@@ -35,12 +35,19 @@ class Closing:
         emit: Callable[[ev.Event], None],
         *,
         compression: str,
+        recheck_after: tuple[float, ...] = (),
     ) -> None:
+        """``recheck_after``: when this node reads each of its own round records back, in seconds
+        after it wrote it (``recheck``)."""
         self.store, self.clock, self.state, self.placement, self.emit = store, clock, state, placement, emit
+        self.recheck_after = recheck_after
         self.merger: FragmentMerger = placement.merger
         self.compression = compression
         self.last_sync: float | None = None  # how long the newest commit's merge and write took
         self._started = 0.0
+        # This node's round records as written, each read back at the times ``recheck`` says (a record
+        # damaged in the store is written again: nobody else holds its bytes): round -> (bytes, due).
+        self.written: dict[int, tuple[bytes, list[float]]] = {}
 
     def open(self, r: int) -> None:
         """Start collecting round ``r`` (this node holds its claim)."""
@@ -153,7 +160,8 @@ class Closing:
         (``rec``), another closer's written first (the node follows theirs), or None where theirs
         does not decode (the listing will find it and report it)."""
         s = self.state
-        outcome, existing = self.store.put_record(keys.round_key(rec.round), rec)
+        data = self.store.encode_record(rec)
+        outcome, existing = self.store.put_encoded(keys.round_key(rec.round), data)
         self.last_sync = self.clock.now() - self._started
         if outcome is CreateOutcome.TAKEN:
             try:
@@ -180,4 +188,28 @@ class Closing:
         written = sum(commit.sizes.values())
         self.emit(ev.Committed(s.me, rec.round, rec.fragment, rec.version, written))
         s.collector = None
+        if self.recheck_after:
+            self.written[rec.round] = (data, [self.clock.now() + d for d in self.recheck_after])
         return rec
+
+    # ---- the records written --------------------------------------------------------------
+
+    def recheck(self) -> None:
+        """Read back each of this node's records that is due (one GET per time in ``recheck_after``):
+        one that no longer holds the bytes written (truncated or altered in the store: no follower
+        can get past it, and nobody else holds its bytes) is deleted and written again, the same bytes."""
+        now = self.clock.now()
+        for r, (data, due) in list(self.written.items()):
+            if due[0] > now:
+                continue
+            key = keys.round_key(r)
+            found = self.store.mailbox.get(key)
+            if found != data:
+                why = "missing" if found is None else f"{len(found)} bytes that are not the {len(data)} written"
+                self.store.delete([key])
+                self.store.put_encoded(key, data)
+                self.emit(ev.RecordRepaired(self.state.me, r, key, f"it read back {why}"))
+            if len(due) > 1:
+                self.written[r] = (data, due[1:])
+            else:
+                del self.written[r]

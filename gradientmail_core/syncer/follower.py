@@ -4,18 +4,20 @@ place where a round is taken as committed)."""
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 
 import numpy as np
 
 from .. import events as ev
-from ..errors import PayloadCorrupt
+from ..clock import Clock, SystemClock
+from ..errors import PayloadCorrupt, RecordDamaged
 from ..protocol import keys
 from ..protocol.records import RoundRecord, ref_size
 from ..protocol.run import RunInfo
 from ..protocol.store import RunStore
-from ..protocol.tape import schedule_problem
+from ..protocol.tape import newest_claim, schedule_problem
 from .bridge import Bridge, CommitNotice
 from .placement import Placement
 from .state import NodeState
@@ -87,11 +89,18 @@ class Follower:
         bridge: Bridge,
         screen: CommitScreen,
         emit: Callable[[ev.Event], None],
+        clock: Clock | None = None,
+        damaged_after: float = math.inf,
     ) -> None:
+        """``damaged_after``: how long the next round's record may stay on the tape without reading
+        back as a commit before this node stops (``RecordDamaged``): its writer had the time to write
+        it again (``Closing.recheck``)."""
         self.store, self.state, self.placement, self.bridge = store, state, placement, bridge
         self.screen, self.emit = screen, emit
+        self.clock, self.damaged_after = clock or SystemClock(), damaged_after
         self.merger = placement.merger
         self.stuck: str | None = None  # why the next record cannot be followed (reported once)
+        self.stuck_since: tuple[int, float] | None = None  # (round, since when) its record is damaged
 
     def advance(self, round_keys: list[str]) -> bool:
         """Follow the listed records in order; False if one could not be read yet (retried next poll)."""
@@ -117,11 +126,41 @@ class Follower:
                 if self.stuck != problem:
                     self.stuck = problem
                     self.emit(ev.IgnoredObject(s.me, keys.round_key(r), problem))
+                if r == s.head + 1:
+                    self._damaged(r, problem)
                 return False
+            self.stuck_since = None
             assert rec is not None
             if not self.take(rec, lend=True):
                 return False
         return True
+
+    def _damaged(self, r: int, problem: str) -> None:
+        """Round ``r``'s record, the next on the tape, is there but is no commit: past the bound,
+        ``RecordDamaged``, naming the key, who claimed the round, and the remedy."""
+        now = self.clock.now()
+        if self.stuck_since is None or self.stuck_since[0] != r:
+            self.stuck_since = (r, now)
+            return
+        waited = now - self.stuck_since[1]
+        if waited < self.damaged_after:
+            return
+        key = keys.round_key(r)
+        claim, after = newest_claim(self.store, r), newest_claim(self.store, r + 1)
+        writer = (  # (a round's claims are collected once it commits; its closer claimed the next first)
+            f"its closer {claim.learner}"
+            if claim is not None
+            else f"its closer ({after.learner}, probably: it claimed round {r + 1})"
+            if after is not None
+            else "the node that closed it"
+        )
+        raise RecordDamaged(
+            f"{key} does not read back as the commit of round {r} ({problem}) and {writer} has not written "
+            f"it again in {waited:.0f} s: no node can follow the tape past it. If {writer} still runs, it "
+            "rewrites the record when it reads it back; otherwise restore the object from a copy of the "
+            f"bucket, or, where no node ever applied round {r}, delete {key} so the round is closed again "
+            f"from its contributions (`gradientmail status URL` says which); then restart this node"
+        )
 
     def take(self, rec: RoundRecord, *, lend: bool = False) -> bool:
         """Follow another node's commit ``rec``: screened first (``CommitScreen``), its parameters

@@ -63,9 +63,13 @@ class Node:
         screen = CommitScreen(store, run, emit, me=learner, fraction=options.verify, rng=rng or random.Random(0))
         s, c = self.state, options.payload_compression
         self.publisher = Publisher(store, s, self.placement, self.bridge, emit, nonce=nonce, compression=c)
-        self.follower = Follower(store, s, self.placement, self.bridge, screen, emit)
+        # A follower stuck on a damaged record stops once its writer had time to write it again
+        # (``Closing.recheck``: soon after it lands, and a round timeout later).
+        damaged_after = options.round_timeout_floor + options.lease_timeout
+        self.follower = Follower(store, s, self.placement, self.bridge, screen, emit, clock, damaged_after)
         self.election = Election(store, clock, s, self.lease, self.bridge, emit, options=options, nonce=nonce)
-        self.closing = Closing(store, clock, s, self.placement, emit, compression=c)
+        recheck = (2 * options.poll_interval, options.round_timeout_floor)
+        self.closing = Closing(store, clock, s, self.placement, emit, compression=c, recheck_after=recheck)
         self.gc = GarbageCollector(store, s)
 
     # ---- joining ----------------------------------------------------------------------
@@ -110,6 +114,7 @@ class Node:
             if self.follower.advance(self._list_rounds()):  # the commits since the last poll, followed
                 # (never for a round the listing shows committed but we could not read yet)
                 self._drive_round(self.state.head + 1)
+            self.closing.recheck()  # this node's own records, read back when due
             self._release_own_snapshots()
             self._publish_view()  # what the learner sees until the next poll
         except PayloadCorrupt as e:  # read back damaged (a flipped bit in transit): retried next poll
