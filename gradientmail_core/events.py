@@ -251,7 +251,16 @@ def log_events(event: Event) -> None:
     Both names start with ``gm`` so they never collide with ``LogRecord``'s own attributes
     (``logging`` refuses ``extra`` keys such as ``message`` or ``args``).
     """
-    loud = (GaveUp, BackgroundFailed, Superseded, NoCloser, ForgedCommit, CommitRefused, RoundUnverifiable)
+    loud = (
+        GaveUp,
+        BackgroundFailed,
+        Superseded,
+        NoCloser,
+        ForgedCommit,
+        CommitRefused,
+        RoundUnverifiable,
+        RecordRepaired,
+    )
     level = logging.WARNING if isinstance(event, _QUIET + loud) else logging.INFO
     if not _log.isEnabledFor(level):
         return

@@ -26,6 +26,8 @@ CAUGHT_BY = {
         # between checkpoints, a new closer replays the round from the intact payloads and finds
         # that the recorded commit is not their merge: it stops rather than close from it
         "does not give the committed change",
+        # a learner rebuilding parameters from the checkpoint and damaged changes it trusted
+        "do not hash to the record's theta_digest",
     ),
     "count_twice": ("differ from the merge", "outer_digest"),
     "stale_view_is_fatal": ("raised ProtocolError",),

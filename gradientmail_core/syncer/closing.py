@@ -10,8 +10,9 @@ from collections.abc import Callable
 
 from .. import events as ev
 from ..clock import Clock
-from ..errors import RecordInvalid
+from ..errors import ProtocolError, RecordInvalid
 from ..mailbox import CreateOutcome
+from ..mailbox.contract import write_stream
 from ..protocol import keys
 from ..protocol.records import RoundRecord
 from ..protocol.schedule import draw, fragment_of
@@ -197,7 +198,8 @@ class Closing:
     def recheck(self) -> None:
         """Read back each of this node's records that is due (one GET per time in ``recheck_after``):
         one that no longer holds the bytes written (truncated or altered in the store: no follower
-        can get past it, and nobody else holds its bytes) is deleted and written again, the same bytes."""
+        can get past it, and nobody else holds its bytes) is replaced by the same bytes, in one write
+        where the store replaces objects (else deleted and created again)."""
         now = self.clock.now()
         for r, (data, due) in list(self.written.items()):
             if due[0] > now:
@@ -206,8 +208,13 @@ class Closing:
             found = self.store.mailbox.get(key)
             if found != data:
                 why = "missing" if found is None else f"{len(found)} bytes that are not the {len(data)} written"
-                self.store.delete([key])
-                self.store.put_encoded(key, data)
+                if not write_stream(self.store.mailbox, key, [data]):
+                    self.store.delete([key])
+                    if self.store.put_encoded(key, data)[0] is CreateOutcome.TAKEN:
+                        raise ProtocolError(
+                            f"{key}: another node wrote round {r}'s record while this node replaced its damaged "
+                            "copy; restart this node (it joins from the tape as it is)"
+                        )
                 self.emit(ev.RecordRepaired(self.state.me, r, key, f"it read back {why}"))
             if len(due) > 1:
                 self.written[r] = (data, due[1:])
