@@ -27,6 +27,8 @@ import charlm  # noqa: E402
 
 import gradientmail_core as gm  # noqa: E402
 from gradientmail_core.adapters import adapter_for  # noqa: E402
+from gradientmail_core.protocol import keys  # noqa: E402
+from gradientmail_core.protocol.records import RoundRecord, decode  # noqa: E402
 
 LEARNERS = 4
 SIZE = charlm.Size(layers=2, width=64, heads=4, block=64)
@@ -155,7 +157,7 @@ def cluster(
     members, opts = [], []
     for i in range(LEARNERS):
         model = charlm.CharTransformer(SIZE, seed=seed)
-        members.append(_cluster.join(f"l{i}", model, cfg=cfg, mailbox=mailbox, clock=clock, seed=i))
+        members.append(_cluster.join(f"l{i}", model, cfg=cfg, mailbox=mailbox, clock=clock, seed=i, keep_events=True))
         opts.append(Inner(model, args))
     gens = data.generators(seed)
     _cluster.see_each_other(members)
@@ -216,8 +218,24 @@ def cluster(
     for m in members:
         for k, v in m.node.state.stats.rejected.items():
             rejected[k] = rejected.get(k, 0) + v
-    curve.info.update(rounds=members[0].node.state.head + 1, rejected=rejected, time=t)
+    curve.info.update(
+        rounds=members[0].node.state.head + 1, rejected=rejected, time=t, **goodput(mailbox, members, steps)
+    )
     return curve
+
+
+def goodput(mailbox: gm.Mailbox, members: list[_cluster.Member], steps: list[int]) -> dict[str, float]:
+    """The share of the steps the learners computed that reached a commit, in fragment-steps (a step
+    trains every fragment; a fragment's part of it reaches a commit through that fragment's
+    contribution), and the share the alignments dropped (``Aligned.dropped``)."""
+    P = members[0].node.run.P
+    merged = 0
+    for k in mailbox.list(keys.ROUNDS):
+        merged += sum(p.steps for p in decode(mailbox.get(k), RoundRecord, key=k).participants)
+    dropped = sum(e.dropped for m in members for e in m.events if isinstance(e, gm.events.Aligned))
+    published = sum(e.steps for m in members for e in m.events if isinstance(e, gm.events.Published))
+    computed = P * sum(steps)
+    return {"goodput": merged / computed, "dropped_by_alignment": dropped / computed, "published": published / computed}
 
 
 # ---- worker processes (``--jobs``) --------------------------------------------------------------

@@ -31,6 +31,9 @@ Arms:
 - ``decoupled-hetero``: Decoupled DiLoCo (4 fragments, H=20, quorum 3, RDA, no waiting) with
   learner 3 taking three times as long per step as the others; its fast learners go on to
   1.5 x ``steps`` (at the schedule's floor after ``steps``) to find when it reaches the target,
+- ``{set}-rule-{overwrite,blend,carry,adaptive}``, set ``textbook``, ``streaming`` or ``default``
+  (``gm.DiLoCo(sync_every=50, fragments=5)``, every other field at its default: what a user gets):
+  each alignment rule with F32 deltas, with the share of the computed steps that reached a commit,
 - ``align-blend`` / ``align-carry`` / ``align-adaptive``: ``decoupled-hetero`` (whose commits
   overwrite the local steps: ``gm.Overwrite()``) with the other alignment rules, the same 3x
   straggler: each rule's loss at ``steps`` and its time to Overwrite's loss at ``steps``.
@@ -81,6 +84,7 @@ QUANTIZED = {
 # and commits, with ``gap_projection``); ``-frontier-noproj``: the same without the projection (the
 # frontier before it); ``-frugal``: what ``gm.DiLoCo.frugal`` sets (F4 commits).
 HETERO = ("decoupled-hetero", "align-blend", "align-carry", "align-adaptive")
+RULES = {"overwrite": gm.Overwrite(), "blend": gm.Blend(mixing=0.5), "carry": gm.Carry(), "adaptive": gm.Adaptive()}
 
 
 def arm_configs(args: argparse.Namespace) -> list[tuple[str, gm.DiLoCo, list[int]]]:
@@ -119,6 +123,12 @@ def arm_configs(args: argparse.Namespace) -> list[tuple[str, gm.DiLoCo, list[int
             (f"{s}-cap2", replace(base, max_contributions=2), lockstep),
             (f"{s}-cap2-carry", replace(base, max_contributions=2, mixing=0.0, alignment=gm.Carry()), lockstep),
         ]
+    # The alignment rules, F32 deltas, in each set and in the config a user gets by default
+    # (``gm.DiLoCo(sync_every=50, fragments=5)``: overlap unbounded, quorum 1, RDA, Overwrite).
+    groups = {**sets, "default": gm.DiLoCo(sync_every=50, fragments=5, **outer)}
+    for s, base in groups.items():
+        for rule, alignment in RULES.items():
+            arms.append((f"{s}-rule-{rule}", replace(base, mixing=0.0, alignment=alignment), lockstep))
     hetero = gm.DiLoCo(sync_every=20, fragments=4, quorum_size=3, **outer)
     arms += [
         ("decoupled-hetero", hetero, straggler),
@@ -241,6 +251,30 @@ def alignment_table(curves: dict[str, dict[int, Curve]], steps: int) -> None:
         )
 
 
+def rules_table(curves: dict[str, dict[int, Curve]]) -> None:
+    """Each alignment rule in each set (``{set}-rule-{rule}``): its loss against the set's Overwrite,
+    seed by seed, and the share of the computed steps that reached a commit (and that alignments
+    dropped)."""
+    for s in (*SETS, "default"):
+        base = f"{s}-rule-overwrite"
+        names = [f"{s}-rule-{r}" for r in RULES if f"{s}-rule-{r}" in curves]
+        if base not in curves or len(names) < 2:
+            continue
+        print(f"\nalignment rules, {s} set (F32 deltas, lockstep): loss against Overwrite; steps merged and dropped")
+        print(
+            f"{'rule':>10} | {'final loss':>17} | {'/ overwrite [min, max]':>26} | merged | published | dropped by alignment"
+        )
+        for name in names:
+            c = curves[name]
+            merged = statistics.fmean(x.info["goodput"] for x in c.values())
+            dropped = statistics.fmean(x.info["dropped_by_alignment"] for x in c.values())
+            published = statistics.fmean(x.info["published"] for x in c.values())
+            print(
+                f"{name.rsplit('-', 1)[1]:>10} | {spread([x.final() for x in c.values()]):>17} | "
+                f"{ratio_cell(ratios(curves, name, base)):>26} | {merged:6.1%} | {published:9.1%} | {dropped:.1%}"
+            )
+
+
 def hetero_table(curves: dict[str, dict[int, Curve]]) -> None:
     if not {"data-parallel", "diloco-H20", "decoupled-hetero"} <= set(curves):
         return
@@ -348,6 +382,7 @@ def main() -> None:
     main_table(curves, args.steps)
     quantized_table(curves)
     alignment_table(curves, args.steps)
+    rules_table(curves)
     hetero_table(curves)
     if "data-parallel" in curves:
         plot(curves, args.plot, args.steps)
