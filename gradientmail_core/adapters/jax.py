@@ -128,7 +128,7 @@ class NNXParams:
                 self.kinds[path] = kind
 
     def leaves(self) -> dict[Path, Any]:
-        flat = self.nnx.state(self.model, self.nnx.Param).flat_state()
+        flat = self.nnx.to_flat_state(self.nnx.state(self.model, self.nnx.Param))
         return {tuple(path): var.get_value() for path, var in flat}
 
     def replace(self, new: Mapping[Path, Any]) -> None:
@@ -138,7 +138,7 @@ class NNXParams:
             for key in path[:-1]:
                 node = node.setdefault(key, {})
             node[path[-1]] = v
-        self.nnx.update(self.model, self.nnx.State(tree))
+        self.nnx.update(self.model, tree)  # a nested dict of the written leaves only
 
 
 class TreeParams:
