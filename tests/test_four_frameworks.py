@@ -5,7 +5,7 @@ FileMailbox, in lockstep (quorum 4, no overlap).
 Checks: every round's record lists all four as accepted and rejects none; the torch node created
 the run, so its schema is in torch's layout and the Flax and Keras nodes joined through
 ``layouts="torch"``; all four end bit-identical; each held-out loss fell. The same run with four
-torch nodes, and the 2% figure, is ``bench/four_frameworks.py`` (a measurement, not a test).
+torch nodes, and the 2% figure, are a measurement in bench/README.md, not a test.
 """
 
 from __future__ import annotations

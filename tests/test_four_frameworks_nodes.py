@@ -151,7 +151,7 @@ def mlx_node(args, train, held):
         return nn.losses.cross_entropy(model(x), y, reduction="mean")
 
     model = LM()
-    opt = optim.Adam(learning_rate=LR, eps=1e-8)
+    opt = optim.Adam(learning_rate=LR, eps=1e-8, bias_correction=True)  # as torch, optax and Keras
     step = nn.value_and_grad(model, loss_fn)
     with _session(args, model) as session:
         session.wait_for(learners=args.learners, timeout=120)
