@@ -93,7 +93,9 @@ def torch_node(args, train, held):
     opt = torch.optim.Adam(model.parameters(), lr=LR, eps=1e-8)
 
     def loss_of(x, y):
-        return nn.functional.cross_entropy(model(torch.from_numpy(x).long()).flatten(0, 1), torch.from_numpy(y).long().flatten())
+        return nn.functional.cross_entropy(
+            model(torch.from_numpy(x).long()).flatten(0, 1), torch.from_numpy(y).long().flatten()
+        )
 
     with _session(args, model) as session:
         session.wait_for(learners=args.learners, timeout=120)
@@ -180,7 +182,10 @@ def flax_node(args, train, held):
 
     class Block(nnx.Module):
         def __init__(self):
-            self.norm1, self.norm2 = nnx.LayerNorm(WIDTH, epsilon=1e-5, rngs=rngs), nnx.LayerNorm(WIDTH, epsilon=1e-5, rngs=rngs)
+            self.norm1, self.norm2 = (
+                nnx.LayerNorm(WIDTH, epsilon=1e-5, rngs=rngs),
+                nnx.LayerNorm(WIDTH, epsilon=1e-5, rngs=rngs),
+            )
             self.qkv, self.proj = nnx.Linear(WIDTH, 3 * WIDTH, rngs=rngs), nnx.Linear(WIDTH, WIDTH, rngs=rngs)
             self.fc1, self.fc2 = nnx.Linear(WIDTH, 4 * WIDTH, rngs=rngs), nnx.Linear(4 * WIDTH, WIDTH, rngs=rngs)
 

@@ -175,7 +175,10 @@ def test_same_delta_encodes_to_the_same_bytes_in_torch_mlx_flax_and_keras():
         "keras": adapter_for(klin, names=lambda n: n.removeprefix("dense_bytes."), layouts="torch"),
     }
     for a in adapters.values():  # one schema: torch's names, shapes and layout
-        assert sorted((s.name, tuple(s.shape), s.layout) for s in a.schema()) == [("bias", (5,), ""), ("weight", (5, 5), "")]
+        assert sorted((s.name, tuple(s.shape), s.layout) for s in a.schema()) == [
+            ("bias", (5,), ""),
+            ("weight", (5, 5), ""),
+        ]
     anchor = {"weight": rng.standard_normal((5, 5)).astype(np.float32), "bias": np.zeros(5, np.float32)}
     for dtype in ("F32", "BF16", "F16", "F8_E4M3", "F4", "I2"):
         payloads = {}

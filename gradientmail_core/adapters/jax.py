@@ -155,7 +155,7 @@ class TreeParams:
 
     def leaves(self) -> dict[Path, Any]:
         leaves, treedef = jax.tree_util.tree_flatten(self.params)
-        if treedef != self.treedef:
+        if treedef != self.treedef:  # type: ignore[operator]
             raise ValueError(
                 "the parameters passed to session.step(params=...) are not the tree the session was opened with "
                 f"(expected {self.treedef}, found {treedef}): pass the tree your train step returns, unchanged"

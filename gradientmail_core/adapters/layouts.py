@@ -142,7 +142,9 @@ class Laid:
                         layout = "" if moved == axes_of("torch", kinds[s.name], len(s.shape)) else ",".join(moved)
                 out.append(self._add(s, s.name, axes, layout))
         else:
-            raise TypeError(f"layouts= must be a convention name or a dict {{name: axes}}, found {type(layouts).__name__}")
+            raise TypeError(
+                f"layouts= must be a convention name or a dict {{name: axes}}, found {type(layouts).__name__}"
+            )
         self.specs = out
         inner_subtract = getattr(inner, "subtract_from", None)
         self.subtract_from = None if inner_subtract is None else self._subtract_from
