@@ -8,6 +8,8 @@ speed hits every arm alike):
 - ``session``:   the same loop with ``session.step()`` after each optimizer step,
 - ``lightning``: the same model and optimizer in a ``lightning.Trainer`` (one CPU device),
 - ``lightning-gm``: the same Trainer with ``strategy=MailboxDiLoCoStrategy(...)``,
+- ``jax``:       the same MLP as a pytree in a ``jax.jit``-ed optax loop (AdamW),
+- ``jax-gm``:    the same loop with ``params = session.step(samples=n, params=params)`` after each step,
 - ``session-host``: ``session`` with the torch adapter's device pipeline off (``--device`` mode:
   host copies of every published fragment and host-side alignment, the path before the pipeline).
 
@@ -24,6 +26,7 @@ gradientmail's call on the training thread, and the background's CPU time.
 
     python bench/overhead.py                          # 20 ms and 200 ms steps, all arms
     python bench/overhead.py --target-ms 20 --pairs 8 --arms plain session
+    python bench/overhead.py --arms jax jax-gm                 # the jitted JAX loop
     git worktree add /tmp/before <commit>             # before/after in one run:
     python bench/overhead.py --arms plain session --engine before=/tmp/before
 
@@ -48,7 +51,7 @@ import sys
 import tempfile
 import time
 
-BASELINE = {"session": "plain", "session-host": "plain", "lightning-gm": "lightning"}
+BASELINE = {"session": "plain", "session-host": "plain", "lightning-gm": "lightning", "jax-gm": "jax"}
 DEPTH = 8  # square layers of the --device model
 MARK_EVERY = {"cpu": 1, "cuda": 10}  # steps between two clock readings (and, on CUDA, syncs)
 DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
@@ -214,6 +217,8 @@ def worker(
                 timed(samples=batch)
             if session is not None:
                 session.host.abort()  # leave without waiting for rounds in flight: not timed
+        elif arm in ("jax", "jax-gm"):
+            marks, timed = _jax(arm, width, steps, warmup, batch, cfg, d, session_opts)
         else:
             marks, timed = _lightning(arm, width, steps, warmup, batch, cfg, d, session_opts)
         rounds = len(gm.FileMailbox(d).list("rounds/")) if arm in BASELINE else 0
@@ -229,6 +234,54 @@ def worker(
         "call_wall": timed.wall / steps,
         "call_cpu": timed.cpu / steps,
     }
+
+
+def _jax(arm, width, steps, warmup, batch, cfg, d, session_opts):
+    """The torch MLP's shapes as a pytree, trained by a jitted optax AdamW step; the clock is read
+    after ``block_until_ready`` each step (as a loop that logs its loss does)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import gradientmail_core as gm
+
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    dims = [(256, width), (width, width), (width, 256)]
+    params = {f"l{i}": {"kernel": jax.random.normal(k, dim) / dim[0] ** 0.5, "bias": jnp.zeros(dim[1])}
+              for i, (k, dim) in enumerate(zip(keys, dims))}  # fmt: skip
+    opt = optax.adamw(1e-4)
+    data = [(jnp.asarray(x.numpy()), jnp.asarray(y.numpy())) for x, y in batches(batch)]
+
+    def loss_fn(p, x, y):
+        for i in range(3):
+            x = x @ p[f"l{i}"]["kernel"] + p[f"l{i}"]["bias"]
+            x = jax.nn.gelu(x) if i < 2 else x
+        return jnp.mean((x - y) ** 2)
+
+    @jax.jit
+    def step(p, s, x, y):
+        loss, g = jax.value_and_grad(loss_fn)(p, x, y)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s, loss
+
+    session = None
+    if arm == "jax-gm":
+        session = gm.Session(params, algorithm=cfg, mailbox=gm.FileMailbox(d), **session_opts)
+        session.open()
+        params = session.params
+    state = opt.init(params)
+    timed = Timed(session.step if session is not None else lambda samples, params: params)
+    marks = []
+    for i in range(warmup + steps + 1):
+        if i >= warmup:
+            marks.append((time.perf_counter(), time.thread_time(), time.process_time()))
+            timed.on = i < warmup + steps
+        params, state, loss = step(params, state, *data[i % 8])
+        loss.block_until_ready()
+        params = timed(samples=batch, params=params)
+    if session is not None:
+        session.host.abort()
+    return marks, timed
 
 
 def _lightning(arm, width, steps, warmup, batch, cfg, d, session_opts):
@@ -325,6 +378,7 @@ def run_block(arm: str, args: argparse.Namespace, width: int, steps: int, warmup
         **os.environ,
         "PYTHONWARNINGS": "ignore",
         "OMP_NUM_THREADS": "1",
+        "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false",  # the JAX arms on one thread too
         "MALLOC_MMAP_THRESHOLD_": str(256 << 20),
         "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
     }

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from . import events as ev
 from .adapters import adapter_for
 from .adapters.base import Adapter
+from .adapters.layouts import Layouts
 from .adapters.naming import Names
 from .clock import Clock
 from .config import DiLoCo
@@ -73,6 +74,7 @@ class Session:
         anchors: str | None = None,
         verify: float = 0.0,
         names: Names | None = None,
+        layouts: Layouts | None = None,
     ) -> None:
         me = keys.validate_learner_id(learner_id if learner_id is not None else default_learner_id())
         if not isinstance(algorithm, DiLoCo):
@@ -86,8 +88,10 @@ class Session:
         fixed = o.resolve(me, owner_key)  # docs/security.md: shared secret, identities, or neither
         self.auth, self.identity, self.clock, self.nonce = fixed.auth, fixed.identity, fixed.clock, fixed.nonce
         self.model = model
-        # names=: this node's canonical parameter names -> the run's (adapters/naming.py)
-        self.adapter = adapter_for(model, names=names)
+        # names=: this node's canonical parameter names -> the run's (adapters/naming.py); layouts=:
+        # the axis orders and leaf names of another framework's layers (adapters/layouts.py)
+        self.adapter = adapter_for(model, names=names, layouts=layouts)
+        self._tree = _tree_of(self.adapter)  # a pytree of JAX arrays: step(params=...) swaps it
         self.algorithm = algorithm
         # role None: "both" (train and close rounds); a sharded node closes with every rank its part
         self.role = role if role is not None else "both"
@@ -149,10 +153,31 @@ class Session:
 
     # ---- the training loop ------------------------------------------------------------
 
-    def step(self, samples: int = 1) -> None:
+    def step(self, samples: int = 1, *, params: Any = None) -> Any:
         """Call once per optimizer step, with the samples (or tokens) that step processed. On a
-        sharded model every rank calls it (a collective), with the node's samples."""
+        sharded model every rank calls it (a collective), with the node's samples.
+
+        A session opened on a pytree of JAX arrays takes the step's new tree, ``params``, and
+        returns the tree to train on next (the same one, or one with aligned leaves):
+        ``params = session.step(samples=n, params=params)``."""
+        if self._tree is None:
+            if params is not None:
+                raise TypeError("step(params=...) is for a session opened on a pytree of JAX arrays")
+            self.host.step(samples)
+            return None
+        if params is None:
+            raise TypeError(
+                "this session trains a pytree of JAX arrays: pass the new tree and train on the one returned, "
+                "params = session.step(samples=n, params=params)"
+            )
+        self._tree.params = params
         self.host.step(samples)
+        return self._tree.params
+
+    @property
+    def params(self) -> Any:
+        """A JAX pytree session's newest tree (after ``open``: the run's parameters); else None."""
+        return None if self._tree is None else self._tree.params
 
     @property
     def batch_size(self) -> int | None:
@@ -183,6 +208,17 @@ class Session:
         """Wait for this node's rounds in flight, then load the newest committed parameters.
         On a sharded model, collective: every rank closes."""
         self.host.close()
+
+
+def _tree_of(adapter: Any) -> Any:
+    """The ``TreeParams`` behind ``adapter`` (through renaming and layouts), or None. Its module is
+    loaded only for a pytree of JAX arrays, so a torch or MLX model never imports JAX here."""
+    jax_mod = sys.modules.get(f"{__package__}.adapters.jax")
+    while jax_mod is not None and adapter is not None:
+        if isinstance(adapter, jax_mod.JaxAdapter):
+            return adapter.source if isinstance(adapter.source, jax_mod.TreeParams) else None
+        adapter = getattr(adapter, "inner", None)  # base.Renamed, layouts.Laid
+    return None
 
 
 def _sharded_params(adapter: Adapter) -> ShardedParams | None:
@@ -223,14 +259,18 @@ def align(
     secret: bytes | str | None = None,
     secret_file: str | os.PathLike[str] | None = None,
     names: Names | None = None,
+    layouts: Layouts | None = None,
 ) -> int:
     """Load the newest committed parameters into ``model`` without joining the run.
 
     Returns the newest committed round, or -1 if none has committed yet. An authenticated
     run needs its ``secret`` (or ``secret_file``); ``names`` maps the model's names to the run's
-    as for ``Session``.
+    and ``layouts`` as for ``Session``. A pytree of JAX arrays cannot change in place: align it with
+    a ``Session`` instead and read ``session.params``.
     """
-    adapter = adapter_for(model, names=names)
+    adapter = adapter_for(model, names=names, layouts=layouts)
+    if _tree_of(adapter) is not None:
+        raise TypeError("gm.align cannot write into a pytree of JAX arrays (they are immutable): open a gm.Session")
     auth = MemberAuth(auth_policy(secret, secret_file))  # reads open, secret and members-only runs
     _, head, thetas = load_newest(RunStore(GuardedMailbox(mailbox, auth=auth), auth=auth), adapter.schema())
     for theta in thetas.values():

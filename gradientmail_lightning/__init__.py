@@ -1,5 +1,5 @@
-"""Trainer integrations for gradientmail: PyTorch Lightning, Hugging Face Accelerate and the
-Hugging Face ``transformers.Trainer`` (TRL's trainers too).
+"""Trainer integrations for gradientmail: PyTorch Lightning, Hugging Face Accelerate, the
+Hugging Face ``transformers.Trainer`` (TRL's trainers too) and Keras 3's ``model.fit``.
 
     from gradientmail_lightning import MailboxDiLoCoStrategy
     trainer = Trainer(strategy=MailboxDiLoCoStrategy(algorithm=gm.DiLoCo(sync_every=100, fragments=4),
@@ -10,6 +10,9 @@ Hugging Face ``transformers.Trainer`` (TRL's trainers too).
 
     from gradientmail_lightning import GradientMailTrainerCallback
     trainer = transformers.Trainer(..., callbacks=[GradientMailTrainerCallback(algorithm=..., mailbox=...)])
+
+    from gradientmail_lightning import GradientMailKerasCallback
+    model.fit(x, y, callbacks=[GradientMailKerasCallback(algorithm=..., mailbox=..., samples_per_batch=32)])
 
 Lightning loads when one of its classes is first used; a missing framework raises
 ``gm.MissingExtra`` naming the extra to install. Importing this package imports Accelerate
@@ -27,12 +30,14 @@ if TYPE_CHECKING:
     from .accelerate import GradientMailHandle, register_gradientmail
     from .callback import GradientMailCallback
     from .hf_trainer import GradientMailTrainerCallback
+    from .keras import GradientMailKerasCallback
     from .strategy import MailboxDiLoCoStrategy
 
 _LAZY = {
     "GradientMailCallback": ("callback", "lightning"),
     "MailboxDiLoCoStrategy": ("strategy", "lightning"),
     "GradientMailTrainerCallback": ("hf_trainer", "transformers"),
+    "GradientMailKerasCallback": ("keras", "keras"),
     "GradientMailHandle": ("accelerate", "accelerate"),
     "register_gradientmail": ("accelerate", "accelerate"),
 }
@@ -59,6 +64,7 @@ except ImportError:  # MissingExtra included: without Accelerate there is nothin
 __all__ = [
     "GradientMailCallback",
     "GradientMailHandle",
+    "GradientMailKerasCallback",
     "GradientMailTrainerCallback",
     "MailboxDiLoCoStrategy",
     "register_gradientmail",

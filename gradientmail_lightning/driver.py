@@ -12,59 +12,24 @@ save the same state and log the same names.
 from __future__ import annotations
 
 import logging
-import math
-import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 import gradientmail_core as gm
-from gradientmail_core import events as ev
 from gradientmail_core.adapters import adapter_for
 from gradientmail_core.adapters.torch import TorchAdapter
 from gradientmail_core.adapters.torch_sharded import ShardedTorchAdapter
 from gradientmail_core.session import default_learner_id
 
+from .metrics import Metrics, metric_values
 from .options import SessionOptions
 from .replicas import Replicas
 from .shards import Shards
 
 _log = logging.getLogger(__name__)
 _STATE_FORMAT = 1
-
-
-class Metrics:
-    """Session metrics gathered from its events (which arrive on two threads)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.bytes_sent = 0
-        self.bytes_received = 0
-        self.aligned = 0
-        self.participants: int | None = None
-        self.cosine: float | None = None
-        self._committed_here: set[int] = set()
-        self.changed_fragments: set[int] = set()  # since the driver last looked (training thread)
-
-    def __call__(self, event: ev.Event) -> None:
-        with self._lock:
-            if isinstance(event, ev.Published):
-                self.bytes_sent += event.bytes
-            elif isinstance(event, ev.Committed):
-                self.bytes_sent += event.bytes_written
-                self._committed_here.add(event.round)
-            elif isinstance(event, ev.Aligned):
-                self.aligned += 1
-                self.changed_fragments.add(event.fragment)
-                if event.round in self._committed_here:
-                    self._committed_here.discard(event.round)  # computed here, nothing downloaded
-                else:
-                    self.bytes_received += event.bytes
-                if event.participants:
-                    self.participants = len(event.participants)
-                if event.cosine is not None:
-                    self.cosine = event.cosine
 
 
 class SessionDriver:
@@ -327,24 +292,7 @@ class SessionDriver:
         session = self.session
         if session is None or not self.leader:
             return {}
-        p = session.progress
-        m = self.metrics
-        out: dict[str, float] = {
-            "gm/round": float(p.round),
-            "gm/rounds_seen": float(p.rounds_seen),
-            "gm/live_learners": float(p.live_learners),
-            "gm/local_step": float(self.steps),
-            "gm/samples": float(self.samples),
-            "gm/bytes_sent": float(m.bytes_sent),
-            "gm/bytes_received": float(m.bytes_received),
-        }
-        for f, v in enumerate(p.versions):
-            out[f"gm/version_{f}"] = float(v)
-        if m.participants is not None:
-            out["gm/participants"] = float(m.participants)
-        if m.cosine is not None and math.isfinite(m.cosine):
-            out["gm/cosine"] = float(m.cosine)
-        return out
+        return metric_values(session, self.metrics, steps=self.steps, samples=self.samples)
 
 
 def overflowed(optimizer: Any) -> bool:

@@ -10,7 +10,7 @@ command -v "$PY" >/dev/null || PY=python3
 .venv/bin/python -m pip install -q --upgrade pip
 # torch 2.13.0 first and explicitly: on these machines it is a CPU build on local disk.
 .venv/bin/python -m pip install -q torch==2.13.0
-.venv/bin/python -m pip install -q -e ".[s3,torch,lightning,accelerate,transformers,mlx,zstd,cli,dev]"
+.venv/bin/python -m pip install -q -e ".[s3,torch,lightning,accelerate,transformers,mlx,jax,keras,zstd,cli,dev]"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy gradientmail_core

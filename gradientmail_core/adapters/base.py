@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -129,7 +130,7 @@ class Renamed:
         self.subtract_from = None if inner_subtract is None else self._subtract_from
 
     def schema(self) -> list[TensorSpec]:
-        return [TensorSpec(name=self.to_run[s.name], dtype=s.dtype, shape=list(s.shape)) for s in self.inner.schema()]
+        return [dataclasses.replace(s, name=self.to_run[s.name], shape=list(s.shape)) for s in self.inner.schema()]
 
     def read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
         got = self.inner.read([self.to_inner[n] for n in names])

@@ -40,6 +40,15 @@ class TorchAdapter:
     """``model``'s trainable parameters under their canonical names (``naming.py``: wrappers
     removed, a tied parameter once), renamed by ``names`` (``naming.renaming``)."""
 
+    convention = "torch"  # layouts.py: the reference order
+
+    @property
+    def kinds(self) -> dict[str, tuple[str, str]]:
+        """The layer kind and role of each parameter a layout table knows (``layouts.py``)."""
+        from .layouts import torch_kinds
+
+        return torch_kinds(self.model, self.params)
+
     def __init__(self, model: Any, *, names: Names | None = None, device_pipeline: bool | None = None) -> None:
         self.model = model
         found = canonical_parameters(model)

@@ -79,12 +79,17 @@ class Spec(Protocol):
 
 
 def schema_digest(schema: Sequence[Spec]) -> str:
-    """sha256 of the canonical JSON ``[[name, dtype, shape], ...]`` sorted by name.
+    """sha256 of the canonical JSON ``[[name, dtype, shape], ...]`` sorted by name, a tensor's
+    layout appended to its row when it has one (``[name, dtype, shape, layout]``).
 
     Sorted so the digest names the set of tensors, not the order a framework registers them in
     (payloads are keyed by name, so two nodes listing the same tensors differently interoperate).
+    A tensor in the reference layout adds nothing, so runs without layouts keep their digests.
     """
-    rows = sorted([s.name, s.dtype, [int(d) for d in s.shape]] for s in schema)
+    rows = sorted(
+        [s.name, s.dtype, [int(d) for d in s.shape], *([layout] if (layout := getattr(s, "layout", "")) else [])]
+        for s in schema
+    )
     return sha256_hex(canonical(rows).encode("ascii"))
 
 

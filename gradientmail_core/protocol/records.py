@@ -32,6 +32,7 @@ MAX_INT = 2**63 - 1
 _SHA = re.compile(r"[0-9a-f]{64}")
 _NONCE = re.compile(r"[0-9a-f]{8,64}")
 _MAC = re.compile(r"[0-9a-f]{64}")
+_LAYOUT = re.compile(r"(?:[a-z][a-z0-9]{0,15}(?:,[a-z][a-z0-9]{0,15}){0,15})?")
 _MEMBERS_REF = re.compile(r"\d{10}-[0-9a-f]{64}")
 # A payload key: under blobs/, no empty, '.' or '..' segment (checked on decode, so a hostile ref
 # can never name a key outside the payload folders or one a backend refuses).
@@ -129,6 +130,10 @@ class TensorSpec:
     name: str = field(metadata=_meta(max_len=1024, min_len=1))
     dtype: str = field(metadata=_meta(choices=("F32", "F16", "BF16")))
     shape: list[int] = field(metadata=_meta(min=0, max_len=16))
+    # The axis order when it is not the reference (torch's) order, as axis labels ("in,out": a
+    # Flax or Keras dense kernel); adapters/layouts.py. Left out of the JSON when "", so the
+    # schemas of runs without layouts keep their bytes and digests.
+    layout: str = field(default="", metadata=_meta(omit=True, pattern=_LAYOUT))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -25,7 +25,13 @@ def schema_differences(run: list[TensorSpec], mine: list[TensorSpec]) -> list[st
         a, b = theirs[n], ours[n]
         if (a.dtype, list(a.shape)) != (b.dtype, list(b.shape)):
             out.append(f"{n}: run has {a.dtype}{list(a.shape)}, this model has {b.dtype}{list(b.shape)}")
+        elif a.layout != b.layout:  # equal shapes, other axis order: a square kernel not transposed
+            out.append(f"{n}: run lays it out as {_axes(a.layout)}, this model as {_axes(b.layout)}")
     return sorted(out)
+
+
+def _axes(layout: str) -> str:
+    return f"({layout})" if layout else "the reference (torch) order"
 
 
 def _prefixes(names: Iterable[str]) -> list[str]:
@@ -59,6 +65,12 @@ def suggest_fix(run: list[TensorSpec], mine: list[TensorSpec]) -> str | None:
         )
     if want == have:
         differing = {d.split(":")[0] for d in schema_differences(run, mine)}
+        if differing and all(theirs_s.layout != ours_s.layout for theirs_s, ours_s in _pairs(run, mine, differing)):
+            return (
+                "the run lays these tensors out in another axis order: pass layouts= with the run's convention "
+                "(layouts='torch' for a Flax or Keras node joining a torch or MLX run, layouts='flax' for a torch "
+                "node joining a Flax or Keras run; docs/adapters.md, 'Layouts')"
+            )
         if differing and all(_adapter_tensor(n) for n in differing):
             return (
                 "only the shapes of adapter tensors differ: this node's adapter config (e.g. the LoRA rank r) is "
@@ -73,6 +85,11 @@ def suggest_fix(run: list[TensorSpec], mine: list[TensorSpec]) -> str | None:
     if any(_adapter_tensor(n) for n in want ^ have):
         return "the adapter tensors differ: this node's adapter config (target modules, rank) is not the run's"
     return None
+
+
+def _pairs(run: list[TensorSpec], mine: list[TensorSpec], names: set[str]) -> list[tuple[TensorSpec, TensorSpec]]:
+    ours = {s.name: s for s in mine}
+    return [(s, ours[s.name]) for s in run if s.name in names]
 
 
 def _adapter_tensor(name: str) -> bool:
