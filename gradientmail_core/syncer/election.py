@@ -3,7 +3,8 @@
 The node that committed round r claims r + 1 at once. A follower watches the open round's newest
 claim (``Watch``) and claims the next number itself when the holder's lease lapses
 (``lease_lost``), when the round overruns what past rounds predict (``timeout``), or when nobody
-claims it (``unclaimed``: number 1, which only one node can create). A node that finds a claim of
+claims it (``unclaimed``: number 1, which only one node can create); ``left`` when the holder holds
+no lease at all (it released it on leaving cleanly). A node that finds a claim of
 its own id (it restarted) resumes closing the round. A learner-only node never claims: it says
 once when no node that may close is live (``NoCloser``) and once when one is back
 (``CloserBack``). ``Election`` writes claims and never closes a round.
@@ -107,7 +108,7 @@ class Election:
                 s.liveness.observe_one(claim.learner, self.store.keys(keys.lease_prefix(claim.learner)))
                 looked = now
             if looked >= fo.claim_seen_at and self._will_not_close(claim.learner):
-                reason = "lease_lost"
+                reason = self._gone(claim.learner)
         elif s.liveness.listed_at > float("-inf") and self._will_not_close(claim.learner):
             if s.liveness.listed_at < fo.claim_seen_at:
                 # The leases were listed before this claim was seen: its holder may have joined
@@ -123,7 +124,7 @@ class Election:
                 # 1.57x the model for it) when maybe nobody contributes again. The first
                 # contribution listed (anyone's) lets the takeover go ahead.
                 return False
-            reason = "lease_lost"
+            reason = self._gone(claim.learner)
         if (
             reason is None
             and fo.timer_from is not None
@@ -143,6 +144,11 @@ class Election:
         learner-only node."""
         liveness = self.state.liveness
         return not liveness.is_live(holder) or liveness.role_of(holder) == "learner"
+
+    def _gone(self, holder: str) -> str:
+        """Why a holder that will not close is taken over: ``left`` when it holds no lease at all (it
+        released it, leaving cleanly), ``lease_lost`` when its lease lapsed or it only trains now."""
+        return "lease_lost" if holder in self.state.liveness.seen else "left"
 
     def round_timeout(self) -> float:
         rec = self.state.newest_of_head()
