@@ -25,7 +25,7 @@ from gradientmail_core.protocol import keys  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-CFG = gm.DiLoCo(sync_every=4, fragments=2)
+CFG = gm.DiLoCo(sync_every=4, fragments=2, overlap_steps=0)  # every round commits before the next step
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from typing import Any
 from ..config import DiLoCo
 from ..mailbox import Mailbox
 from . import bill
-from .overview import iter_records, read_manifest, schema_size
+from .overview import read_manifest, read_records, round_numbers, schema_size
 
 # What ``gradientmail cost --help`` says (the module's docstring is for readers of the code).
 DESCRIPTION = """\
@@ -204,7 +204,7 @@ def from_run(args: argparse.Namespace, mailbox: Mailbox) -> None:
     by_dtype: dict[str, int] = {}
     for t in run.schema:
         by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + math.prod(t.shape)
-    recent = list(iter_records(mailbox))[-_RECENT:]
+    recent = read_records(mailbox, round_numbers(mailbox)[-_RECENT:])
     live = max((max(r.live, len(r.participants)) for r in recent), default=0)
     steps = [r.x_step for r in recent if r.x_step]
     args.run = RunFacts(
