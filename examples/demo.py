@@ -14,7 +14,9 @@ What happens:
    Their config is ``gm.DiLoCo.frugal(...)`` (docs/options.md, "Presets"): each learner uploads
    its delta in 2-bit I2 with error feedback, the closer publishes each commit as an F4 change
    with the full parameters every 10th version, and every payload is zstd-compressed
-   (``compression="zstd"``). ``--f32`` trains with plain F32 deltas and full commits instead.
+   (``compression="zstd"``). A commit keeps half of each learner's own parameters
+   (``mixing=0.5``, Streaming DiLoCo's; ``--mixing 0`` overwrites them). ``--f32`` trains with
+   plain F32 deltas and full commits instead.
 2. A live view shows the rounds committed, the fragment versions, who contributed to each
    round, each learner's loss, speed and traffic, and what happens.
 3. Part-way through, the learner that is closing rounds is killed with SIGKILL. Another one

@@ -79,4 +79,6 @@ def test_quick_demo_trains_survives_a_kill_and_reports_sane_numbers(tmp_path: Pa
     gap = s["gap"]
     assert gap["learner_steps"] == sum(s["learner_steps"].values()) and gap["mixing"] == 0.5
     assert 0 <= gap["lost_to_kill"] <= s["steps"] and gap["dropped_at_end"] >= 0
-    assert f"never reached a commit ({gap['lost_to_kill']} died with the killed learner" in " ".join(out.split())
+    said = " ".join(out.replace("│", " ").split())  # the summary panel, unwrapped
+    assert f"never reached a commit ({gap['lost_to_kill']} died with the killed learner" in said
+    assert "The rest, which one run cannot split" in said
