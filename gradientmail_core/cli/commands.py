@@ -147,8 +147,9 @@ def watch(mailbox: Mailbox, args: argparse.Namespace) -> int:
     started = clock.now()
     first: tuple[float, int] | None = None
 
-    def look() -> tuple[Overview, str, float | None]:
-        """Read the run once: the overview, the commit rate seen so far, and how long it is idle."""
+    def look() -> tuple[Overview, str, float | None, dict[str, float | None]]:
+        """Read the run once: the overview, the commit rate seen so far, how long it is idle, and
+        how long ago each lease changed (every look counts, drawn or not)."""
         nonlocal first
         ov = read_overview(mailbox, last=args.last, auth=_auth(args))
         now = clock.now()
@@ -157,9 +158,9 @@ def watch(mailbox: Mailbox, args: argparse.Namespace) -> int:
         rate = ""
         if now - first[0] > 0 and ov.rounds_committed > first[1]:
             rate = f"{60 * (ov.rounds_committed - first[1]) / (now - first[0]):.1f} rounds/min"
-        return ov, rate, idle.observe(ov)
+        return ov, rate, idle.observe(ov), leases.observe(ov)
 
-    def frame(ov: Overview, rate: str, idle_for: float | None) -> Any:
+    def frame(ov: Overview, rate: str, idle_for: float | None, renewed: dict[str, float | None]) -> Any:
         progress.update(rounds_task, completed=ov.rounds_committed, note=rate)
         progress.update(
             open_task,
@@ -169,7 +170,7 @@ def watch(mailbox: Mailbox, args: argparse.Namespace) -> int:
             note="contributions from learners holding a lease",
             visible=views.idle_line(ov) is None,  # an idle run collects nothing: its status says so instead
         )
-        return Group(progress, Text(), views.status(ov, args.url, leases.observe(ov), idle_for))
+        return Group(progress, Text(), views.status(ov, args.url, renewed, idle_for))
 
     seen = look()
     if args.once:
