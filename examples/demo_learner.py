@@ -83,6 +83,7 @@ def describe(event: ev.Event) -> str | None:
     if isinstance(event, ev.TookOver):
         why = {
             "lease_lost": f"{event.previous} is no longer live",
+            "left": f"{event.previous} left the run",
             "timeout": f"{event.previous} did not commit it in time",
             "unclaimed": "nobody had claimed it",
         }.get(event.reason, event.reason)

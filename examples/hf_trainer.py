@@ -18,9 +18,16 @@ The run is standard DiLoCo (every round waits for every node: ``quorum_size`` = 
 nodes move in lockstep. GPT-2 ties its LM head to the token embedding: the weight travels once,
 as ``transformer.wte.weight``, and stays one tensor after every commit (each node checks).
 
-    # start the nodes on this machine (one process each), then evaluate the newest commit
-    python examples/hf_trainer.py --mailbox file:///tmp/gm-hf
-    python examples/hf_trainer.py --mailbox file:///tmp/gm-hf-2 --kinds trainer,sft,lightning,plain
+It needs the ``transformers`` extra besides ``lightning`` (the demo's ``scripts/demo.sh`` does not
+install it; ``sft`` needs ``trl`` too):
+
+    .venv/bin/python -m pip install -e '.[transformers,lightning]'    # in a clone, after scripts/demo.sh
+    pip install 'gradientmail[transformers,lightning]'                 # anywhere else
+
+    # start the nodes on this machine (one process each), then evaluate the newest commit; the
+    # mailbox, logs and reports go to a new temporary directory unless --out/--mailbox say where
+    python examples/hf_trainer.py
+    python examples/hf_trainer.py --kinds trainer,sft,lightning,plain --out /tmp/gm-hf-2
 
     # or one node per command, on machines sharing the directory or a bucket
     python examples/hf_trainer.py --as-node trainer --quorum 3 --mailbox s3://bucket/runs/hf-1 &
@@ -31,12 +38,14 @@ as ``transformer.wte.weight``, and stays one tensor after every commit (each nod
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -53,6 +62,39 @@ SIZES = {  # embedding width, layers, heads, context length
     "small": (64, 2, 4, 64),
 }
 KINDS = ("trainer", "lightning", "plain", "sft")
+# The modules each kind of node imports beyond torch, and the extra of gradientmail that brings them.
+NEEDS = {
+    "trainer": (("transformers", "transformers"),),
+    "lightning": (("transformers", "transformers"), ("lightning", "lightning")),
+    "plain": (("transformers", "transformers"),),
+    "sft": (("transformers", "transformers"), ("trl", None)),
+}
+PROGRESS_EVERY = 10.0  # seconds between the launcher's progress lines
+
+
+def missing_packages(kinds: list[str]) -> str | None:
+    """What to install for ``kinds``, as the exact command, or None when everything is there."""
+    extras: list[str] = []
+    plain: list[str] = []
+    for kind in kinds:
+        for module, extra in NEEDS[kind]:
+            if importlib.util.find_spec(module) is None:
+                if extra is not None and extra not in extras:
+                    extras.append(extra)
+                elif extra is None and module not in plain:
+                    plain.append(module)
+    if not extras and not plain:
+        return None
+    names = ", ".join([*extras, *plain])
+    spec = f"[{','.join(extras)}]" if extras else ""
+    clone = f"{sys.executable} -m pip install -e '.{spec}'" + (f" {' '.join(plain)}" if plain else "")
+    anywhere = f"pip install 'gradientmail{spec}'" + (f" {' '.join(plain)}" if plain else "") if extras else ""
+    return (
+        f"examples/hf_trainer.py needs {names}, which this Python does not have. Install it with\n"
+        f"    {clone}\n"
+        f"from the root of the clone (the demo's .venv does not include it)"
+        + (f", or elsewhere with\n    {anywhere}" if anywhere else "")
+    )
 
 
 # ---- the text, the model ----------------------------------------------------------------------
@@ -263,7 +305,7 @@ def run_node(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("gradientmail").setLevel(logging.INFO)
     kind = args.node.split("-")[0]
-    out = Path(args.out or ".")
+    out = Path(args.out or tempfile.mkdtemp(prefix=f"gm-hf-{args.node}-"))  # never the current directory
     text = TEXT.read_text()
     vocab = vocabulary(text)
     lm = make_lm(args.size, vocab)
@@ -291,8 +333,14 @@ def launch(args: argparse.Namespace) -> None:
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:
         raise SystemExit(f"--kinds: unknown {unknown}; choose from {list(KINDS)}")
-    out = Path(args.out or "hf_trainer_out")
+    need = missing_packages(kinds)
+    if need is not None:
+        raise SystemExit(need)
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="gm-hf-"))
     out.mkdir(parents=True, exist_ok=True)
+    if args.mailbox is None:
+        args.mailbox = f"file://{out / 'mailbox'}"  # a fresh run each time, beside its logs
+    print(f"{len(kinds)} nodes ({', '.join(kinds)}) on {args.mailbox}; logs, reports and parameters in {out}")
     common = ["--mailbox", args.mailbox, "--quorum", str(len(kinds)), "--out", str(out), "--size", args.size]
     common += ["--steps", str(args.steps), "--batch", str(args.batch), "--sync-every", str(args.sync_every)]
     common += ["--lr", str(args.lr), "--accumulate", str(args.accumulate)]
@@ -305,14 +353,19 @@ def launch(args: argparse.Namespace) -> None:
         node = [*cmd, "--as-node", kind, "--seed", str(i + 1), *common]
         with open(out / f"{kind}.log", "wb") as log:  # a session each: a node is killed with its processes
             procs.append(subprocess.Popen(node, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    start, shown = time.monotonic(), time.monotonic()
     while any(p.poll() is None for p in procs) and all(p.poll() in (None, 0) for p in procs):
         time.sleep(0.5)
+        if time.monotonic() - shown >= PROGRESS_EVERY:
+            shown = time.monotonic()
+            print(f"{shown - start:6.0f} s  {progress(args.mailbox, args, kinds, procs)}", flush=True)
     for p in procs:  # one node failed: the others would wait for it until their timeout
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
     failed = [kinds[i] for i, p in enumerate(procs) if p.wait() != 0]
     if failed:
-        raise SystemExit(f"nodes {failed} failed; see their logs in {out}")
+        tails = "".join(f"\n--- the end of {out / f'{k}.log'}:\n{log_tail(out / f'{k}.log')}" for k in failed)
+        raise SystemExit(f"nodes {failed} failed; see their logs in {out}{tails}")
     text = TEXT.read_text()
     vocab = vocabulary(text)
     lm = make_lm(args.size, vocab)
@@ -325,9 +378,30 @@ def launch(args: argparse.Namespace) -> None:
     print(f"{len(kinds)} nodes ({', '.join(kinds)}): newest round {newest}, held-out loss {before:.3f} -> {after:.3f}")
 
 
+def progress(url: str, args: argparse.Namespace, kinds: list[str], procs: list[Any]) -> str:
+    """One line: rounds committed so far (about ``steps * fragments / sync_every`` in all), nodes running."""
+    from gradientmail_core.cli.overview import round_numbers
+
+    running = [k for k, p in zip(kinds, procs, strict=True) if p.poll() is None]
+    try:
+        rounds = len(round_numbers(gm.open_mailbox(url)))
+    except gm.GradientMailError:
+        rounds = 0
+    total = args.steps * 2 // args.sync_every  # two fragments (algorithm)
+    what = f"{rounds} of {total} rounds committed" if rounds else "loading and joining (no round committed yet)"
+    return f"{what}; running: {', '.join(running) or 'none'}"
+
+
+def log_tail(path: Path, lines: int = 8) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mailbox", default="file:///tmp/gm-hf", help="mailbox URL (file:///..., s3://...)")
+    ap.add_argument("--mailbox", help="mailbox URL (file:///..., s3://...; default: a new directory under --out)")
     ap.add_argument("--kinds", default="trainer,lightning,plain", help="the nodes to start: " + ",".join(KINDS))
     ap.add_argument(
         "--as-node", dest="node", help="run this one node: trainer, lightning, plain or sft (-x suffixes name it)"
@@ -341,7 +415,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--sync-every", type=int, default=20)
     ap.add_argument("--seed", type=int, default=1, help="with --node: this node's data order")
-    ap.add_argument("--out", help="reports, logs and each node's final parameters (default ./hf_trainer_out)")
+    ap.add_argument("--out", help="reports, logs and each node's final parameters (default: a new temporary directory)")
     args = ap.parse_args()
     if args.node:
         run_node(args)

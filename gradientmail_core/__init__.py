@@ -16,9 +16,11 @@ from __future__ import annotations
 from typing import Any
 
 from . import events
+from .barrier import Barrier
 from .clock import Clock, FakeClock, SystemClock
 from .config import RDA, Adaptive, Balanced, Blend, Carry, DiLoCo, Overwrite, Strided, WeightedMean
 from .errors import (
+    BarrierTimeout,
     DuplicateLearner,
     GradientMailError,
     MailboxUnavailable,
@@ -56,6 +58,8 @@ __all__ = [
     "RDA",
     "Adaptive",
     "Balanced",
+    "Barrier",
+    "BarrierTimeout",
     "Blend",
     "Carry",
     "Clock",

@@ -85,6 +85,11 @@ class SchemaMismatch(GradientMailError):
         super().__init__(f"this node's model does not match the run's parameter schema: {shown}{more}; {todo}")
 
 
+class BarrierTimeout(GradientMailError, TimeoutError):
+    """A ``gm.Barrier`` gave up: the message names who had not arrived. Start them, or wait for
+    fewer parties; every party of that use of the barrier gets this error, none is released."""
+
+
 class DuplicateLearner(GradientMailError, ValueError):
     """Another live process already uses this learner id. Pick a different id."""
 

@@ -55,7 +55,7 @@ class RoundClaimed(Event):
 class TookOver(Event):
     round: int
     previous: str
-    reason: str  # "lease_lost", "timeout" or "unclaimed"
+    reason: str  # "lease_lost", "left" (the holder released its lease), "timeout" or "unclaimed"
 
 
 @dataclass(frozen=True)

@@ -72,3 +72,13 @@ def test_quick_demo_trains_survives_a_kill_and_reports_sane_numbers(tmp_path: Pa
     assert "x the baseline's" in out and "gm.DiLoCo.frugal" in out and "plain F32 deltas (--f32)" in out
     assert str(png) in out.replace("\n", "")
     assert f"gradientmail status {s['mailbox']}" in out.replace("\n", "")
+    # Piped, every phase says it is on: loading, training (a progress line), the baseline.
+    assert "started 3 learner processes" in out and "learners done (held-out loss" in out
+    assert f"baseline step {s['steps']}/{s['steps']}" in out
+    # The gap's breakdown: what this run counts, and what it cannot separate.
+    gap = s["gap"]
+    assert gap["learner_steps"] == sum(s["learner_steps"].values()) and gap["mixing"] == 0.5
+    assert 0 <= gap["lost_to_kill"] <= s["steps"] and gap["dropped_at_end"] >= 0
+    said = " ".join(out.replace("│", " ").split())  # the summary panel, unwrapped
+    assert f"never reached a commit ({gap['lost_to_kill']} died with the killed learner" in said
+    assert "The rest, which one run cannot split" in said

@@ -151,7 +151,7 @@ LAYERS = (
     ("errors", "clock", "events", "config", "ahead"),
     ("codec", "mailbox"),
     ("protocol", "aggregators"),
-    ("adapters", "workqueue", "data"),
+    ("adapters", "workqueue", "data", "barrier"),
     ("syncer",),
     ("sharded", "cli"),
     ("session",),

@@ -75,7 +75,9 @@ def test_a_claim_whose_holder_holds_no_lease_is_taken_over_on_a_listing_newer_th
     assert store.mailbox.get(keys.claim_key(0, 2)) is None
     assert election.watch(0)  # b holds no lease on the newer listing either: claim number 2
     assert _claim(store, 0, 2).learner == "a"
-    assert [(e.previous, e.reason) for e in events if isinstance(e, ev.TookOver)] == [("b", "lease_lost")]
+    assert [(e.previous, e.reason) for e in events if isinstance(e, ev.TookOver)] == [
+        ("b", "left")
+    ]  # b holds no lease: it left
 
 
 def test_a_claim_whose_holder_left_waits_for_a_contribution_before_it_is_taken_over() -> None:
@@ -88,7 +90,9 @@ def test_a_claim_whose_holder_left_waits_for_a_contribution_before_it_is_taken_o
     assert store.mailbox.get(keys.claim_key(0, 2)) is None
     state.snapshot_keys = {0: {"c"}}  # someone contributes
     assert election.watch(0)
-    assert [(e.previous, e.reason) for e in events if isinstance(e, ev.TookOver)] == [("b", "lease_lost")]
+    assert [(e.previous, e.reason) for e in events if isinstance(e, ev.TookOver)] == [
+        ("b", "left")
+    ]  # b holds no lease: it left
 
 
 def test_a_live_holder_keeps_its_claim_until_the_round_overruns_the_timeout() -> None:

@@ -9,8 +9,9 @@
     gradientmail syncer URL --id NAME       a node that only closes rounds (runs until interrupted)
     gradientmail members list|add|remove URL [--owner-key F] [PUBKEY...]   who may join (members-only runs)
     gradientmail members key --identity F    a node's public key
-    gradientmail cost --params N --learners N --sync-every H --fragments P --step-seconds S ...
+    gradientmail cost [URL] [--params N --learners N --sync-every H --fragments P --step-seconds S ...]
                                             requests, bytes and USD per day on S3, R2, HF buckets
+    gradientmail --version
 
 URL is ``file:///path``, ``s3://bucket/prefix`` (with ``--endpoint-url`` for R2, MinIO...) or
 ``memory://name`` (tests). In an authenticated run (``--secret-file``, or a members-only run's
@@ -49,14 +50,31 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     p = argparse.ArgumentParser(prog="gradientmail", description="Watch and inspect a gradientmail run.")
+    p.add_argument("--version", action="version", version=f"gradientmail {version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    s = sub.add_parser("status", parents=[common], help="the run at a glance")
+    s = sub.add_parser(
+        "status",
+        parents=[common],
+        help="the run at a glance",
+        description="The run at a glance: its config and schema, the rounds committed, the open round and who "
+        "closes it (or that the run is idle), the learners holding a lease and the last rounds. One look; "
+        "`gradientmail watch` refreshes it.",
+    )
     s.add_argument("--last", type=_positive, default=8, metavar="N", help="rounds to show (default 8)")
 
-    w = sub.add_parser("watch", parents=[common], help="the run at a glance, refreshing live")
+    w = sub.add_parser(
+        "watch",
+        parents=[common],
+        help="the run at a glance, refreshing live",
+        description="`gradientmail status`, refreshed every --interval seconds, with a bar of the rounds "
+        "committed. On a terminal it redraws in place; piped or redirected it prints one line per refresh, "
+        "and the whole status once more when it stops (SIGINT, SIGTERM, --iterations).",
+    )
     w.add_argument("--last", type=_positive, default=8, metavar="N", help="rounds to show (default 8)")
-    w.add_argument("--interval", type=_positive_float, default=2.0, metavar="S", help="seconds between refreshes")
+    w.add_argument(
+        "--interval", type=_positive_float, default=2.0, metavar="S", help="seconds between refreshes (default 2)"
+    )
     w.add_argument(
         "--total", type=_positive, metavar="ROUNDS", help="rounds the run is expected to commit (for the bar)"
     )
@@ -114,6 +132,17 @@ def _positive_float(text: str) -> float:
     return v
 
 
+def version() -> str:
+    """The installed distribution's version (the package's own when it runs from a checkout)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("gradientmail")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        package = sys.modules.get(__name__.partition(".")[0])
+        return str(getattr(package, "__version__", "unknown"))
+
+
 def open_url(url: str, *, endpoint_url: str | None = None, region: str | None = None) -> Mailbox:
     """Open a mailbox URL for reading. A ``file://`` directory that does not exist is ``NoRun``
     (opening a ``FileMailbox`` would create it, and a read-only tool must not)."""
@@ -127,7 +156,7 @@ def open_url(url: str, *, endpoint_url: str | None = None, region: str | None = 
     if scheme == "file":
         host = "" if parts.netloc in ("", "localhost") else parts.netloc
         if host + parts.path and not os.path.isdir(host + parts.path):
-            raise NoRun(f"no run here: the directory {host + parts.path!r} does not exist")
+            raise NoRun(f"the directory {host + parts.path!r} does not exist")
     return open_mailbox(url, **options)
 
 
@@ -147,7 +176,7 @@ def _explain(url: str, e: BaseException) -> str:
         return f"the run at {url} is not readable: {first}. Was it written by another gradientmail version?"
     if isinstance(e, MissingExtra):
         return first
-    return f"{url}: {first}"
+    return f"{url}: {first}" if url else first
 
 
 def _is_authenticated(mailbox: Mailbox) -> bool:
@@ -199,20 +228,37 @@ def _parse_alone(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["cost"]:  # a model of a run's config: no URL, no store
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    except BrokenPipeError:
+        # The reader went away (``gradientmail rounds --json | head -1``): what it wanted was
+        # printed. Point stdout at /dev/null so that the interpreter's last flush stays quiet.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 0
+
+
+def _main(argv: list[str]) -> int:
+    if argv[:1] == ["cost"]:  # a model of a run's config: the flags, or a run's manifest and records
         from . import cost
 
-        args = _parse_alone("cost", cost.__doc__, cost.arguments, argv[1:])
+        args = _parse_alone("cost", cost.DESCRIPTION, cost.arguments, argv[1:])
         try:
+            if args.url is not None:
+                mailbox = open_url(args.url, endpoint_url=args.endpoint_url, region=args.region)
+                mailbox, _ = _guarded(mailbox, args.secret_file)
+                cost.from_run(args, mailbox)
             return cost.run(args)
-        except ValueError as e:
-            print(f"gradientmail cost: error: {' '.join(str(e).split())}", file=sys.stderr)
+        except BrokenPipeError:
+            raise  # (an OSError: ``main`` ends quietly)
+        except (GradientMailError, ValueError, OSError) as e:
+            print(f"gradientmail cost: error: {_explain(args.url or '', e)}", file=sys.stderr)
             return EXIT_USAGE
     if argv[:1] == ["members"]:  # options and public keys in any order
         from . import members
 
-        args = _parse_alone("members", members.__doc__, members.arguments, argv[1:], intermixed=True)
+        args = _parse_alone("members", members.DESCRIPTION, members.arguments, argv[1:], intermixed=True)
     else:
         args = _parser().parse_args(argv)
     from . import commands
@@ -222,6 +268,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         try:
             return syncer.run(args)
+        except BrokenPipeError:
+            raise  # (an OSError: ``main`` ends quietly)
         except (GradientMailError, ValueError, OSError) as e:
             print(f"gradientmail syncer: error: {_explain(args.url, e)}", file=sys.stderr)
             return EXIT_USAGE
@@ -230,6 +278,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         try:
             return members.run(args, open_url)
+        except BrokenPipeError:
+            raise  # (an OSError: ``main`` ends quietly)
         except (GradientMailError, ValueError, OSError) as e:
             print(f"gradientmail members {args.action}: error: {_explain(args.url or '', e)}", file=sys.stderr)
             return EXIT_USAGE
@@ -241,6 +291,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         mailbox, args.auth = _guarded(mailbox, args.secret_file)
         return int(getattr(commands, args.command)(mailbox, args) or 0)
+    except BrokenPipeError:
+        raise
     except (GradientMailError, ValueError, OSError) as e:
         print(f"gradientmail {args.command}: error: {_explain(args.url, e)}", file=sys.stderr)
         return EXIT_USAGE

@@ -4,9 +4,12 @@ an exit code; errors propagate to ``main``, which turns them into one line and e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
+import threading
 from typing import Any
 
 from ..clock import SystemClock
@@ -69,7 +72,56 @@ class _LeaseWatcher:
         return out
 
 
+class _Stop(Exception):
+    """SIGTERM (``timeout 60 gradientmail watch URL``): stop and show the last frame."""
+
+
+def _raise_stop(signum: int, frame: Any) -> None:
+    raise _Stop
+
+
+class _IdleWatcher:
+    """Since when this observer has seen the run idle (no learner holding a lease), on its clock."""
+
+    def __init__(self, clock: SystemClock) -> None:
+        self.clock = clock
+        self.since: float | None = None
+
+    def observe(self, ov: Overview) -> float | None:
+        from .views import idle_line
+
+        if idle_line(ov) is None:
+            self.since = None
+            return None
+        now = self.clock.now()
+        if self.since is None:
+            self.since = now
+        return now - self.since
+
+
+def _plain_line(ov: Overview, elapsed: float, idle_for: float | None, rate: str) -> str:
+    """One refresh of ``watch`` as a line, for a pipe or a log file."""
+    from .views import idle_line
+
+    head = f"newest round {ov.head}" if ov.head >= 0 else "none yet"
+    line = f"{elapsed:7.1f} s  {ov.rounds_committed} rounds committed ({head})"
+    idle = idle_line(ov, idle_for)
+    if idle is not None:
+        return f"{line}; {idle}"
+    learners = sum(le.role != "syncer" for le in ov.leases)
+    claim = ov.open_claim
+    closer = f"closer {claim.learner}" if claim is not None else "not claimed yet"
+    return (
+        f"{line}; open round {ov.open_round} (fragment {ov.open_fragment}, {closer}): "
+        f"{len(ov.open_contributors)}/{max(learners, len(ov.open_contributors))} contributions; "
+        f"{learners} learner{'s' if learners != 1 else ''} holding a lease" + (f"; {rate}" if rate else "")
+    )
+
+
 def watch(mailbox: Mailbox, args: argparse.Namespace) -> int:
+    """The status, refreshed. On a terminal, redrawn in place; otherwise (a pipe, a file) one line
+    per refresh. Either way the last frame stays on screen when it stops: after --iterations, on
+    SIGINT, and on SIGTERM."""
     from rich.console import Group
     from rich.live import Live
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn
@@ -80,6 +132,7 @@ def watch(mailbox: Mailbox, args: argparse.Namespace) -> int:
     console = _console()
     clock = SystemClock()
     leases = _LeaseWatcher(clock)
+    idle = _IdleWatcher(clock)
     progress = Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -91,9 +144,12 @@ def watch(mailbox: Mailbox, args: argparse.Namespace) -> int:
     )
     rounds_task = progress.add_task("Rounds committed", total=args.total, note="")
     open_task = progress.add_task("Open round", total=1, note="")
+    started = clock.now()
     first: tuple[float, int] | None = None
 
-    def frame(warning: str | None = None) -> Any:
+    def look() -> tuple[Overview, str, float | None, dict[str, float | None]]:
+        """Read the run once: the overview, the commit rate seen so far, how long it is idle, and
+        how long ago each lease changed (every look counts, drawn or not)."""
         nonlocal first
         ov = read_overview(mailbox, last=args.last, auth=_auth(args))
         now = clock.now()
@@ -102,6 +158,9 @@ def watch(mailbox: Mailbox, args: argparse.Namespace) -> int:
         rate = ""
         if now - first[0] > 0 and ov.rounds_committed > first[1]:
             rate = f"{60 * (ov.rounds_committed - first[1]) / (now - first[0]):.1f} rounds/min"
+        return ov, rate, idle.observe(ov), leases.observe(ov)
+
+    def frame(ov: Overview, rate: str, idle_for: float | None, renewed: dict[str, float | None]) -> Any:
         progress.update(rounds_task, completed=ov.rounds_committed, note=rate)
         progress.update(
             open_task,
@@ -109,29 +168,47 @@ def watch(mailbox: Mailbox, args: argparse.Namespace) -> int:
             completed=len(ov.open_contributors),
             total=max(sum(le.role != "syncer" for le in ov.leases), len(ov.open_contributors), 1),
             note="contributions from learners holding a lease",
+            visible=views.idle_line(ov) is None,  # an idle run collects nothing: its status says so instead
         )
-        parts = [progress, Text(), views.status(ov, args.url, leases.observe(ov))]
-        if warning:
-            parts.insert(0, Text(warning, style="bold red"))
-        return Group(*parts)
+        return Group(progress, Text(), views.status(ov, args.url, renewed, idle_for))
 
+    seen = look()
     if args.once:
-        console.print(frame())
+        console.print(frame(*seen))
         return 0
-    shown = frame()
-    done = 1
-    with Live(shown, console=console, auto_refresh=False, transient=False) as live:
-        live.refresh()
-        while args.iterations is None or done < args.iterations:
-            clock.sleep(args.interval)
-            try:
-                shown = frame()
-            except MailboxUnavailable as e:  # transient: keep the last frame and say so
-                shown = Group(
-                    Text(f"store unreachable, retrying: {' '.join(str(e).split())[:200]}", style="bold red"), shown
-                )
-            live.update(shown, refresh=True)
-            done += 1
+    terminal = console.is_terminal
+    stop_signal = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_stop) if stop_signal else None
+    live = Live(frame(*seen), console=console, auto_refresh=False, transient=False) if terminal else None
+    warning: str | None = None
+    try:
+        with live or contextlib.nullcontext():
+            if live is not None:
+                live.refresh()
+            else:
+                print(_plain_line(seen[0], clock.now() - started, seen[2], seen[1]), flush=True)
+            done = 1
+            while args.iterations is None or done < args.iterations:
+                clock.sleep(args.interval)
+                done += 1
+                try:
+                    seen, warning = look(), None
+                except MailboxUnavailable as e:  # transient: keep the last frame and say so
+                    warning = f"store unreachable, retrying: {' '.join(str(e).split())[:200]}"
+                if live is not None:
+                    shown = frame(*seen)
+                    live.update(Group(Text(warning, style="bold red"), shown) if warning else shown, refresh=True)
+                elif warning:
+                    print(f"{clock.now() - started:7.1f} s  {warning}", flush=True)
+                else:
+                    print(_plain_line(seen[0], clock.now() - started, seen[2], seen[1]), flush=True)
+    except (_Stop, KeyboardInterrupt):
+        pass  # asked to stop: the last frame below (on a terminal, Live leaves it on screen)
+    finally:
+        if stop_signal:
+            signal.signal(signal.SIGTERM, previous)
+    if live is None:
+        console.print(frame(*seen))  # the whole status once, as the last thing in the log
     return 0
 
 

@@ -8,18 +8,53 @@ protocol's model (``cli/bill.py``: idle polling included; ``--max-contributions 
 bounded protocol of ``DiLoCo.max_contributions``), and their price on AWS S3
 Standard, Cloudflare R2 Standard and Hugging Face Storage Buckets. Every price is a constant
 below, with the page it was read from and the date; where no price was published, it says so and
-a flag sets it. Nothing is read from a store: the run need not exist.
+a flag sets it. Given a run's URL, the config, the model's size, the fleet and the step time are read
+from its manifest and round records (any flag given wins); otherwise nothing is read from a store and
+the run need not exist.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from ..config import DiLoCo
+from ..mailbox import Mailbox
 from . import bill
+from .overview import read_manifest, read_records, round_numbers, schema_size
+
+# What ``gradientmail cost --help`` says (the module's docstring is for readers of the code).
+DESCRIPTION = """\
+What a run would cost per day on AWS S3 Standard, Cloudflare R2 and Hugging Face Storage Buckets:
+requests by kind (PUT, GET, LIST, HEAD, DELETE), bytes uploaded, downloaded and stored, from a model
+of the protocol (idle polling included), and their price on each store.
+
+  gradientmail cost --params 7e9 --learners 1000 --sync-every 100 --fragments 8 \\
+      --delta-dtype I2 --step-seconds 1
+  gradientmail cost file:///tmp/run        the config, model size, fleet and step time of that run
+
+Without a URL, --params, --learners, --sync-every, --fragments and --step-seconds are required and
+nothing is read from a store. With one, they are read from the run's manifest and its newest round
+records, and any flag given wins. The prices and the pages they were read from are printed at the end
+(docs/cli.md, "cost")."""
+
+# Flags that are DiLoCo fields of the same name: with a run URL, given ones override its config.
+_CFG_FLAGS = (
+    "sync_every",
+    "fragments",
+    "delta_dtype",
+    "commit_dtype",
+    "checkpoint_every",
+    "verify_window",
+    "max_contributions",
+)
+_REQUIRED = ("params", "learners", "sync_every", "fragments", "step_seconds")
+# Round records read from a run for its fleet and step time (the newest ones).
+_RECENT = 16
 
 GIB = 1 << 30  # the price sheets' GB
 
@@ -105,18 +140,29 @@ def price_day(d: bill.Day, p: Prices, *, egress_share: float) -> dict[str, float
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    arguments(sub.add_parser("cost", help="requests, bytes and USD per day of a run's config on S3, R2, HF"))
+    arguments(
+        sub.add_parser(
+            "cost",
+            help="requests, bytes and USD per day of a run's config on S3, R2, HF",
+            description=DESCRIPTION,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
 
 
 def arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--params", type=float, required=True, help="model parameters (e.g. 7e9)")
-    p.add_argument("--learners", type=int, required=True, help="learners in the fleet")
-    p.add_argument("--sync-every", type=int, required=True, help="DiLoCo sync_every (H)")
-    p.add_argument("--fragments", type=int, required=True, help="DiLoCo fragments (P)")
-    p.add_argument("--step-seconds", type=float, required=True, help="seconds per training step")
+    p.add_argument("url", nargs="?", help="a run's mailbox, to read its config, size, fleet and step time from")
+    p.add_argument("--endpoint-url", help="S3-compatible endpoint (R2, MinIO, moto), for s3:// URLs")
+    p.add_argument("--region", help="S3 region, for s3:// URLs")
+    p.add_argument("--secret-file", help="the run secret of an authenticated run")
+    p.add_argument("--params", type=float, help="model parameters (e.g. 7e9)")
+    p.add_argument("--learners", type=int, help="learners in the fleet")
+    p.add_argument("--sync-every", type=int, help="DiLoCo sync_every (H)")
+    p.add_argument("--fragments", type=int, help="DiLoCo fragments (P)")
+    p.add_argument("--step-seconds", type=float, help="seconds per training step")
     p.add_argument("--delta-dtype", help="DiLoCo delta_dtype (F32, BF16, F16, F8_E4M3, F4, I2)")
     p.add_argument("--commit-dtype", help="DiLoCo commit_dtype (the quantized change the followers read)")
-    p.add_argument("--checkpoint-every", type=int, default=1, help="DiLoCo checkpoint_every (default 1)")
+    p.add_argument("--checkpoint-every", type=int, help="DiLoCo checkpoint_every (default 1)")
     p.add_argument("--verify-window", type=int, help="DiLoCo verify_window (default: DiLoCo's)")
     p.add_argument(
         "--max-contributions",
@@ -124,7 +170,7 @@ def arguments(p: argparse.ArgumentParser) -> None:
         help="DiLoCo max_contributions (K: the closer merges at most K a round, followers poll only the "
         "round records and the claimant's lease; default none: every contribution, every listing)",
     )
-    p.add_argument("--param-dtype", default="BF16", help="the published parameters' dtype (default BF16)")
+    p.add_argument("--param-dtype", help="the published parameters' dtype (default BF16, or the run's)")
     p.add_argument("--poll-interval", type=float, default=1.0, help="seconds between polls (default 1)")
     p.add_argument("--lease-timeout", type=float, default=120.0, help="seconds (default 120)")
     p.add_argument(
@@ -138,32 +184,82 @@ def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object instead of the tables")
 
 
+@dataclass(frozen=True)
+class RunFacts:
+    """What ``cost URL`` read from a run: its config, model and fleet."""
+
+    cfg: DiLoCo
+    params: int
+    param_dtype: str
+    learners: int | None  # the most learners live at a close among the newest records
+    step_seconds: float | None  # the newest record's step-time estimate
+    rounds_read: int
+    where: str
+
+
+def from_run(args: argparse.Namespace, mailbox: Mailbox) -> None:
+    """Read the run at ``args.url`` into ``args.run`` (``RunFacts``) for ``shape_of``."""
+    run = read_manifest(mailbox)
+    size = schema_size(run)
+    by_dtype: dict[str, int] = {}
+    for t in run.schema:
+        by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + math.prod(t.shape)
+    recent = read_records(mailbox, round_numbers(mailbox)[-_RECENT:])
+    live = max((max(r.live, len(r.participants)) for r in recent), default=0)
+    steps = [r.x_step for r in recent if r.x_step]
+    args.run = RunFacts(
+        cfg=run.cfg,
+        params=size.parameters,
+        param_dtype=max(by_dtype, key=lambda d: by_dtype[d]),
+        learners=live or None,
+        step_seconds=steps[-1] if steps else None,
+        rounds_read=len(recent),
+        where=f"{args.url} (run {run.manifest.run_id})",
+    )
+
+
 def shape_of(args: argparse.Namespace) -> bill.RunShape:
-    """The run the flags describe (``DiLoCo`` validates the config as a run would)."""
+    """The run the flags describe, or the run read by ``from_run`` with the flags given over it
+    (``DiLoCo`` validates the config as a run would)."""
+    facts: RunFacts | None = getattr(args, "run", None)
+    if facts is None:
+        missing = [f"--{name.replace('_', '-')}" for name in _REQUIRED if getattr(args, name) is None]
+        if missing:
+            raise ValueError(
+                f"missing {', '.join(missing)}: give a run's URL (gradientmail cost file:///path/to/run) to read "
+                "them from the run, or every one of --params, --learners, --sync-every, --fragments, --step-seconds"
+            )
+    else:
+        for name, got in (("learners", facts.learners), ("step_seconds", facts.step_seconds)):
+            if getattr(args, name) is None and got is None:
+                flag = f"--{name.replace('_', '-')}"
+                raise ValueError(
+                    f"the run at {facts.where} has committed no round yet, so its {name.replace('_', ' ')} is "
+                    f"unknown: pass {flag}"
+                )
     if not 0.0 <= args.egress_share <= 1.0:
         raise ValueError(f"--egress-share {args.egress_share}: expected a share in [0, 1]")
-    extra = {} if args.verify_window is None else {"verify_window": args.verify_window}
-    if args.max_contributions is not None:
-        extra["max_contributions"] = args.max_contributions
-    cfg = DiLoCo(
-        sync_every=args.sync_every,
-        fragments=args.fragments,
-        delta_dtype=args.delta_dtype,
-        commit_dtype=args.commit_dtype,
-        checkpoint_every=args.checkpoint_every,
-        **extra,
-    )
-    params = int(args.params)
-    if params != args.params:
-        raise ValueError(f"--params {args.params}: expected a whole number of parameters")
+    given = {name: getattr(args, name) for name in _CFG_FLAGS if getattr(args, name) is not None}
+    if facts is None:
+        cfg = DiLoCo(**given)
+    else:
+        cfg = dataclasses.replace(facts.cfg, **given)
+    params = args.params if args.params is not None else facts.params  # type: ignore[union-attr]
+    if int(params) != params:
+        raise ValueError(f"--params {params}: expected a whole number of parameters")
+
+    def pick(name: str, default: Any) -> Any:
+        value = getattr(args, name)
+        return default if value is None else value
+
     return bill.RunShape(
         cfg=cfg,
-        params=params,
-        learners=args.learners,
-        step_seconds=args.step_seconds,
+        params=int(params),
+        learners=pick("learners", facts.learners if facts else None),
+        step_seconds=pick("step_seconds", facts.step_seconds if facts else None),
         poll_interval=args.poll_interval,
         lease_timeout=args.lease_timeout,
-        param_dtype=args.param_dtype,
+        param_dtype=pick("param_dtype", facts.param_dtype if facts else "BF16"),
     )
 
 
@@ -214,6 +310,13 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=1, sort_keys=True))
         return 0
     cfg = shape.cfg
+    facts: RunFacts | None = getattr(args, "run", None)
+    if facts is not None:
+        print(
+            f"from the run at {facts.where}: its manifest's config and schema, and from its newest "
+            f"{facts.rounds_read} round record(s) the learners live at a close and the step-time estimate "
+            "(flags given win; polls and lease timeout are the nodes' options, not in the run: the flags' defaults)"
+        )
     print(
         f"{shape.learners} learners, {_n(shape.params)} parameters ({shape.param_dtype}) in {cfg.fragments} fragments "
         f"of {shape.chunks} chunk(s), sync_every={cfg.sync_every}, delta {cfg.delta_dtype or shape.param_dtype}, "

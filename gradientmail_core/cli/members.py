@@ -17,14 +17,27 @@ import argparse
 import json
 from typing import Any
 
-from ..errors import ProtocolError
 from ..mailbox import Mailbox
 from ..protocol import identity as ids
 from ..protocol import keys
 from ..protocol.members import change, read_log
 from ..protocol.records import Manifest, decode
+from .overview import NoRun
 
 ACTIONS = ("key", "list", "add", "remove")
+
+# What ``gradientmail members --help`` says.
+DESCRIPTION = """\
+Who may take part in a members-only run (docs/security.md). The only commands that write to a run,
+and they write nothing but one create-once entry of its membership log.
+
+  gradientmail members key --identity node.key         this node's public key (creates the key file)
+  gradientmail members list URL                         the membership log and the members now
+  gradientmail members add URL --owner-key F PUBKEY...  admit public keys (an entry the owner signs)
+  gradientmail members remove URL --owner-key F PUBKEY...
+                                                        revoke them: from the round after the first
+                                                        commit that names the entry, nothing they
+                                                        sign counts"""
 
 
 def add_parser(sub: Any) -> None:
@@ -32,7 +45,7 @@ def add_parser(sub: Any) -> None:
         sub.add_parser(
             "members",
             help="who may take part in a members-only run: key, list, add, remove",
-            description=__doc__,
+            description=DESCRIPTION,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
     )
@@ -52,7 +65,7 @@ def arguments(m: argparse.ArgumentParser) -> None:
 def _manifest(mailbox: Mailbox) -> Manifest:
     data = mailbox.get(keys.MANIFEST)
     if data is None:
-        raise ProtocolError(f"no run here ({keys.MANIFEST} is missing)")
+        raise NoRun(f"{keys.MANIFEST} is missing")
     return decode(data, Manifest, key=keys.MANIFEST)
 
 

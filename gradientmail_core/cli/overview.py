@@ -101,7 +101,7 @@ def read_manifest(mailbox: Mailbox) -> RunInfo:
     """The run's manifest, validated. ``NoRun`` if there is none."""
     manifest = run_manifest(RunStore(mailbox))
     if manifest is None:
-        raise NoRun(f"no run in this mailbox ({keys.MANIFEST} is missing)")
+        raise NoRun(f"{keys.MANIFEST} is missing")
     return RunInfo.from_manifest(manifest)
 
 

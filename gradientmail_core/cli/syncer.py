@@ -22,7 +22,11 @@ _DEFAULT = NodeOptions()
 _TIMES = (
     ("poll_interval", "seconds between polls"),
     ("lease_timeout", "seconds without a lease renewal after which a node counts as gone (as the learners use)"),
-    ("round_timeout", None),
+    (
+        "round_timeout",
+        "seconds without a commit of the open round after which it is taken over, at the least (the wait also "
+        "grows with the round times the records predict)",
+    ),
 )
 _OPTIONS = (*(name for name, _ in _TIMES), "compression", "secret_file", "identity")
 
@@ -42,7 +46,9 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     s.add_argument("--id", dest="syncer_id", required=True, metavar="NAME", help="this syncer's id ([a-z0-9-])")
     for name, what in _TIMES:
         flag = "--" + name.replace("_", "-")
-        s.add_argument(flag, type=_positive_float, default=getattr(_DEFAULT, name), metavar="S", help=what)
+        default = getattr(_DEFAULT, name)
+        shown = "max(30, 10 x --poll-interval)" if default is None else f"{default:g}"
+        s.add_argument(flag, type=_positive_float, default=default, metavar="S", help=f"{what} (default {shown})")
     s.add_argument(
         "--compression", choices=("off", "zstd"), default=_DEFAULT.compression, help="compression of the commits"
     )

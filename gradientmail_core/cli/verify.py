@@ -84,7 +84,7 @@ def run(mailbox: Mailbox, args: argparse.Namespace, auth: Any) -> int:
     lo, hi = 0 if lo is None else lo, head if hi is None else min(hi, head)
     rng = random.Random(args.seed)
     chosen = [r for r in range(lo, hi + 1) if args.sample >= 1.0 or rng.random() < args.sample]
-    out = _Output(args.json, args.url, info.manifest.run_id)
+    out = _Output(args.json, args.url, info.manifest.run_id, oldest_kept=head - window + 1)
     verifier = RoundVerifier(store, info)
     checks: list[RoundCheck] = []
     try:
@@ -95,6 +95,7 @@ def run(mailbox: Mailbox, args: argparse.Namespace, auth: Any) -> int:
                 out.round(check, time.process_time() - t0)
                 checks.append(check)
                 advance()
+            out.flush()
     finally:
         verifier.close()
     counts = {s: sum(c.status == s for c in checks) for s in (VERIFIED, MISMATCH, UNVERIFIABLE)}
@@ -106,8 +107,12 @@ def run(mailbox: Mailbox, args: argparse.Namespace, auth: Any) -> int:
 class _Output:
     """Lines on stdout (a row per round, or JSON), a progress bar on stderr while it runs."""
 
-    def __init__(self, as_json: bool, url: str, run_id: str) -> None:
+    def __init__(self, as_json: bool, url: str, run_id: str, *, oldest_kept: int) -> None:
         self.as_json, self.url, self.run_id = as_json, url, run_id
+        self.oldest_kept = oldest_kept  # the oldest round whose inputs garbage collection keeps
+        # Consecutive rounds older than the window whose inputs are gone: one line for them all.
+        self.collected: list[RoundCheck] = []
+        self.outside = {VERIFIED: 0, UNVERIFIABLE: 0}
 
     def progress(self, total: int) -> Any:
         import contextlib
@@ -131,21 +136,49 @@ class _Output:
                 disable=not console.is_terminal,
             ) as p:
                 task = p.add_task("rounds", total=total)
-                yield lambda: p.advance(task)
+
+                def advance() -> None:
+                    p.advance(task)
+                    p.refresh()  # at once: a round can take seconds, the bar must not wait for a tick
+
+                yield advance
 
         return bar()
 
     def round(self, c: RoundCheck, cpu: float) -> None:
+        if c.round < self.oldest_kept and c.status in self.outside:
+            self.outside[c.status] += 1
         if self.as_json:
             sys.stdout.write(json.dumps({**c.to_dict(), "cpu_seconds": round(cpu, 6)}, sort_keys=True) + "\n")
             sys.stdout.flush()
             return
+        if c.round < self.oldest_kept and c.status == UNVERIFIABLE:
+            # Older than the window: its inputs (or those its fragment's state is rebuilt from) were
+            # collected, as garbage collection should. Said once for a whole span, not per round.
+            if self.collected and self.collected[-1].round != c.round - 1:
+                self.flush()
+            self.collected.append(c)
+            return
+        self.flush()
         where = f"round {c.round:>6}  fragment {c.fragment}:v{c.version}  closer {c.closer}"
         why = f": {c.reason}" if c.reason else ""
         line = f"{where}  {c.status}{why}"
         if c.evidence:
             line += f" [evidence: {c.evidence}]"
         print(line, flush=True)
+
+    def flush(self) -> None:
+        """The line for the span of collected rounds held back, if any."""
+        if not self.collected or self.as_json:
+            return
+        lo, hi = self.collected[0].round, self.collected[-1].round
+        span = f"round {lo:>6}" if lo == hi else f"rounds {lo}-{hi}"
+        print(
+            f"{span}  unverifiable: older than the run's verify window, so garbage collection has removed "
+            f"the inputs {'it' if lo == hi else 'they'} would be recomputed from (as it should; nothing is lost)",
+            flush=True,
+        )
+        self.collected = []
 
     def summary(
         self,
@@ -172,9 +205,18 @@ class _Output:
             return
         span = f"rounds {lo}-{hi}" if hi >= lo else "no round"
         print(
-            f"{self.url} (run {self.run_id}): {sampled} round(s) checked of {span}, head {head}, window {window}: "
+            f"{self.url} (run {self.run_id}): {sampled} round(s) checked of {span}, head {head}: "
             f"{counts[VERIFIED]} verified, {counts[MISMATCH]} mismatch, {counts[UNVERIFIABLE]} unverifiable"
         )
+        kept, gone = self.outside[VERIFIED], self.outside[UNVERIFIABLE]
+        if kept or gone:
+            parts = [f"{gone} unverifiable for that reason"] if gone else []
+            if kept:
+                parts.append(f"{kept} verified while collection had not reached {'it' if kept == 1 else 'them'} yet")
+            print(
+                f"the run keeps the inputs of its newest {window} rounds (verify_window: rounds "
+                f"{max(self.oldest_kept, 0)}-{head}); of the {kept + gone} older rounds checked, {' and '.join(parts)}"
+            )
         if first is not None:
             proof = f"; evidence: {first.evidence}" if first.evidence else ""
             print(

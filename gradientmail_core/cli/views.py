@@ -53,7 +53,23 @@ def algorithm_line(config: Mapping[str, object]) -> str:
     return "DiLoCo " + " ".join(parts)
 
 
-def summary(ov: Overview, url: str) -> Table:
+def idle_line(ov: Overview, idle_for: float | None = None) -> str | None:
+    """The run is idle when no learner holds a lease: nothing trains, and the open round waits for
+    one to join. Since when, as far as the store tells (its newest commit), and as far as this
+    observer saw it (``idle_for``: seconds ``watch`` has seen it idle)."""
+    if any(le.role != "syncer" for le in ov.leases):
+        return None
+    since = f"since round {ov.head} was committed" if ov.head >= 0 else "since it was created (no round committed)"
+    seen = f", {idle_for:.0f} s as this watch saw it" if idle_for else ""
+    syncers = [le.learner for le in ov.leases]
+    waiting = f"; syncer {', '.join(syncers)} waits for learners" if syncers else ""
+    return (
+        f"idle {since}{seen}: no learner holds a lease{waiting}. Round {ov.open_round} opens when a learner "
+        "joins the run."
+    )
+
+
+def summary(ov: Overview, url: str, idle_for: float | None = None) -> Table:
     t = Table.grid(padding=(0, 2))
     t.add_column(style="bold cyan", no_wrap=True)
     t.add_column()
@@ -68,6 +84,11 @@ def summary(ov: Overview, url: str) -> Table:
     versions = "  ".join(f"{f}:v{v}" for f, v in enumerate(ov.versions))
     head = f"newest round {ov.head}" if ov.head >= 0 else "no round committed yet"
     t.add_row("Tape", f"{ov.rounds_committed} rounds committed ({head}); fragment versions {versions}")
+    idle = idle_line(ov, idle_for)
+    if idle is not None:
+        # A claim left by a node that has gone is no one closing anything: not shown as if it were.
+        t.add_row("Idle", idle)
+        return t
     claim = ov.open_claim
     if claim is None:
         closer = "no closer has claimed it yet"
@@ -171,8 +192,10 @@ def failed(ov: Overview) -> RenderableType:
     return Text("\n".join(lines), style="bold red")
 
 
-def status(ov: Overview, url: str, renewed: Mapping[str, float | None] | None = None) -> RenderableType:
-    parts: list[RenderableType] = [summary(ov, url), Text(), learners(ov, renewed)]
+def status(
+    ov: Overview, url: str, renewed: Mapping[str, float | None] | None = None, idle_for: float | None = None
+) -> RenderableType:
+    parts: list[RenderableType] = [summary(ov, url, idle_for), Text(), learners(ov, renewed)]
     if ov.failed:
         parts[1:1] = [Text(), failed(ov)]
     waiting = waiting_line(ov, url)

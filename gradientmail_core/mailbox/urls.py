@@ -38,6 +38,14 @@ def open_mailbox(url: str, **kwargs: Any) -> Mailbox:
         if not parts.netloc:
             raise ValueError(f"mailbox URL {url!r} has no bucket; use s3://bucket/prefix")
         return S3Mailbox(parts.netloc, parts.path.strip("/"), **{**_s3_options(url, parts.query), **kwargs})
+    if not scheme:
+        # A bare path: what a user types first. Say the URL it would be.
+        import os.path
+
+        raise ValueError(
+            f"{url!r} is not a mailbox URL (it has no scheme): did you mean file://{os.path.abspath(url)}? "
+            "Mailbox URLs are file:///path, s3://bucket/prefix or memory://name"
+        )
     raise ValueError(
         f"unknown mailbox URL scheme in {url!r}; expected memory://name, file:///path or s3://bucket/prefix"
     )

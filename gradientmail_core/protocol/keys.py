@@ -11,6 +11,8 @@ property test holds us to that. All keys are relative to the mailbox prefix.
     blobs/init/{fragment:03d}-{sha256}.safetensors[.zst]
     blobs/rounds/{round:010d}/{kind}-{sha256}.safetensors[.zst]
     blobs/snapshots/{round:010d}/{learner}/{sha256}.safetensors[.zst]
+    barriers/{name}/{generation:010d}/{learner}.json   an arrival at a gm.Barrier (create-once)
+    barriers/{name}/{generation:010d}.json             its outcome: released, or timed out
 
 ``work/`` is the work queues' folder (``gm.WorkQueue``, ``docs/protocol.md`` section 7): its keys
 are formatted and parsed in ``workqueue/keys.py``; here it is only a folder whose record keys are
@@ -63,6 +65,9 @@ _ROUND_BLOB_RE = re.compile(rf"blobs/rounds/(\d{{10}})/(theta|outer|change)-({_S
 _MEMBER_RE = re.compile(rf"members/(\d{{10}})-({_SHA})\.json")
 _SNAPSHOT_BLOB_RE = re.compile(rf"blobs/snapshots/(\d{{10}})/({_LEARNER})/({_SHA})({_EXT})")
 WORK = "work/"  # the work queues' folder (workqueue/keys.py)
+BARRIERS = "barriers/"  # gm.Barrier: one folder per name, one generation per use of it
+MAX_GENERATION = 10**10 - 1
+_BARRIER_RE = re.compile(rf"barriers/({_LEARNER})/(\d{{10}})(?:/({_LEARNER}))?\.json")
 
 
 def validate_learner_id(learner: str) -> str:
@@ -274,8 +279,47 @@ def untag_key(key: str) -> tuple[str, str] | None:
     return (m[1] + ".json", m[2]) if m else None
 
 
+def validate_barrier_name(name: str) -> str:
+    if not isinstance(name, str) or not LEARNER_ID.fullmatch(name):
+        raise ValueError(
+            f"barrier name {name!r} is invalid: it must match [a-z0-9][a-z0-9-]{{0,63}} "
+            "(lowercase letters, digits and '-'), e.g. 'eval' or 'epoch-end'"
+        )
+    return name
+
+
+def barrier_prefix(name: str) -> str:
+    return f"{BARRIERS}{validate_barrier_name(name)}/"
+
+
+def barrier_arrivals_prefix(name: str, generation: int) -> str:
+    return f"{barrier_prefix(name)}{padded(generation, 'barrier generation', 0, MAX_GENERATION)}/"
+
+
+def barrier_arrival_key(name: str, generation: int, learner: str) -> str:
+    return f"{barrier_arrivals_prefix(name, generation)}{validate_learner_id(learner)}.json"
+
+
+def barrier_outcome_key(name: str, generation: int) -> str:
+    return f"{barrier_prefix(name)}{padded(generation, 'barrier generation', 0, MAX_GENERATION)}.json"
+
+
+def parse_barrier_key(key: str) -> tuple[str, int, str | None] | None:
+    """``(name, generation, learner)`` of an arrival, ``(name, generation, None)`` of an outcome."""
+    m = _BARRIER_RE.fullmatch(key)
+    return (m[1], int(m[2]), m[3]) if m else None
+
+
 def is_known_key(key: str) -> bool:
     """True if ``key`` is any key the run's protocol writes (after untagging); a work queue's keys
     are ``workqueue.keys.is_known``'s."""
-    parsers = (parse_claim_key, parse_round_key, parse_snapshot_key, parse_lease_key, parse_blob_key, parse_member_key)
+    parsers = (
+        parse_claim_key,
+        parse_round_key,
+        parse_snapshot_key,
+        parse_lease_key,
+        parse_blob_key,
+        parse_member_key,
+        parse_barrier_key,
+    )
     return key == MANIFEST or any(parse(key) is not None for parse in parsers)

@@ -1,10 +1,10 @@
 """Election and takeover: who closes the open round (``docs/protocol.md`` section 4, steps 12 to 15).
 
 A follower watches the open round's newest claim (``Watch``) and claims the next number when the
-holder's lease lapses (``lease_lost``), the round overruns what past rounds predict (``timeout``),
-or nobody claims it (``unclaimed``). A learner-only node never claims: it reports when no node that
-may close is live (``NoCloser``) and when one is back (``CloserBack``). ``Election`` writes claims
-and never closes a round.
+holder's lease lapses (``lease_lost``; ``left`` when the holder released its lease, leaving cleanly),
+the round overruns what past rounds predict (``timeout``), or nobody claims it (``unclaimed``). A
+learner-only node never claims: it reports when no node that may close is live (``NoCloser``) and
+when one is back (``CloserBack``). ``Election`` writes claims and never closes a round.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class Election:
                 s.liveness.observe_one(claim.learner, self.store.keys(keys.lease_prefix(claim.learner)))
                 looked = now
             if looked >= fo.claim_seen_at and self._will_not_close(claim.learner):
-                reason = "lease_lost"
+                reason = self._gone(claim.learner)
         elif s.liveness.listed_at > float("-inf") and self._will_not_close(claim.learner):
             if s.liveness.listed_at < fo.claim_seen_at:
                 # The leases were listed before this claim was seen: its holder may have joined
@@ -118,7 +118,7 @@ class Election:
                 # leaver's claim of the round after its last. Taken over, it would load the outer
                 # state (as above) for a round nobody may contribute to again (protocol step 15).
                 return False
-            reason = "lease_lost"
+            reason = self._gone(claim.learner)
         if (
             reason is None
             and fo.timer_from is not None
@@ -138,6 +138,11 @@ class Election:
         learner-only node."""
         liveness = self.state.liveness
         return not liveness.is_live(holder) or liveness.role_of(holder) == "learner"
+
+    def _gone(self, holder: str) -> str:
+        """Why a holder that will not close is taken over: ``left`` when it holds no lease at all (it
+        released it, leaving cleanly), ``lease_lost`` when its lease lapsed or it only trains now."""
+        return "lease_lost" if holder in self.state.liveness.seen else "left"
 
     def round_timeout(self) -> float:
         rec = self.state.newest_of_head()
