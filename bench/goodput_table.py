@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"({time.monotonic() - t0:.0f} s wall, {a.workers} processes)")
     if a.json:
         Path(a.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
-    return 0 if all(r.tape_ok for r in rows) else 1
+    return 0 if all(r.tape_ok and r.unrecovered == 0 for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -235,7 +235,8 @@ class Row:
     crashes: int  # interruptions that found their learner up (the rest were absorbed)
     closer_crashes: int  # of which the victim was closing a round
     recovered: int  # crashes after which the learner's contributions reached a commit again
-    restarted_late: int  # crashes whose restart came too near the horizon for a merged contribution
+    restarted_late: int  # crashes restarted too near the horizon (``recovery_margin``), or after it
+    unrecovered: int  # crashes restarted in time whose learner never reached a commit again
     capacity: int
     computed: int
     merged: int
@@ -244,7 +245,7 @@ class Row:
     unsent_at_end: int
     rounds: int
     fault_free_rounds: int
-    takeovers: Counter[str]
+    takeovers: dict[str, int]  # TookOver events by reason
     kill_to_commit: list[float]
     up_share: float  # the learners' up time over M * horizon, from the run
     goodput: float
@@ -437,7 +438,11 @@ class GoodputRun:
         assert s.node is not None and s.learner is not None
         self.counts["crashes"] += 1
         self.counts["closer_crashes"] += s.node.state.collector is not None
-        self.counts["lost_to_kill"] += sum(s.learner.steps_since) + sum(p.steps for p in s.node.bridge.outbox)
+        # trained and not sent: the steps since each fragment's last contribution, and the
+        # contributions handed over whose snapshot record had not landed (a crash after it landed,
+        # before the reply was read, leaves it in the outbox and in the store)
+        unsent = [p.steps for p in s.node.bridge.outbox if self.store.get(keys.snapshot_key(p.round, s.name)) is None]
+        self.counts["lost_to_kill"] += sum(s.learner.steps_since) + sum(unsent)
         self.crash_times.append(self.T)
         self._close_up(s)
         s.node = s.learner = s.flat = None
@@ -459,6 +464,12 @@ class GoodputRun:
                 out.append(rec)
         return out
 
+    def recovery_margin(self) -> float:
+        """Simulated seconds a restarted learner may take to reach a commit again: two syncs of
+        every fragment, a takeover (a lease timeout) and a round timeout."""
+        sc = self.scale
+        return 2 * sc.sync_every * sc.step_seconds + self.opts.lease_timeout + self.opts.round_timeout_floor
+
     def _row(self) -> Row:
         sc, c = self.scale, self.counts
         tape = self._tape()
@@ -466,7 +477,8 @@ class GoodputRun:
         merged = sum(p.steps for r in tape for p in r.participants)
         capacity = self.m * int(sc.horizon / sc.step_seconds) * sc.fragments
         # recovered: the learner took part in a commit after its restart
-        recovered = late = 0
+        recovered = late = unrecovered = 0
+        margin = self.recovery_margin()
         for s in self.slots:
             merged_at = sorted(
                 self.commit_times[r.round]
@@ -476,8 +488,10 @@ class GoodputRun:
             for t in s.restarted_at:
                 if bisect.bisect_left(merged_at, t) < len(merged_at):
                     recovered += 1
-                else:
+                elif t > sc.horizon - margin:
                     late += 1
+                else:
+                    unrecovered += 1
         late += c["crashes"] - sum(len(s.restarted_at) for s in self.slots)  # restart due after the horizon
         commits = sorted(self.commit_times.values())
         to_commit = [commits[j] - t for t in self.crash_times if (j := bisect.bisect_right(commits, t)) < len(commits)]
@@ -494,6 +508,7 @@ class GoodputRun:
             closer_crashes=c["closer_crashes"],
             recovered=recovered,
             restarted_late=late,
+            unrecovered=unrecovered,
             capacity=capacity,
             computed=c["computed"],
             merged=merged,
@@ -502,7 +517,7 @@ class GoodputRun:
             unsent_at_end=c["unsent_at_end"],
             rounds=len(horizon_rounds),
             fault_free_rounds=0,
-            takeovers=Counter(self.takeovers),
+            takeovers=dict(sorted(self.takeovers.items())),
             kill_to_commit=to_commit,
             up_share=up,
             goodput=merged / (capacity - c["unsent_at_end"]),
@@ -572,14 +587,15 @@ def _pct(x: float | None) -> str:
 
 
 def table(rows: list[Row]) -> str:
-    """The rows as a markdown table, the paper's Table 1 beside them. Goodput and the four
-    shares after it sum to 100% of the compute the chips could have done."""
+    """The rows as a markdown table, the paper's Table 1 beside them. Goodput and the four lost
+    shares sum to 100% of the compute the chips could have done; "up" is the learners' time up
+    (a time-based goodput, what the failure model alone takes away)."""
     head = (
-        "| M | chips / learner | interruptions (crashes, of closers) | recovered | **goodput** "
+        "| M | chips / learner | interruptions (crashes, of closers) | recovered | **goodput** | up "
         "| lost: down / kill / alignment / other | step efficiency | kill to next commit (median) "
         "| takeovers | DP | elastic DP | paper: learners / DP / elastic | check: 1/(1+muR) |"
     )
-    lines = [head, "| " + " | ".join(["---:"] * 13) + " |"]
+    lines = [head, "| " + " | ".join(["---:"] * 14) + " |"]
     for r in rows:
         shares = (r.capacity - r.computed, r.lost_to_kill, r.dropped_by_alignment, r.other_lost)
         lost = " / ".join(_pct(r.share(n)) for n in shares)
@@ -588,7 +604,7 @@ def table(rows: list[Row]) -> str:
         paper = f"{_pct(PAPER_LEARNERS.get(r.learners)) or '-'} / {_pct(PAPER_DP)} / {_pct(PAPER_ELASTIC)}"
         lines.append(
             f"| {r.learners} | {r.chips_per_learner:,.0f} | {r.interruptions} ({r.crashes}, {r.closer_crashes}) "
-            f"| {r.recovered} of {r.crashes - r.restarted_late} | **{_pct(r.goodput)}** | {lost} "
+            f"| {r.recovered} of {r.crashes - r.restarted_late} | **{_pct(r.goodput)}** | {_pct(r.up_share)} | {lost} "
             f"| {_pct(r.step_efficiency)} | {k2c} | {took} | {_pct(r.dp)} | {_pct(r.elastic)} | {paper} "
             f"| {_pct(r.ideal)} |"
         )
