@@ -5,6 +5,7 @@ python -m gradientmail_sim --seeds 0:1000                 # a range, summary at 
 python -m gradientmail_sim --soak 100000                  # a long soak from a random start
 python -m gradientmail_sim --seeds 0:300 --mutant accept_stale   # is this mutant caught?
 python -m gradientmail_sim --seeds 0:8 --fleet --rounds 12  # fleets of 64..96 learners
+python -m gradientmail_sim --goodput                      # the paper's Table 1 simulated (goodput.py)
 """
 
 from __future__ import annotations
@@ -36,7 +37,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mutant", default=None, choices=sorted(MUTANTS), help="run a deliberately broken engine")
     p.add_argument("--workers", type=int, default=None, help="processes (default: every CPU)")
     p.add_argument("-v", "--verbose", action="store_true", help="print the trace of a single seed")
+    p.add_argument(
+        "--goodput",
+        action="store_true",
+        help="goodput of 1..16 learners under the paper's failure model, beside data parallel "
+        "(--seed picks the fault times; every other parameter: bench/goodput_table.py)",
+    )
     a = p.parse_args(argv)
+
+    if a.goodput:
+        from .goodput import FailureModel, TimeScale, describe, run_table, table
+
+        model, scale, seed = FailureModel(), TimeScale(), a.seed or 0
+        print(describe(model, scale, seed), flush=True)
+        rows = run_table([1, 2, 4, 8, 16], model, scale, seed, workers=a.workers or 2)
+        print(table(rows))
+        return 0 if all(r.tape_ok and r.unrecovered == 0 for r in rows) else 1
 
     if a.seed is not None:
         if a.verbose:
