@@ -238,7 +238,9 @@ def worker(
 
 def _jax(arm, width, steps, warmup, batch, cfg, d, session_opts):
     """The torch MLP's shapes as a pytree, trained by a jitted optax AdamW step; the clock is read
-    after ``block_until_ready`` each step (as a loop that logs its loss does)."""
+    after ``block_until_ready`` each step (as a loop that logs its loss does). XLA computes on one
+    thread, as the torch arms do (the worker's ``XLA_FLAGS``): the step leaves the other core to the
+    session's background, as an accelerator leaves the host's cores."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -378,7 +380,8 @@ def run_block(arm: str, args: argparse.Namespace, width: int, steps: int, warmup
         **os.environ,
         "PYTHONWARNINGS": "ignore",
         "OMP_NUM_THREADS": "1",
-        "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false",  # the JAX arms on one thread too
+        # the JAX arms on one thread too (XLA's own pool would take both cores from the background)
+        "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
         "MALLOC_MMAP_THRESHOLD_": str(256 << 20),
         "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
     }
