@@ -239,8 +239,12 @@ def worker(
 def _jax(arm, width, steps, warmup, batch, cfg, d, session_opts):
     """The torch MLP's shapes as a pytree, trained by a jitted optax AdamW step; the clock is read
     after ``block_until_ready`` each step (as a loop that logs its loss does). XLA computes on one
-    thread, as the torch arms do (the worker's ``XLA_FLAGS``): the step leaves the other core to the
-    session's background, as an accelerator leaves the host's cores."""
+    core, as the torch arms do on one thread: its thread pool is made while the process may run on
+    one CPU only (no XLA flag bounds it), then every thread made after, the session's background
+    included, may run on all of them again: the step leaves a core to the background, as an
+    accelerator leaves the host's cores."""
+    cpus = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(cpus)})
     import jax
     import jax.numpy as jnp
     import optax
@@ -253,6 +257,8 @@ def _jax(arm, width, steps, warmup, batch, cfg, d, session_opts):
               for i, (k, dim) in enumerate(zip(keys, dims))}  # fmt: skip
     opt = optax.adamw(1e-4)
     data = [(jnp.asarray(x.numpy()), jnp.asarray(y.numpy())) for x, y in batches(batch)]
+    jax.jit(lambda a: a @ a.T)(data[0][0]).block_until_ready()  # XLA's pool, made on one CPU
+    os.sched_setaffinity(0, cpus)
 
     def loss_fn(p, x, y):
         for i in range(3):
@@ -380,8 +386,6 @@ def run_block(arm: str, args: argparse.Namespace, width: int, steps: int, warmup
         **os.environ,
         "PYTHONWARNINGS": "ignore",
         "OMP_NUM_THREADS": "1",
-        # the JAX arms on one thread too (XLA's own pool would take both cores from the background)
-        "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
         "MALLOC_MMAP_THRESHOLD_": str(256 << 20),
         "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
     }
