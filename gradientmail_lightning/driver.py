@@ -80,7 +80,9 @@ class SessionDriver:
             raise RuntimeError(f"{self.owner}: the session was already started; close it before starting again")
         # Every rank builds the same adapter: the parameters by their names in the run, found in the
         # module without its wrappers (ShardingUnsupported for a sharded layout it cannot cut).
-        adapter = adapter_for(module, module=self.options.module, names=self.options.names)
+        adapter = adapter_for(
+            module, module=self.options.module, names=self.options.names, layouts=self.options.layouts
+        )
         if isinstance(adapter, ShardedTorchAdapter):
             self._start_sharded(adapter, Shards(adapter.sharded))
             return

@@ -17,6 +17,7 @@ from typing import Any
 
 import gradientmail_core as gm
 from gradientmail_core import events as ev
+from gradientmail_core.adapters.layouts import Layouts
 from gradientmail_core.protocol import keys
 
 
@@ -36,6 +37,8 @@ class SessionOptions:
     module: str | Callable[[Any], Any] | None = None
     #: this node's canonical parameter names -> the run's: a dict or a callable (None: the same).
     names: Mapping[str, str] | Callable[[str], str] | None = None
+    #: the convention or ``{name: axes}`` this node shows its tensors in (``gm.Session(layouts=)``).
+    layouts: Layouts | None = None
     #: block at the start of training until this many learners are live (None: do not wait).
     wait_for_learners: int | None = None
     #: seconds to wait for them (None: forever).

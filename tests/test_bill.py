@@ -116,14 +116,16 @@ def test_with_max_contributions_the_closer_reads_at_most_k_contributions_whateve
     contribution = sum(_shape(10).chunk_bytes("I2"))
     closers = {n: bill.closer_round(_shape(n, k)) for n in (2 * k, 1000, 10_000)}
     gets = {n: c.requests["GET"] for n, c in closers.items()}
-    # K records and K payloads (one GET per chunk), whatever N, against N - 1 of each uncapped.
-    assert gets[2 * k] == gets[1000] == gets[10_000] == pytest.approx(k * (1 + _shape(10).chunks))
+    # K records and K payloads (one GET per chunk), whatever N, against N - 1 of each uncapped; and
+    # its own round record read back once.
+    assert gets[2 * k] == gets[1000] == gets[10_000] == pytest.approx(k * (1 + _shape(10).chunks) + 1)
     uncapped = bill.closer_round(_shape(10_000))
-    assert uncapped.requests["GET"] == pytest.approx(9_999 * (1 + _shape(10).chunks))
+    assert uncapped.requests["GET"] == pytest.approx(9_999 * (1 + _shape(10).chunks) + 1)
     # Its bytes read other than listings' answers: K contributions' worth and records, whatever N.
     read = {n: c.down - c.list_down for n, c in closers.items()}
     assert read[2 * k] == read[1000] == read[10_000]
-    assert k * contribution < read[1000] < k * (contribution + bill.SNAPSHOT_RECORD) + 1000
+    own = _shape(1000, k).round_record  # its own record, read back
+    assert k * contribution < read[1000] < k * (contribution + bill.SNAPSHOT_RECORD) + own + 1000
     assert uncapped.down - uncapped.list_down > 9_999 * contribution
     # What still grows with N are the listings' answers (LIST_BYTES_PER_KEY a key): the open round's
     # snapshot records a poll, every lease, blobs/snapshots/ for GC. At 10,000 learners they are
@@ -131,7 +133,7 @@ def test_with_max_contributions_the_closer_reads_at_most_k_contributions_whateve
     assert closers[1000].list_down < closers[10_000].list_down < 0.5 * read[10_000]
     # Fewer than K others when the fleet is smaller: min(K, N - 1).
     small = bill.closer_round(_shape(5, k))
-    assert small.requests["GET"] == pytest.approx(4 * (1 + _shape(10).chunks))
+    assert small.requests["GET"] == pytest.approx(4 * (1 + _shape(10).chunks) + 1)
 
 
 def test_with_max_contributions_a_followers_requests_do_not_grow_with_the_fleet():

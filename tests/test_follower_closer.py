@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -134,9 +135,11 @@ def test_a_follower_takes_over_a_stalled_closer_after_4x_the_predicted_round(pre
 
 
 def _collector() -> Collector:
-    # update() reads only the judged snapshots and the estimates.
+    # update() reads only the judged snapshots, the estimates and the run's config (round 0 of
+    # H=8 over 2 fragments: a gap of 4 steps; quorum 1, in_flight 2, no overlap bound).
     est = Estimates(x_step=1.0, x_quorum=0.1, x_sync=0.1)
-    return Collector(round=0, run=None, state=None, opened_at=0.0, estimates=est, merger=None)  # type: ignore[arg-type]
+    run = SimpleNamespace(cfg=gm.DiLoCo(sync_every=8, fragments=2, quorum_size=1, in_flight=2), P=2)
+    return Collector(round=0, run=run, state=None, opened_at=0.0, estimates=est, merger=None)  # type: ignore[arg-type]
 
 
 def _accept(c: Collector, learner: str) -> None:
@@ -145,26 +148,24 @@ def _accept(c: Collector, learner: str) -> None:
 
 def test_grace_window_ends_early_once_every_live_learner_contributed() -> None:
     live = {"a", "b", "c"}
-    kw = {"quorum_size": 1, "gap": 4, "in_flight": 2, "overlap_steps": None}
     c = _collector()
     _accept(c, "a")
-    assert not c.update(live, 0.0, **kw)  # quorum at 0.0; b and c still training
+    assert not c.update(live, 0.0)  # quorum at 0.0; b and c still training
     assert c.quorum_at == 0.0 and c.grace == pytest.approx(3.9)  # min(0.5*(8*1 - 0.2), 4*1)
     _accept(c, "b")
-    assert not c.update(live, 1.0, **kw)
+    assert not c.update(live, 1.0)
     _accept(c, "c")
-    assert c.update(live, 1.1, **kw)  # everyone is in: close now, 2.8 s before the deadline
+    assert c.update(live, 1.1)  # everyone is in: close now, 2.8 s before the deadline
 
 
 def test_grace_window_runs_to_its_end_while_a_live_learner_is_missing() -> None:
     live = {"a", "b", "c"}
-    kw = {"quorum_size": 1, "gap": 4, "in_flight": 2, "overlap_steps": None}
     c = _collector()
     _accept(c, "a")
     _accept(c, "b")
-    assert not c.update(live, 0.0, **kw)
-    assert not c.update(live, 3.89, **kw)
-    assert c.update(live, 3.9, **kw)
+    assert not c.update(live, 0.0)
+    assert not c.update(live, 3.89)
+    assert c.update(live, 3.9)
 
 
 # ---- commit_dtype: the digest check ---------------------------------------------------------

@@ -268,6 +268,7 @@ def closer_round(shape: RunShape) -> Traffic:
     outer = [s * (2 if master else 1) for s in shape.chunk_bytes("F32")]
     _objects(t, "PUT", outer, threshold=thr, share=1 / every)
     t.add("PUT", 2, up=CLAIM_RECORD + shape.round_record)
+    t.add("GET", 1, down=shape.round_record)  # its record read back (a damaged one is written again)
     kept = _kept_contribution_rounds(cfg)
     _list(t, 1, n * shape.chunks * kept)  # blobs/snapshots/
     _list(t, 1, 1)  # claims/

@@ -64,11 +64,11 @@ class Node:
         s, c = self.state, options.payload_compression
         self.publisher = Publisher(store, s, self.placement, self.bridge, emit, nonce=nonce, compression=c)
         # A follower stuck on a damaged record stops once its writer had time to write it again
-        # (``Closing.recheck``: soon after it lands, and a round timeout later).
+        # (``Closing.recheck``: two polls after it lands).
         damaged_after = options.round_timeout_floor + options.lease_timeout
         self.follower = Follower(store, s, self.placement, self.bridge, screen, emit, clock, damaged_after)
         self.election = Election(store, clock, s, self.lease, self.bridge, emit, options=options, nonce=nonce)
-        recheck = (2 * options.poll_interval, options.round_timeout_floor)
+        recheck = (2 * options.poll_interval,)  # one GET per commit: a record damaged as it lands
         self.closing = Closing(store, clock, s, self.placement, emit, compression=c, recheck_after=recheck)
         self.gc = GarbageCollector(store, s)
 
