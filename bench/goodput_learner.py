@@ -77,6 +77,13 @@ def factor(control: Path | None) -> float:
         return 1.0
 
 
+def unpublished(session: gm.Session) -> int | None:
+    """Fragment-steps this learner trained and has not handed to a contribution (nor dropped at
+    an alignment): read from the learner's counters, for the goodput ledger only."""
+    learner = session.learner
+    return None if learner is None else int(sum(learner.steps_since))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--bucket", required=True)
@@ -136,9 +143,10 @@ def main() -> None:
             log.write("step", n=steps, loss=round(float(loss), 4))
             deadline = max(deadline + period * factor(a.control), time.monotonic())
             time.sleep(max(deadline - time.monotonic(), 0.0))
-        log.write("stopped", n=steps)
+        log.write("stopped", n=steps, unpublished=unpublished(session))
         while not a.close.exists():  # no more training; the background keeps following the tape
             time.sleep(0.05)
+        log.write("closing", n=steps, unpublished=unpublished(session))
     a.out.mkdir(parents=True, exist_ok=True)
     np.savez(a.out / f"{a.learner_id}.npz", **{n: v.detach().numpy() for n, v in model.named_parameters()})
     summary = {"learner": a.learner_id, "steps": steps, "rounds_seen": session.rounds_seen}
