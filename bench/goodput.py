@@ -41,7 +41,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +80,11 @@ class Options:
     # is first noticed after elastic_detect_s (a collective's timeout). See README section 14.
     elastic_restart_s: float = 10.0
     elastic_detect_s: float | None = None  # None: the bench's lease_timeout, as ours detects
+    # how long each fault lasts (uniform in the range, drawn from the seed)
+    restart_s: tuple[float, float] = (3.0, 10.0)  # a killed node is restarted after
+    freeze_leases: tuple[float, float] = (2.0, 4.0)  # SIGSTOP for this many lease timeouts
+    cut_s: tuple[float, float] = (20.0, 40.0)
+    straggle_s: tuple[float, float] = (20.0, 40.0)
     settle_s: float = 90.0  # after the window, at most this long for every victim to contribute again
     workdir: Path | None = None
     plot: Path | None = None
@@ -363,21 +368,25 @@ def _chaos(opts: Options, nodes: dict[str, Node], rng: random.Random, watcher: W
     seq = iter(range(10**9))
     kinds: list[str] = []
     next_fault = time.time() + opts.fault_every / 2
-    lock = threading.Lock()
+    lock = threading.RLock()
 
-    def later(delay: float, fn) -> None:
-        heapq.heappush(timers, (time.time() + delay, next(seq), fn))
+    def later(delay: float, fn) -> None:  # (also called from a proxy's thread: a closer kill)
+        with lock:
+            heapq.heappush(timers, (time.time() + delay, next(seq), fn))
+
+    def due() -> Any:
+        with lock:
+            return heapq.heappop(timers)[2] if timers and timers[0][0] <= time.time() else None
 
     def restart(node: Node, entry: dict[str, Any]) -> None:
         node.start()
         entry["restarted"] = time.time()
         node.busy = False
 
-    while time.time() < t1 or timers:
-        now = time.time()
-        while timers and timers[0][0] <= now:
-            _, _, fn = heapq.heappop(timers)
+    while time.time() < t1:
+        while (fn := due()) is not None:
             fn()
+        now = time.time()
         if now >= t1 or now < next_fault:
             time.sleep(0.02)
             continue
@@ -394,11 +403,11 @@ def _chaos(opts: Options, nodes: dict[str, Node], rng: random.Random, watcher: W
         if kind == "kill":
             node.busy = True
             node.kill()
-            later(rng.uniform(3, 10), lambda node=node, entry=entry: restart(node, entry))
+            later(rng.uniform(*opts.restart_s), lambda node=node, entry=entry: restart(node, entry))
         elif kind == "freeze":
             node.busy = True
             node.signal(signal.SIGSTOP)
-            d = rng.uniform(2, 4) * opts.lease_timeout
+            d = rng.uniform(*opts.freeze_leases) * opts.lease_timeout
             entry["until"] = now + d
 
             def thaw(node=node) -> None:
@@ -409,7 +418,7 @@ def _chaos(opts: Options, nodes: dict[str, Node], rng: random.Random, watcher: W
         elif kind == "cut":
             node.busy = True
             node.proxy.cut()
-            d = rng.uniform(20, 40)
+            d = rng.uniform(*opts.cut_s)
             entry["until"] = now + d
 
             def heal(node=node) -> None:
@@ -420,7 +429,7 @@ def _chaos(opts: Options, nodes: dict[str, Node], rng: random.Random, watcher: W
         elif kind == "straggle":
             node.busy = True
             node.control.write_text("3")
-            d = rng.uniform(20, 40)
+            d = rng.uniform(*opts.straggle_s)
             entry["until"] = now + d
 
             def pace(node=node) -> None:
@@ -430,13 +439,13 @@ def _chaos(opts: Options, nodes: dict[str, Node], rng: random.Random, watcher: W
             later(d, pace)
         else:  # closer_kill: whoever PUTs the next round record is killed right there
             entry["node"] = None
-            delay = rng.uniform(3, 10)
+            delay = rng.uniform(*opts.restart_s)
             armed = [n for n in nodes.values() if not n.busy]
 
             def fire(node: Node, entry=entry, armed=armed, delay=delay) -> None:
                 with lock:
-                    if entry["node"] is not None:
-                        return
+                    if entry["node"] is not None or node.busy:
+                        return  # (the request was dropped all the same: its client retries)
                     for other in armed:
                         other.proxy.disarm()
                     entry["node"], entry["t"] = node.name, time.time()
@@ -456,14 +465,23 @@ def _chaos(opts: Options, nodes: dict[str, Node], rng: random.Random, watcher: W
                         for other in armed:
                             other.proxy.disarm()
 
-            later(opts.fault_every * 0.9, give_up)
+            later(max(opts.fault_every, 30.0), give_up)  # (a commit comes every few seconds)
         fault_log.append(entry)
-        say(f"  t={now - (t1 - 60 * opts.minutes):6.1f}s {kind:<11} {entry['node'] or '(next closer)'} at round {entry['round']}")
-    # the window is over: end every fault still running
+        say(
+            f"  t={now - (t1 - 60 * opts.minutes):6.1f}s {kind:<11} {entry['node'] or '(next closer)'} at round {entry['round']}"
+        )
+    # the window is over: every fault still running ends now (a killed node restarts now), so
+    # what follows the window is fault-free, as in the twin
     for node in nodes.values():
-        node.signal(signal.SIGCONT)
-        node.proxy.heal()
-        node.control.write_text("1")
+        node.proxy.disarm()
+    now = time.time()
+    for e in fault_log:
+        if e.get("until", 0) > now:
+            e["until"] = now
+    with lock:
+        rest, timers[:] = sorted(timers), []
+    for _, _, fn in rest:
+        fn()
 
 
 def _mid_commit(watcher: Watcher, node: Node) -> dict[str, Any]:
@@ -488,7 +506,9 @@ def _settle(opts: Options, nodes: dict[str, Node], fault_log, watcher: Watcher, 
     """After the window: every node runs; wait (at most ``settle_s``) until each victim of a kill
     has published into a round that committed since its restart."""
     deadline = time.time() + opts.settle_s
-    victims = {e["node"] for e in fault_log if e["kind"] in ("kill", "closer_kill") and e.get("node") not in (None, "-")}
+    victims = {
+        e["node"] for e in fault_log if e["kind"] in ("kill", "closer_kill") and e.get("node") not in (None, "-")
+    }
     while time.time() < deadline:
         for node in nodes.values():
             if node.proc is not None and node.proc.poll() is not None and node.busy:
@@ -563,7 +583,7 @@ def ledger(run: RunData, P: int) -> dict[str, Any]:
     out.update(skipped=0, unpublished_at_end=0)
     for n in run.nodes:
         incs = incarnations(run.logs[n])
-        for i, inc in enumerate(incs):
+        for inc in incs:
             steps = max((e["n"] for e in inc if e["ev"] in ("step", "stopped", "closing", "closed")), default=0)
             computed = steps * P
             published = dropped = 0
@@ -573,7 +593,9 @@ def ledger(run: RunData, P: int) -> dict[str, Any]:
                 elif e["ev"] == "Published":
                     published += e["steps"]
                     rec = by_round.get(e["round"])
-                    if rec is not None and any(p["learner"] == n and p["steps"] == e["steps"] for p in rec["participants"]):
+                    if rec is not None and any(
+                        p["learner"] == n and p["steps"] == e["steps"] for p in rec["participants"]
+                    ):
                         out["merged"] += e["steps"]
                     elif rec is not None and any(x["learner"] == n for x in rec.get("rejected", [])):
                         out["rejected"] += e["steps"]
@@ -582,7 +604,7 @@ def ledger(run: RunData, P: int) -> dict[str, Any]:
             out["computed"] += computed
             out["dropped"] += dropped
             rest = computed - published - dropped
-            closing = [e for e in inc if e["ev"] == "closing" and e.get("unpublished") is not None]
+            closing = [e for e in inc if e["ev"] in ("closing", "closed") and e.get("unpublished") is not None]
             killed = not any(e["ev"] == "closed" for e in inc)
             if killed:
                 out["lost_to_kill"] += rest
@@ -593,7 +615,9 @@ def ledger(run: RunData, P: int) -> dict[str, Any]:
     out["merged_in_records"] = merged_store  # from the store: equals "merged" unless a log lost a line
     c = max(out["computed"], 1)
     out["goodput"] = out["merged"] / c
-    out["shares"] = {k: out[k] / c for k in ("lost_to_kill", "dropped", "rejected", "never_merged", "skipped", "unpublished_at_end")}
+    out["shares"] = {
+        k: out[k] / c for k in ("lost_to_kill", "dropped", "rejected", "never_merged", "skipped", "unpublished_at_end")
+    }
     return out
 
 
@@ -819,7 +843,14 @@ def plot(chaos: RunData, twin: RunData | None, opts: Options, path: Path) -> Non
         for a, b, what in avail[n]:
             ax.broken_barh([(a - t0, b - a)], (y - 0.35, 0.7), color=colors[what])
         closed = [e["t"] - t0 for e in chaos.logs[n] if e["ev"] == "Committed"]
-        ax.plot(closed, [y] * len(closed), "|", color="#1f4fbf", markersize=9, label="closing (a commit)" if i == 0 else None)
+        ax.plot(
+            closed,
+            [y] * len(closed),
+            "|",
+            color="#1f4fbf",
+            markersize=9,
+            label="closing (a commit)" if i == 0 else None,
+        )
     ax.set_yticks(range(len(chaos.nodes)), list(reversed(chaos.nodes)))
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
     ax.legend(
@@ -834,7 +865,11 @@ def plot(chaos: RunData, twin: RunData | None, opts: Options, path: Path) -> Non
     ax.axvline(chaos.t1 - t0, color="k", lw=0.5)
     ax.set_title("goodput under chaos: every node", loc="left", fontsize=10, pad=28)
     ax = axes[1]
-    pts = [(chaos.seen[r["round"]] - t0, len(r["participants"]), r.get("live", 0)) for r in chaos.records if r["round"] in chaos.seen]
+    pts = [
+        (chaos.seen[r["round"]] - t0, len(r["participants"]), r.get("live", 0))
+        for r in chaos.records
+        if r["round"] in chaos.seen
+    ]
     if pts:
         xs, q, live = zip(*pts, strict=True)
         ax.step(xs, live, where="post", color="#999999", label="live learners (record)")
@@ -844,9 +879,17 @@ def plot(chaos: RunData, twin: RunData | None, opts: Options, path: Path) -> Non
     ax.legend(loc="lower right", fontsize=8)
     ax = axes[2]
     if chaos.losses:
-        ax.plot([t - t0 for t, _, _ in chaos.losses], [v for _, _, v in chaos.losses], "o-", color="#d62728", label="chaos")
+        ax.plot(
+            [t - t0 for t, _, _ in chaos.losses], [v for _, _, v in chaos.losses], "o-", color="#d62728", label="chaos"
+        )
     if twin is not None and twin.losses:
-        ax.plot([t - twin.t0 for t, _, _ in twin.losses], [v for _, _, v in twin.losses], "o-", color="#2ca02c", label="fault-free twin")
+        ax.plot(
+            [t - twin.t0 for t, _, _ in twin.losses],
+            [v for _, _, v in twin.losses],
+            "o-",
+            color="#2ca02c",
+            label="fault-free twin",
+        )
     ax.set_ylabel("held-out loss (nats/char)")
     ax.set_xlabel("seconds since the first commit")
     ax.legend(fontsize=8)
@@ -899,12 +942,31 @@ def report(res: dict[str, Any], say=print) -> None:
         return "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
 
     say("")
-    say(f"config: {res['config']['algorithm']}, {res['config']['learners']} learners, {res['config']['step_ms']:g} ms steps")
-    say(f"faults: {res['faults']} (closer kills mid-commit {res['closer_kills_mid_commit']}, missed {res['closer_kills_missed']})")
+    say(
+        f"config: {res['config']['algorithm']}, {res['config']['learners']} learners, {res['config']['step_ms']:g} ms steps"
+    )
+    say(
+        f"faults: {res['faults']} (closer kills mid-commit {res['closer_kills_mid_commit']}, missed {res['closer_kills_missed']})"
+    )
     rows = [
-        ("step efficiency (rounds/min vs twin)", res.get("step_efficiency"), res.get("dp_step_efficiency"), res.get("elastic_dp_step_efficiency")),
-        ("capacity (merged steps vs twin)", res.get("capacity"), res.get("dp_capacity"), res.get("elastic_dp_capacity")),
-        ("goodput of available compute", res.get("goodput_of_available"), res.get("dp_goodput"), res.get("elastic_dp_goodput")),
+        (
+            "step efficiency (rounds/min vs twin)",
+            res.get("step_efficiency"),
+            res.get("dp_step_efficiency"),
+            res.get("elastic_dp_step_efficiency"),
+        ),
+        (
+            "capacity (merged steps vs twin)",
+            res.get("capacity"),
+            res.get("dp_capacity"),
+            res.get("elastic_dp_capacity"),
+        ),
+        (
+            "goodput of available compute",
+            res.get("goodput_of_available"),
+            res.get("dp_goodput"),
+            res.get("elastic_dp_goodput"),
+        ),
     ]
     say(f"{'':40s} {'ours':>8s} {'sync DP':>8s} {'elastic':>8s}")
     for name, a, b, c in rows:
@@ -918,7 +980,9 @@ def report(res: dict[str, Any], say=print) -> None:
         f"kill->victim merged {f(res['median_kill_to_victim_merged_s'])} s"
     )
     say(f"held-out loss: chaos {f(res['loss'])}, twin {f(res.get('twin_loss'))}, ratio {f(res.get('loss_vs_twin'))}")
-    say(f"identical {res['identical']}, contiguous {res['contiguous']} (twin {res.get('twin_identical')}, {res.get('twin_contiguous')})")
+    say(
+        f"identical {res['identical']}, contiguous {res['contiguous']} (twin {res.get('twin_identical')}, {res.get('twin_contiguous')})"
+    )
 
 
 def main() -> None:
@@ -942,6 +1006,8 @@ def main() -> None:
     p.add_argument("--no-twin", action="store_true")
     p.add_argument("--plot", type=Path, default=None)
     p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument("--save", type=Path, default=None, help="write both runs' raw data (JSON) here")
+    p.add_argument("--load", type=Path, default=None, help="analyse raw data written by --save; run nothing")
     a = p.parse_args()
     opts = Options(
         learners=a.learners,
@@ -963,7 +1029,22 @@ def main() -> None:
         plot=a.plot,
         workdir=a.workdir,
     )
-    res, _, _ = bench(opts, say=lambda s: print(s, file=sys.stderr, flush=True))
+    if a.load is not None:
+        raw = json.loads(a.load.read_text())
+        for r in (raw["chaos"], raw["twin"]):
+            if r:
+                r["seen"] = {int(k): v for k, v in r["seen"].items()}  # (JSON keys are strings)
+        chaos, twin = (RunData(**r) if r else None for r in (raw["chaos"], raw["twin"]))
+        assert chaos is not None
+        opts = Options(**{**raw["options"], "plot": a.plot, "workdir": None})
+        res = analyse(chaos, twin, opts)
+        if a.plot is not None:
+            plot(chaos, twin, opts, a.plot)
+    else:
+        res, chaos, twin = bench(opts, say=lambda s: print(s, file=sys.stderr, flush=True))
+    if a.save is not None:
+        o = {k: v for k, v in asdict(opts).items() if k not in ("plot", "workdir")}
+        a.save.write_text(json.dumps({"options": o, "chaos": asdict(chaos), "twin": asdict(twin) if twin else None}))
     report(res, say=lambda s: print(s, file=sys.stderr, flush=True))
     slim = {k: v for k, v in res.items() if k not in ("kill_detail",)}
     print(json.dumps(slim, default=float))

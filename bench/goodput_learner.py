@@ -36,10 +36,10 @@ _ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT / "bench"]
 sys.path.insert(0, str(_ROOT / "examples"))
 
+import charlm  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-import charlm  # noqa: E402
 import gradientmail_core as gm  # noqa: E402
 
 BATCH = 16
@@ -151,7 +151,7 @@ def main() -> None:
     np.savez(a.out / f"{a.learner_id}.npz", **{n: v.detach().numpy() for n, v in model.named_parameters()})
     summary = {"learner": a.learner_id, "steps": steps, "rounds_seen": session.rounds_seen}
     (a.out / f"{a.learner_id}.json").write_text(json.dumps(summary, sort_keys=True))
-    log.write("closed", n=steps)
+    log.write("closed", n=steps, unpublished=unpublished(session))
 
 
 if __name__ == "__main__":
