@@ -621,6 +621,59 @@ def ledger(run: RunData, P: int) -> dict[str, Any]:
     return out
 
 
+def dropped_by_cause(run: RunData, opts: Options) -> dict[str, int]:
+    """The fragment-steps alignments dropped, by what the node was going through: a partition or a
+    freeze (an alignment up to two lease timeouts after it ended: the steps it trained while the
+    commits could not reach it), straggling, its first alignments after a (re)start (``rejoin``), or
+    none of these (``in_flight``: the steps trained while its contribution was on its way, which
+    Overwrite drops in every round)."""
+    out = dict.fromkeys(("partition_or_freeze", "straggling", "rejoin", "in_flight"), 0)
+    spans: dict[str, list[tuple[float, float, str]]] = {n: [] for n in run.nodes}
+    for e in run.fault_log:
+        n = e.get("node")
+        if n in spans and e["kind"] in ("cut", "freeze"):
+            spans[n].append((e["t"], e["until"] + 2 * opts.lease_timeout, "partition_or_freeze"))
+        elif n in spans and e["kind"] == "straggle":
+            spans[n].append((e["t"], e["until"], "straggling"))
+    for n in run.nodes:
+        for inc in incarnations(run.logs[n]):
+            aligned = 0
+            for e in inc:
+                if e["ev"] != "Aligned":
+                    continue
+                aligned += 1
+                if not e.get("dropped"):
+                    continue
+                cause = next((c for a, b, c in spans[n] if a <= e["t"] <= b), None)
+                if cause is None:
+                    cause = "rejoin" if aligned <= opts.fragments and inc[0].get("incarnation", 0) > 0 else "in_flight"
+                out[cause] += e["dropped"]
+    return out
+
+
+def restarts(run: RunData) -> list[dict[str, float]]:
+    """Per kill: seconds from the restart to the process's first line (start-up: Python, torch, the
+    text), to its session's join and to its first step."""
+    out = []
+    for e in run.fault_log:
+        n, back = e.get("node"), e.get("restarted")
+        if n not in run.logs or back is None:
+            continue
+        inc = next((i for i in incarnations(run.logs[n]) if i and i[0]["t"] >= back), None)
+        if inc is None:
+            continue
+        joined = next((x["t"] for x in inc if x["ev"] == "joined"), None)
+        first = next((x["t"] for x in inc if x["ev"] == "step"), None)
+        out.append(
+            {
+                "to_start_s": inc[0]["t"] - back,
+                "to_joined_s": None if joined is None else joined - back,
+                "to_first_step_s": None if first is None else first - back,
+            }
+        )
+    return out
+
+
 def in_window(run: RunData) -> list[int]:
     return [r for r, t in run.seen.items() if run.t0 <= t < run.t1]
 
@@ -762,6 +815,13 @@ def analyse(chaos: RunData, twin: RunData | None, opts: Options) -> dict[str, An
         res["twin_loss"] = twin.losses[-1][2] if twin.losses else None
     res["goodput"] = lc["goodput"]
     res["breakdown"] = lc["shares"]
+    res["dropped_by_cause"] = {k: v / max(lc["computed"], 1) for k, v in dropped_by_cause(chaos, opts).items()}
+    if twin is not None:
+        res["twin_dropped_by_cause"] = {k: v / max(lt["computed"], 1) for k, v in dropped_by_cause(twin, opts).items()}
+    rs = restarts(chaos)
+    for k in ("to_start_s", "to_joined_s", "to_first_step_s"):
+        xs = [r[k] for r in rs if r[k] is not None]
+        res[f"median_restart_{k}"] = statistics.median(xs) if xs else None
     res["ledger"] = {k: v for k, v in lc.items() if isinstance(v, int)}
     kills = kill_recovery(chaos)
     res["kills"] = len(kills)
@@ -975,6 +1035,11 @@ def report(res: dict[str, Any], say=print) -> None:
     say("  where the rest went: " + ", ".join(f"{k} {v:.3f}" for k, v in res["breakdown"].items()))
     if "twin_breakdown" in res:
         say("  twin:                " + ", ".join(f"{k} {v:.3f}" for k, v in res["twin_breakdown"].items()))
+    say("  dropped, by cause:   " + ", ".join(f"{k} {v:.3f}" for k, v in res["dropped_by_cause"].items()))
+    say(
+        f"restart -> process up {f(res['median_restart_to_start_s'])} s, -> joined {f(res['median_restart_to_joined_s'])} s, "
+        f"-> first step {f(res['median_restart_to_first_step_s'])} s (medians)"
+    )
     say(
         f"kills {res['kills']}, recovered {res['kills_recovered']}; median kill->commit {f(res['median_kill_to_commit_s'])} s, "
         f"kill->victim merged {f(res['median_kill_to_victim_merged_s'])} s"
@@ -1036,7 +1101,9 @@ def main() -> None:
                 r["seen"] = {int(k): v for k, v in r["seen"].items()}  # (JSON keys are strings)
         chaos, twin = (RunData(**r) if r else None for r in (raw["chaos"], raw["twin"]))
         assert chaos is not None
-        opts = Options(**{**raw["options"], "plot": a.plot, "workdir": None})
+        # the data parallel models are re-read with this invocation's costs (a sensitivity check)
+        costs = {"elastic_restart_s": a.elastic_restart_s, "elastic_detect_s": a.elastic_detect_s}
+        opts = Options(**{**raw["options"], **costs, "plot": a.plot, "workdir": None})
         res = analyse(chaos, twin, opts)
         if a.plot is not None:
             plot(chaos, twin, opts, a.plot)
