@@ -12,7 +12,7 @@ harness can cut (a partition), slow (delay and rate) and heal, and that can stop
 - ``slow(rtt_ms, mbit)``: every byte arrives ``rtt_ms / 2`` late, each way, and each direction
   moves at most ``mbit``; ``slow(0, None)`` (or ``heal()``) undoes it.
 - ``stop_request(pattern, then)``: the next request whose first line matches ``pattern`` (a
-  ``bytes`` regex, e.g. a PUT of a round record) is held, never forwarded, and ``then()`` is called
+  ``bytes`` regex, e.g. a PUT of a round record) is held, never forwarded, and ``then(match)`` is called
   (the harness kills the node there: a closer dead in the middle of its commit, after its round
   payloads and before its record).
 
@@ -46,7 +46,7 @@ class FaultProxy:
         self._delay = 0.0
         self._rate: float | None = None  # bytes per second per direction; None: unlimited
         self._free_at = {"up": 0.0, "down": 0.0}
-        self._trap: tuple[re.Pattern[bytes], Callable[[], None]] | None = None
+        self._trap: tuple[re.Pattern[bytes], Callable[[bytes], None]] | None = None
         self.stats = {"accepted": 0, "dropped": 0, "held": 0, "cuts": 0, "stopped": 0, "up": 0, "down": 0}
         self._cut_at: float | None = None
         threading.Thread(target=self._accept, name="faults-accept", daemon=True).start()
@@ -83,9 +83,10 @@ class FaultProxy:
         self._delay = rtt_ms / 2000.0
         self._rate = None if mbit is None else mbit * 1e6 / 8
 
-    def stop_request(self, pattern: bytes, then: Callable[[], None]) -> None:
-        """Arm a trap: the next request whose bytes match ``pattern`` is never forwarded; ``then()``
-        runs in its place (once). ``disarm()`` takes the trap back."""
+    def stop_request(self, pattern: bytes, then: Callable[[bytes], None]) -> None:
+        """Arm a trap: the next request whose bytes match ``pattern`` is never forwarded;
+        ``then(match)`` runs in its place (once), with the bytes that matched. ``disarm()`` takes
+        the trap back."""
         self._trap = (re.compile(pattern), then)
 
     def disarm(self) -> None:
@@ -139,11 +140,11 @@ class FaultProxy:
         def read() -> None:
             try:
                 while data := src.recv(PIECE):
-                    if way == "up" and (trap := self._trap) is not None and trap[0].search(data):
+                    if way == "up" and (trap := self._trap) is not None and (m := trap[0].search(data)):
                         self._trap = None
                         with self._lock:
                             self.stats["stopped"] += 1
-                        trap[1]()
+                        trap[1](m.group(0))
                         break  # never forwarded
                     pending.put((time.monotonic(), data))
             except OSError:

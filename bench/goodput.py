@@ -442,7 +442,7 @@ def _chaos(opts: Options, nodes: dict[str, Node], rng: random.Random, watcher: W
             delay = rng.uniform(*opts.restart_s)
             armed = [n for n in nodes.values() if not n.busy]
 
-            def fire(node: Node, entry=entry, armed=armed, delay=delay) -> None:
+            def fire(node: Node, request: bytes, entry=entry, armed=armed, delay=delay) -> None:
                 with lock:
                     if entry["node"] is not None or node.busy:
                         return  # (the request was dropped all the same: its client retries)
@@ -451,11 +451,11 @@ def _chaos(opts: Options, nodes: dict[str, Node], rng: random.Random, watcher: W
                     entry["node"], entry["t"] = node.name, time.time()
                     node.busy = True
                 node.kill()
-                entry["mid_commit"] = _mid_commit(watcher, node)
+                entry["mid_commit"] = _mid_commit(watcher, node, int(re.findall(rb"\d{10}", request)[-1]))
                 later(delay, lambda: restart(node, entry))
 
             for n in armed:
-                n.proxy.stop_request(RECORD_PUT, lambda n=n: fire(n))
+                n.proxy.stop_request(RECORD_PUT, lambda request, n=n: fire(n, request))
 
             def give_up(entry=entry, armed=armed) -> None:
                 with lock:
@@ -484,11 +484,10 @@ def _chaos(opts: Options, nodes: dict[str, Node], rng: random.Random, watcher: W
         fn()
 
 
-def _mid_commit(watcher: Watcher, node: Node) -> dict[str, Any]:
-    """What the store held when the closer died: round payloads of round r without its record."""
+def _mid_commit(watcher: Watcher, node: Node, r: int) -> dict[str, Any]:
+    """What the store held when the closer died making round ``r``'s record: its round payloads,
+    no record, and whose claim is the newest."""
     client, bucket, prefix = watcher.client, watcher.bucket, watcher.prefix
-    head = max(watcher.seen, default=-1)
-    r = head + 1
     blobs = client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/blobs/rounds/{r:010d}/").get("KeyCount", 0)
     rec = client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/rounds/{r:010d}.json").get("KeyCount", 0)
     claims = client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/claims/{r:010d}/").get("Contents", [])
