@@ -16,8 +16,8 @@ harness can cut (a partition), slow (delay and rate) and heal, and that can stop
   (the harness kills the node there: a closer dead in the middle of its commit, after its round
   payloads and before its record).
 
-Counters (``counters()``): connections accepted, dropped by a cut and held in the backlog while cut,
-bytes each way, cuts, requests stopped. Threads, as ``_link.py``; at a node's request rates (tens
+Counters (``counters()``): connections forwarded (``accepted``), connections dropped by a cut
+(``dropped``), cuts, requests stopped, bytes each way (``up``, ``down``). Threads, as ``_link.py``; at a node's request rates (tens
 per second) the proxy's own CPU is small.
 """
 
@@ -47,8 +47,7 @@ class FaultProxy:
         self._rate: float | None = None  # bytes per second per direction; None: unlimited
         self._free_at = {"up": 0.0, "down": 0.0}
         self._trap: tuple[re.Pattern[bytes], Callable[[bytes], None]] | None = None
-        self.stats = {"accepted": 0, "dropped": 0, "held": 0, "cuts": 0, "stopped": 0, "up": 0, "down": 0}
-        self._cut_at: float | None = None
+        self.stats = {"accepted": 0, "dropped": 0, "cuts": 0, "stopped": 0, "up": 0, "down": 0}
         threading.Thread(target=self._accept, name="faults-accept", daemon=True).start()
 
     @property
@@ -117,10 +116,7 @@ class FaultProxy:
                 client, _ = self._server.accept()
             except OSError:
                 return
-            if not self._healed.is_set():  # cut between the wait and the accept: hold it
-                with self._lock:
-                    self.stats["held"] += 1
-                self._healed.wait()
+            self._healed.wait()  # (cut between the wait above and the accept: hold it)
             try:
                 server = socket.create_connection(self.upstream)
             except OSError:

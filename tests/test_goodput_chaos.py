@@ -70,7 +70,12 @@ def test_cut_blackholes_new_connections_until_heal_and_drops_open_ones():
         proxy.heal()
         during.settimeout(5)
         assert during.recv(4) == b"held"  # forwarded once healed
-        stopped = []
+        proxy.slow(rtt_ms=300, mbit=None)  # each way half the round trip: never less (a lower bound only)
+        t = time.monotonic()
+        during.sendall(b"slow")
+        assert during.recv(4) == b"slow" and time.monotonic() - t >= 0.3
+        proxy.heal()
+        stopped: list[bytes] = []
         proxy.stop_request(rb"PUT /b/rounds/\d+\.json", stopped.append)
         trapped = socket.create_connection(("127.0.0.1", proxy.port), timeout=5)
         trapped.sendall(b"PUT /b/rounds/0000000001.json HTTP/1.1\r\n\r\n")
