@@ -32,6 +32,11 @@ _AWS_ENV = {
     "AWS_EC2_METADATA_DISABLED": "true",
 }
 os.environ.update(_AWS_ENV)
+# pytest-xdist's workers set COLUMNS=80 and LINES=24, which a serial run never has: the CLI would
+# squeeze its tables to 80 columns there (and in the processes a test starts) and cut long paths.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _name in ("COLUMNS", "LINES"):
+        os.environ.pop(_name, None)
 
 
 @pytest.fixture(scope="session")
