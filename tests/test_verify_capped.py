@@ -10,15 +10,20 @@ import hashlib
 import json
 import secrets
 
+import numpy as np
 import pytest
+from adversary_sim import SimRun
 from harness import Cluster
-from test_verify import statuses, verify_cli
+from test_verify import _steps, statuses, verifier, verify_cli
 
 import gradientmail_core as gm
 from gradientmail_core import events as ev
 from gradientmail_core.protocol import keys
+from gradientmail_core.protocol.auth import policy
+from gradientmail_core.protocol.guard import GuardedMailbox
 from gradientmail_core.protocol.records import Roster, RoundRecord, decode, encode
 from gradientmail_core.protocol.schedule import draw_order, draw_problem
+from gradientmail_core.protocol.store import RunStore
 from gradientmail_core.syncer import closing
 from gradientmail_core.syncer.verify import MISMATCH, UNVERIFIABLE, VERIFIED
 
@@ -226,3 +231,31 @@ def test_a_capped_record_without_a_roster_or_with_another_rounds_is_a_mismatch(c
     lines = out.splitlines()
     assert f"round {head - 1} merges at most max_contributions=2 but its record names no roster" in lines[0]
     assert f"names {bare.roster.key} as its roster, which is not round {head}'s roster key" in lines[1]
+
+
+def test_a_draw_not_taken_in_a_secret_run_is_named_with_the_mac_that_proves_it(monkeypatch):
+    secret = "s" * 32
+    forged = 4
+    forge_draw(monkeypatch, forged)
+    cfg = gm.DiLoCo(sync_every=2, fragments=2, in_flight=1, quorum_size=3, max_contributions=1)
+    sim = SimRun(cfg, secret=secret)
+    rng = np.random.default_rng(1)
+    params = {"w": rng.standard_normal((4, 3)).astype(np.float32)}
+    for name in "abc":
+        sim.join(name, {k: v.copy() for k, v in params.items()})
+    sim.see_each_other()
+    sim.members = {n: sim.members[n] for n in "bca"}  # the closer ticks last: it lists all three
+    _steps(sim, 16)
+    auth = policy(secret)
+    guard = GuardedMailbox(sim.mailbox, auth=auth)
+    v, head = verifier(guard, auth=auth)
+    assert head > forged
+    checks = {r: v.check_round(r) for r in range(head + 1)}
+    v.close()
+    # (the record is tagged and MAC'd: the roster, outside the record folders, is neither)
+    assert sim.mailbox.list(keys.ROSTERS) and all(c.status == VERIFIED for r, c in checks.items() if r != forged)
+    rec = RunStore(guard, auth=auth).read_record(keys.round_key(forged), RoundRecord)
+    assert rec.mac is not None and decode(sim.mailbox.get(rec.roster.key), Roster).learners == ["a", "b", "c"]
+    check = checks[forged]
+    assert check.status == MISMATCH and check.reason.startswith("not the round's draw: ")
+    assert "MAC verifies under the run secret" in (check.evidence or "")
