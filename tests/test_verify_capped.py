@@ -12,7 +12,7 @@ import secrets
 
 import numpy as np
 import pytest
-from adversary_sim import SimRun
+from adversary_sim import PoisonAdapter, SimRun
 from harness import Cluster
 from test_verify import _steps, statuses, verifier, verify_cli
 
@@ -259,3 +259,25 @@ def test_a_draw_not_taken_in_a_secret_run_is_named_with_the_mac_that_proves_it(m
     check = checks[forged]
     assert check.status == MISMATCH and check.reason.startswith("not the round's draw: ")
     assert "MAC verifies under the run secret" in (check.evidence or "")
+
+
+def test_an_outlier_among_the_drawn_counts_toward_k_and_its_rounds_verify():
+    # One learner's deltas are 50 times the others': drawn, it is accepted and then rejected as an
+    # outlier, which leaves its place taken (the next in the draw is not read).
+    cfg = gm.DiLoCo(sync_every=2, fragments=2, in_flight=1, quorum_size=4, max_contributions=2, outlier_factor=3.0)
+    sim = SimRun(cfg)
+    rng = np.random.default_rng(2)
+    params = {"w": rng.standard_normal((4, 3)).astype(np.float32)}
+    for name in "abcd":
+        copy = {k: v.copy() for k, v in params.items()}
+        sim.join(name, copy, PoisonAdapter(copy, 50.0) if name == "d" else None)
+    sim.see_each_other()
+    sim.members = {n: sim.members[n] for n in "bcda"}  # the closer ticks last: it lists all four
+    _steps(sim, 24)
+    v, head = verifier(sim.mailbox)
+    checks = {r: v.check_round(r) for r in range(head - 7, head + 1)}
+    v.close()
+    recs = {r: decode(sim.mailbox.get(keys.round_key(r)), RoundRecord) for r in checks}
+    outliers = [r for r, rec in recs.items() if any(x.reason == "outlier" for x in rec.rejected)]
+    assert outliers and all(len(recs[r].participants) == 1 for r in outliers)
+    assert all(c.status == VERIFIED for c in checks.values()), {r: c.reason for r, c in checks.items()}

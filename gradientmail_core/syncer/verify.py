@@ -170,12 +170,14 @@ class RoundVerifier:
         if data is None:
             raise _Found(UNVERIFIABLE, f"its roster {ref.key} is gone")
         self.store.bytes_down += len(data)
-        if hashlib.sha256(data).hexdigest() != ref.sha256 or len(data) != ref.size:
+        if hashlib.sha256(data).hexdigest() != ref.sha256:
             raise _Found(
                 UNVERIFIABLE,
                 f"its roster {ref.key} holds {len(data)} bytes that do not hash to the sha256 its record names "
                 "(damaged or replaced in the store)",
             )
+        if len(data) != ref.size:
+            raise _Found(MISMATCH, f"its record says its roster {ref.key} is {ref.size} bytes; it is {len(data)}")
         try:
             roster = decode(data, Roster, key=ref.key)
         except RecordInvalid as e:
