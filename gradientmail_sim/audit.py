@@ -23,6 +23,7 @@ recompute each commit independently:
 from __future__ import annotations
 
 import builtins
+import hashlib
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -36,7 +37,16 @@ from gradientmail_core.errors import GradientMailError
 from gradientmail_core.mailbox import ForwardingMailbox, Mailbox
 from gradientmail_core.protocol import keys
 from gradientmail_core.protocol.rebuild import cast, payload_digest, rebuild_theta, theta_digest
-from gradientmail_core.protocol.records import Claim, Manifest, RoundRecord, Snapshot, chunk_refs, decode, ref_digest
+from gradientmail_core.protocol.records import (
+    Claim,
+    Manifest,
+    Roster,
+    RoundRecord,
+    Snapshot,
+    chunk_refs,
+    decode,
+    ref_digest,
+)
 from gradientmail_core.protocol.run import RunInfo
 from gradientmail_core.protocol.schedule import draw, fragment_of, slot, version_before
 
@@ -170,6 +180,8 @@ class Auditor(Captured):
             rec = self.tape.get(q)
             if rec is None:
                 continue
+            if rec.roster is not None:
+                out[rec.roster.key] = q
             for p in rec.participants:
                 out[keys.snapshot_key(q, p.learner)] = q
                 out.update(dict.fromkeys(self._payload_keys(q, p.learner, p.payload_sha256), q))
@@ -177,6 +189,26 @@ class Auditor(Captured):
             for pref in (prev.theta, prev.outer) if prev is not None else ():
                 out.update(dict.fromkeys((c.key for c in chunk_refs(pref)) if pref is not None else (), q))
         return out
+
+    def _roster(self, rec: RoundRecord, out: list[str]) -> set[str] | None:
+        """The learners of ``rec``'s roster (a capped round's), each of which wrote a snapshot of its
+        round; None without one (or when it does not decode: said in ``out``)."""
+        if rec.roster is None:
+            return None
+        data = self.blobs.get(rec.roster.key)
+        if data is None or hashlib.sha256(data).hexdigest() != rec.roster.sha256:
+            out.append(f"its roster {rec.roster.key} was not written with the bytes the record names")
+            return None
+        try:
+            roster = decode(data, Roster, key=rec.roster.key)
+        except GradientMailError as e:
+            out.append(f"its roster does not decode: {e}")
+            return None
+        if roster.round != rec.round:
+            out.append(f"its roster is round {roster.round}'s")
+        for learner in set(roster.learners) - set(self.snapshots.get(rec.round, {})):
+            out.append(f"its roster names {learner}, which wrote no snapshot for the round")
+        return set(roster.learners)
 
     def _payload_keys(self, r: int, learner: str, digest: str) -> list[str]:
         """The chunk keys of ``learner``'s snapshot of round ``r``, when its payload is ``digest``
@@ -252,7 +284,11 @@ class Auditor(Captured):
         out += self._check_checkpoint(r, rec)
         if out:
             return out
-        for pref in (rec.theta, rec.outer, rec.change, *(rec.contributions or [])):
+        if (rec.roster is None) != (cfg.max_contributions is None):
+            out.append(
+                f"names {'no roster' if rec.roster is None else 'a roster'} in a run with max_contributions={cfg.max_contributions}"
+            )
+        for pref in (rec.theta, rec.outer, rec.change, rec.roster, *(rec.contributions or [])):
             for part in chunk_refs(pref) if pref is not None else []:
                 if part.key not in self.blobs or not self.store.list(part.key):
                     out.append(f"names payload {part.key}, which was not written before the record")
@@ -318,7 +354,10 @@ class Auditor(Captured):
         cap, order = run.cfg.max_contributions, lambda lr: (draw(run.manifest.run_id, r, lr), lr)
         top = max(map(order, [*names, *rejected]), default=None)
         full = cap is not None and len(names) + sum(x == "outlier" for x in rejected.values()) >= cap
+        roster = self._roster(rec, out)
         for learner, (seq, _) in snaps.items():
+            if roster is not None and seq < listed_at and learner not in roster:
+                out.append(f"the snapshot of {learner} was listed before the close but is not in the roster")
             if learner in rejected or learner in names:
                 continue
             if seq < listed_at and not (full and top is not None and order(learner) > top):

@@ -152,23 +152,31 @@ def test_with_max_contributions_a_followers_requests_do_not_grow_with_the_fleet(
 
 
 def test_with_max_contributions_the_round_record_and_the_tape_are_bounded_by_k():
-    capped, uncapped = bill.day(_shape(1000, 16)), bill.day(_shape(1000))
+    shape = _shape(1000, 16)
+    capped, uncapped = bill.day(shape), bill.day(_shape(1000))
     assert capped.tape_growth == pytest.approx(
-        capped.rounds * (bill.ROUND_RECORD + 16 * bill.ROUND_RECORD_PER_PARTICIPANT)
+        capped.rounds * (bill.ROUND_RECORD + 16 * bill.ROUND_RECORD_PER_PARTICIPANT + bill.ROUND_RECORD_ROSTER)
     )
     assert uncapped.tape_growth == pytest.approx(
         uncapped.rounds * (bill.ROUND_RECORD + 1000 * bill.ROUND_RECORD_PER_PARTICIPANT)
     )
-    # Every learner still uploads each round: what is stored differs by the tape alone.
-    assert uncapped.stored - capped.stored == pytest.approx((uncapped.tape_growth - capped.tape_growth) / 2)
-    assert capped.traffic.up == pytest.approx(uncapped.traffic.up - (uncapped.tape_growth - capped.tape_growth))
+    # Every learner still uploads each round: what is stored differs by the tape, and the rosters of
+    # the verify window (a capped round's ids, not in its record) the closer writes.
+    roster = bill.ROSTER + 1000 * bill.ROSTER_PER_LEARNER
+    assert shape.roster == roster
+    assert uncapped.stored - capped.stored == pytest.approx(
+        (uncapped.tape_growth - capped.tape_growth) / 2 - shape.cfg.verify_window * roster
+    )
+    assert capped.traffic.up == pytest.approx(
+        uncapped.traffic.up - (uncapped.tape_growth - capped.tape_growth) + capped.rounds * roster
+    )
 
 
 def test_max_contributions_at_or_above_the_fleet_still_merges_every_contribution():
     # K >= N: the closer reads all N - 1 others, as uncapped; only the listings differ.
     capped, uncapped = bill.closer_round(_shape(16, 64)), bill.closer_round(_shape(16))
     assert capped.requests["GET"] == uncapped.requests["GET"]
-    assert capped.requests["PUT"] == uncapped.requests["PUT"]
+    assert capped.requests["PUT"] == uncapped.requests["PUT"] + 1  # (the round's roster)
 
 
 def test_multipart_and_ranged_reads_are_counted_per_part():
@@ -261,7 +269,8 @@ def test_cost_max_contributions_bounds_what_the_closer_reads():
     assert full["requests"]["GET"] > k32["requests"]["GET"] > k16["requests"]["GET"]
     # Listings do not depend on K: the followers list a page or two, the closer as uncapped.
     assert full["requests"]["LIST"] > 5 * k32["requests"]["LIST"] and k32["requests"]["LIST"] == k16["requests"]["LIST"]
-    assert full["requests"]["PUT"] == k16["requests"]["PUT"]
+    # One PUT more a round, the closer's roster of the ids its draw was taken over.
+    assert k16["requests"]["PUT"] - full["requests"]["PUT"] == pytest.approx(k16["rounds_per_day"])
     assert full["bytes_down"] > k32["bytes_down"] > k16["bytes_down"]
     for store in ("AWS S3 Standard", "Cloudflare R2"):
         assert (

@@ -11,10 +11,12 @@ import pytest
 pytest.importorskip("boto3")
 import boto3  # noqa: E402
 from nodes import Node, same_params, wait_until  # noqa: E402
+from test_verify import verifier  # noqa: E402
 
 import gradientmail_core as gm  # noqa: E402
 from gradientmail_core.protocol import keys  # noqa: E402
 from gradientmail_core.protocol.records import Claim, RoundRecord, decode  # noqa: E402
+from gradientmail_core.syncer.verify import VERIFIED  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -180,7 +182,8 @@ def test_a_capped_fleet_over_s3_loses_its_closer_and_goes_on(tmp_path, s3_server
     """``max_contributions=2`` with four learner processes on moto's S3 over HTTP (every live
     learner's quorum): the followers poll only the round records and the claimant's lease; the
     closer is SIGKILLed, one of them takes over, every round after merges the 2 its draw picks, the
-    survivors end bit-identical."""
+    survivors end bit-identical, and every round of the verify window verifies, its draw taken
+    again over its roster (issue 39)."""
     boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket="capped")
     url = "s3://capped/runs/r1"
     mb = gm.open_mailbox(url, endpoint_url=s3_server)
@@ -203,6 +206,13 @@ def test_a_capped_fleet_over_s3_loses_its_closer_and_goes_on(tmp_path, s3_server
     assert all(1 <= len(r.participants) <= 2 for r in recs)
     assert holder not in {r.closer for r in recs if r.round >= head_at_kill}
     assert (diff := same_params(survivors)) is None, diff
+    assert all(r.roster is not None for r in recs)
+    v, head = verifier(mb)
+    try:
+        checks = [v.check_round(r, head=head) for r in range(head - 7, head + 1)]
+    finally:
+        v.close()
+    assert all(c.status == VERIFIED for c in checks), [(c.round, c.status, c.reason) for c in checks]
 
 
 def test_closer_killed_over_s3_is_taken_over_and_the_run_goes_on(tmp_path, s3_server):

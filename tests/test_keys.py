@@ -46,8 +46,14 @@ def test_blob_keys_round_trip(fragment, r, learner, sha, compression, kind):
     assert (b.kind, b.round, b.sha, b.compression) == (kind, r, sha, compression)
     b = keys.parse_blob_key(keys.snapshot_blob_key(r, learner, sha, compression))
     assert (b.kind, b.round, b.learner, b.sha) == ("snapshot", r, learner, sha)
-    for k in (keys.init_blob_key(fragment, sha, compression), keys.round_blob_key(r, kind, sha, compression)):
-        assert validate_key(k) == k
+    b = keys.parse_blob_key(keys.roster_key(r, sha))
+    assert (b.kind, b.round, b.sha, b.compression) == ("roster", r, sha, "")
+    for k in (
+        keys.init_blob_key(fragment, sha, compression),
+        keys.round_blob_key(r, kind, sha, compression),
+        keys.roster_key(r, sha),
+    ):
+        assert validate_key(k) == k and keys.is_known_key(k)
 
 
 @given(rounds, rounds)
@@ -56,6 +62,7 @@ def test_byte_order_is_numeric_order(a, b):
     assert (keys.claims_prefix(a) < keys.claims_prefix(b)) == (a < b)
     assert (keys.snapshots_prefix(a) < keys.snapshots_prefix(b)) == (a < b)
     assert (keys.round_blobs_prefix(a) < keys.round_blobs_prefix(b)) == (a < b)
+    assert (keys.roster_key(a, "f" * 64) < keys.roster_key(b, "0" * 64)) == (a < b)
 
 
 @given(st.integers(1, keys.MAX_CLAIM), st.integers(1, keys.MAX_CLAIM), rounds)

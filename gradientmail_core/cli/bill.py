@@ -38,15 +38,19 @@ except:
   contributions with the lowest draw: ``min(K, N - 1)`` others' a round (an upper bound: when
   the draw picks the closer's own, it reads ``K - 1``; ``K (N - 1) / N`` on average);
 - the round record lists at most ``K`` participants (its size, and the tape's growth, bounded by
-  ``K``);
+  ``K``) and names the round's roster (``ROUND_RECORD_ROSTER``);
+- the closer writes that roster, the ids its draw was taken over (one PUT of ``ROSTER`` plus
+  ``ROSTER_PER_LEARNER`` bytes a learner), and GC lists ``blobs/rosters/`` (the verify window's,
+  one page) and deletes one; the store holds the window's ``verify_window`` rosters;
 - every other learner (a follower: the model's steady state, the run past its first commit) polls
   with one LIST of ``rounds/`` after the head's record (``FOLLOWER_POLL_KEYS``: one page) and, at
   the lease-listing cadence, lists only the claimant's leases (``CLAIMANT_LEASE_KEYS``) instead of
   all of ``leases/``; it still lists the open round's claims, reads the claim, the round record and
   the commit, writes its contribution and snapshot record and renews its lease.
 
-Every learner still writes its contribution each round, so the PUTs, the bytes up, what the store
-holds and the garbage collection (which lists every snapshot payload) do not change with ``K``.
+Every learner still writes its contribution each round, so the PUTs (but the roster's), the bytes
+up, what the store holds and the garbage collection (which lists every snapshot payload) do not
+change with ``K``.
 """
 
 from __future__ import annotations
@@ -71,6 +75,12 @@ LEASE_RECORD = 94
 ROUND_RECORD = 840  # without participants
 ROUND_RECORD_PER_PARTICIPANT = 157
 LIST_BYTES_PER_KEY = 250
+# With max_contributions: the roster's ref in the round record (a size of four digits), and the
+# roster, ``{"format":1,"learners":[...],"round":r}``: bench/fleet.py's ids of five characters,
+# quoted, and a comma (longer ids cost more).
+ROUND_RECORD_ROSTER = 202
+ROSTER = 37
+ROSTER_PER_LEARNER = 8
 # With max_contributions, a follower's keys per listing: the round records after its head (at most
 # about one a round: one page whatever the poll rate) and the claimant's lease (the renewal writes
 # the new one before it deletes the old: 1-2 keys).
@@ -145,7 +155,13 @@ class RunShape:
     @property
     def round_record(self) -> int:
         """Bytes of a round record."""
-        return ROUND_RECORD + ROUND_RECORD_PER_PARTICIPANT * self.participants
+        roster = ROUND_RECORD_ROSTER if self.capped else 0
+        return ROUND_RECORD + ROUND_RECORD_PER_PARTICIPANT * self.participants + roster
+
+    @property
+    def roster(self) -> int:
+        """Bytes of a capped round's roster (every learner reported); 0 uncapped."""
+        return ROSTER + ROSTER_PER_LEARNER * self.learners if self.capped else 0
 
     @property
     def round_seconds(self) -> float:
@@ -274,6 +290,10 @@ def closer_round(shape: RunShape) -> Traffic:
     _list(t, 1, 1)  # claims/
     _list(t, 1, 2 * cfg.fragments * shape.chunks * 3)  # blobs/rounds/ (theta, outer, change per round)
     doomed = n * (1 + shape.chunks) + 1 + 3 * shape.chunks / every
+    if shape.capped:  # the roster, written before the record; GC lists the window's and deletes one
+        t.add("PUT", 1, up=shape.roster)
+        _list(t, 1, cfg.verify_window + 1)
+        doomed += 1
     t.add("DELETE", math.ceil(doomed / DELETE_BATCH))
     return t
 
@@ -316,5 +336,6 @@ def day(shape: RunShape) -> Day:
         + cfg.fragments * (theta + outer)  # every fragment's newest checkpoint
         + 2 * cfg.fragments * (change + (theta + outer) / every)  # round payloads kept 2P rounds
         + rounds * record / 2  # the tape, over the day
+        + cfg.verify_window * shape.roster  # the window's rosters (capped runs)
     )
     return Day(per_round.scaled(rounds), stored, rounds * record, rounds, learner, closer)

@@ -11,6 +11,7 @@ property test holds us to that. All keys are relative to the mailbox prefix.
     blobs/init/{fragment:03d}-{sha256}.safetensors[.zst]
     blobs/rounds/{round:010d}/{kind}-{sha256}.safetensors[.zst]
     blobs/snapshots/{round:010d}/{learner}/{sha256}.safetensors[.zst]
+    blobs/rosters/{round:010d}-{sha256}.json   a capped round's roster (``records.Roster``)
     barriers/{name}/{generation:010d}/{learner}.json   an arrival at a gm.Barrier (create-once)
     barriers/{name}/{generation:010d}.json             its outcome: released, or timed out
 
@@ -42,6 +43,7 @@ MEMBERS = "members/"  # the membership log of a members-only run: members/{seq:0
 INIT_BLOBS = "blobs/init/"
 ROUND_BLOBS = "blobs/rounds/"
 SNAPSHOT_BLOBS = "blobs/snapshots/"
+ROSTERS = "blobs/rosters/"
 
 EXTENSIONS = {"": ".safetensors", "zstd": ".safetensors.zst"}
 ROUND_BLOB_KINDS = ("theta", "outer", "change")
@@ -64,6 +66,7 @@ _INIT_BLOB_RE = re.compile(rf"blobs/init/(\d{{3}})-({_SHA})({_EXT})")
 _ROUND_BLOB_RE = re.compile(rf"blobs/rounds/(\d{{10}})/(theta|outer|change)-({_SHA})({_EXT})")
 _MEMBER_RE = re.compile(rf"members/(\d{{10}})-({_SHA})\.json")
 _SNAPSHOT_BLOB_RE = re.compile(rf"blobs/snapshots/(\d{{10}})/({_LEARNER})/({_SHA})({_EXT})")
+_ROSTER_RE = re.compile(rf"blobs/rosters/(\d{{10}})-({_SHA})\.json")
 WORK = "work/"  # the work queues' folder (workqueue/keys.py)
 BARRIERS = "barriers/"  # gm.Barrier: one folder per name, one generation per use of it
 MAX_GENERATION = 10**10 - 1
@@ -168,6 +171,13 @@ def snapshot_blob_key(r: int, learner: str, sha: str, compression: str = "") -> 
     return f"{snapshot_blobs_prefix(r)}{validate_learner_id(learner)}/{sha}{_ext(compression)}"
 
 
+def roster_key(r: int, sha: str) -> str:
+    """Round ``r``'s roster (a capped round's draw was taken over it), named by the sha256 of its
+    bytes: the round record names it, so the record's MAC or signature covers it too."""
+    _check_sha(sha)
+    return f"{ROSTERS}{_round(r)}-{sha}.json"
+
+
 def member_key(seq: int, sha: str) -> str:
     """Entry ``seq`` of the membership log, named by the sha256 of its bytes (no one can take the
     name of an entry the owner is about to write)."""
@@ -223,7 +233,7 @@ def lease_role(key: str) -> str | None:
 
 @dataclass(frozen=True)
 class BlobKey:
-    kind: str  # "init", "theta", "outer", "change", "snapshot"
+    kind: str  # "init", "theta", "outer", "change", "snapshot", "roster"
     sha: str
     compression: str
     round: int | None = None
@@ -238,6 +248,8 @@ def parse_blob_key(key: str) -> BlobKey | None:
         return BlobKey(m[2], m[3], compression_of(key), round=int(m[1]))
     if m := _SNAPSHOT_BLOB_RE.fullmatch(key):
         return BlobKey("snapshot", m[3], compression_of(key), round=int(m[1]), learner=m[2])
+    if m := _ROSTER_RE.fullmatch(key):
+        return BlobKey("roster", m[2], "", round=int(m[1]))
     return None
 
 

@@ -28,6 +28,8 @@ MAX_RECORD_BYTES = 1 << 20
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_LIST = 100_000
 MAX_INT = 2**63 - 1
+MAX_ROSTER = 1_000_000  # learners a roster names
+MAX_ROSTER_BYTES = MAX_ROSTER * 67 + 64  # (an id is at most 64 characters, quoted, and a comma)
 
 _SHA = re.compile(r"[0-9a-f]{64}")
 _NONCE = re.compile(r"[0-9a-f]{8,64}")
@@ -233,11 +235,27 @@ class RoundRecord(Signed):
     checkpoint: int | None = field(default=None, metadata=_meta(min=0, omit=True))
     outer_digest: str | None = field(default=None, metadata=_meta(pattern=_SHA, omit=True))
     contributions: list[PayloadRef] | None = field(default=None, metadata=_meta(min_len=1, max_len=MAX_LIST, omit=True))
+    # Under ``max_contributions`` (docs/protocol.md section 12): the ``Roster`` the closer took the
+    # round's draw over, by key, sha256 and size (its ids are not inline: the record's size does not
+    # grow with the fleet). Left out when unset, so the records of uncapped runs keep their bytes.
+    roster: PayloadRef | None = field(default=None, metadata=_meta(omit=True))
 
     @property
     def is_checkpoint(self) -> bool:
         """Does this record name the full parameters and outer state (else: replayed from ``checkpoint``)?"""
         return self.checkpoint is None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Roster:
+    """The learners a capped round's closer took its draw over (``DiLoCo.max_contributions``):
+    those whose snapshot records it listed for round ``round`` (or had judged), ascending, less any
+    it ignored (signed by no member: in no record). Stored at ``keys.roster_key`` under the sha256 of
+    these bytes; the round record's ``roster`` names it. Unsigned: the signed record binds it."""
+
+    round: int = nonneg()
+    learners: list[str] = field(metadata=_meta(pattern=_LEARNER, max_len=MAX_ROSTER))
+    format: int = FORMAT
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -259,7 +277,7 @@ class MemberEntry:
 
 R = TypeVar("R")
 
-_LIMITS = {Manifest: MAX_MANIFEST_BYTES}
+_LIMITS = {Manifest: MAX_MANIFEST_BYTES, Roster: MAX_ROSTER_BYTES}
 
 
 def to_dict(record: Any) -> dict[str, Any]:

@@ -8,6 +8,7 @@ fragment's version is the number of its rounds already committed.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Collection, Iterable, Sequence
 
 
 def fragment_of(r: int, P: int) -> int:
@@ -65,3 +66,41 @@ def draw(run_id: str, r: int, learner: str) -> int:
     contributions with the lowest numbers; ties (never, in practice) go to the lower id."""
     h = hashlib.sha256(f"gradientmail/draw\0{run_id}\0{r}\0{learner}".encode()).digest()
     return int.from_bytes(h[:8], "big")
+
+
+def draw_order(run_id: str, r: int, learners: Iterable[str]) -> list[str]:
+    """``learners`` in round ``r``'s draw order: ascending ``draw``, ties to the lower id."""
+    return sorted(learners, key=lambda lr: (draw(run_id, r, lr), lr))
+
+
+def draw_problem(order: Sequence[str], cap: int, counted: Collection[str], refused: Collection[str]) -> str | None:
+    """Why a capped round's judged contributions are not what its draw takes; None if they are.
+
+    ``order``: the roster in draw order (``draw_order``); ``counted``: the contributions accepted
+    (merged, or accepted and then rejected as outliers); ``refused``: those rejected when judged.
+    The draw takes the shortest prefix of ``order`` that holds ``cap`` counted ones (all of
+    ``order`` when it holds fewer): every learner of that prefix is counted or refused (a refused
+    one is replaced by the next), and none after it, nor any outside the roster, is either.
+    """
+    taken, end = 0, len(order)
+    for i, lr in enumerate(order):
+        if taken >= cap:
+            end = i
+            break
+        if lr in counted:
+            taken += 1
+        elif lr not in refused:
+            return (
+                f"{lr}, place {i + 1} of {len(order)} in the draw over the roster, was neither merged nor "
+                f"rejected while {taken} of max_contributions={cap} were accepted"
+            )
+    reach = set(order[:end])
+    for lr in sorted({*counted, *refused} - reach):
+        what = "merged" if lr in counted else "rejected"
+        if lr not in order:
+            return f"{lr} was {what} but is not in the roster the draw was taken over"
+        return (
+            f"{lr}, place {order.index(lr) + 1} of {len(order)} in the draw over the roster, was {what} past "
+            f"the {cap} accepted before it (max_contributions={cap})"
+        )
+    return None

@@ -14,8 +14,8 @@ from ..errors import ProtocolError, RecordInvalid
 from ..mailbox import CreateOutcome
 from ..mailbox.contract import write_stream
 from ..protocol import keys
-from ..protocol.records import RoundRecord
-from ..protocol.schedule import draw, fragment_of
+from ..protocol.records import Roster, RoundRecord, encode
+from ..protocol.schedule import draw_order, fragment_of
 from ..protocol.store import RunStore
 from .collector import IGNORED, Collector
 from .commit import Commit, FragmentState
@@ -101,8 +101,7 @@ class Closing:
         are accepted, each batch's records, then payloads, fetched together; a rejected one is replaced
         by the next in the draw. The draw is taken again at every attempt (lower draws may have been
         listed since): judgements past the ``cap``-th accepted are dropped. True if one is accepted."""
-        run_id = self.state.run.manifest.run_id
-        order = sorted(reported | set(c.judged), key=lambda lr: (draw(run_id, c.round, lr), lr))
+        order = draw_order(self.state.run.manifest.run_id, c.round, reported | set(c.judged))
 
         def unjudged_in_reach() -> list[str]:
             accepted, todo = 0, list[str]()
@@ -133,6 +132,9 @@ class Closing:
             if (j := c.judged.pop(lr, None)) is not None and j.snapshot is not None:
                 c.forget(j.snapshot)
         if c.accepted():
+            # What the record names (``Roster``): every learner the draw was taken over, less those
+            # ignored (signed by no member), so a reader can take the draw again.
+            c.roster = sorted(lr for lr in order if (j := c.judged.get(lr)) is None or j.reason != IGNORED)
             return True
         c.retry_unreadable()
         return False
@@ -150,10 +152,16 @@ class Closing:
 
     def merge(self, c: Collector, live: int) -> tuple[Commit, RoundRecord]:
         """The commit of ``c``'s round and its record: the payloads written as they are hashed (the
-        next one hashes during this write); the record not yet."""
+        next one hashes during this write), and a capped round's roster; the record not yet."""
         self._started = self.clock.now()
         commit = c.commit(compression=self.compression, write=self.store.put_blob)
-        rec = c.record(commit, closer=self.state.me, live=live, now=self._started, sync_seconds=self.last_sync)
+        roster = None
+        if c.roster is not None:  # (a capped round: its roster is written before the record names it)
+            data = encode(Roster(round=c.round, learners=c.roster))
+            roster = self.store.put_payload(lambda sha: keys.roster_key(c.round, sha), data)
+        rec = c.record(
+            commit, closer=self.state.me, live=live, now=self._started, sync_seconds=self.last_sync, roster=roster
+        )
         return commit, rec
 
     def write(self, commit: Commit, rec: RoundRecord) -> RoundRecord | None:

@@ -15,7 +15,7 @@ from ..aggregators.merge import contribution_weight
 from ..errors import MailboxUnavailable, RecordInvalid
 from ..protocol import keys
 from ..protocol.members import SignatureInvalid
-from ..protocol.records import Participant, Rejection, RoundRecord, Snapshot, chunk_refs, ref_digest
+from ..protocol.records import Participant, PayloadRef, Rejection, RoundRecord, Snapshot, chunk_refs, ref_digest
 from ..protocol.run import RunInfo
 from ..protocol.schedule import fragment_of, gap, nominal_step, version_before
 from ..protocol.store import RunStore
@@ -51,6 +51,8 @@ class Collector:
     judged: dict[str, Judged] = field(default_factory=dict)
     quorum_at: float | None = None
     grace: float = 0.0
+    # With ``max_contributions``: the learners the draw was last taken over (``Closing._judge_drawn``).
+    roster: list[str] | None = None
 
     @property
     def fragment(self) -> int:
@@ -186,10 +188,19 @@ class Collector:
                 f"{lost.reason}, the round closes on the next poll if it still may"
             ) from lost
 
-    def record(self, commit: Commit, *, closer: str, live: int, now: float, sync_seconds: float | None) -> RoundRecord:
+    def record(
+        self,
+        commit: Commit,
+        *,
+        closer: str,
+        live: int,
+        now: float,
+        sync_seconds: float | None,
+        roster: PayloadRef | None = None,
+    ) -> RoundRecord:
         """The round record of ``commit`` (of this round's accepted contributions) written by
         ``closer`` at ``now``: the participants, the rejections, the payloads' refs and digests,
-        the timings."""
+        the timings, and ``roster`` (a capped round's, written)."""
         st, run, cfg = self.state, self.run, self.run.cfg
         merged = self.merged()
         e = self.estimates
@@ -237,4 +248,5 @@ class Collector:
             checkpoint=commit.checkpoint,
             outer_digest=commit.outer_digest,
             contributions=None if commit.checkpoint is None else [s.payload for _, s in merged],
+            roster=roster,
         )

@@ -13,10 +13,10 @@ class GarbageCollector:
         self.store, self.state = store, state
 
     def collect(self, r: int) -> None:
-        """After committing r: snapshot records and claims of rounds <= r, leases abandoned long ago, and
-        the payloads no reader needs: snapshot payloads of rounds <= r and round payloads of rounds
-        <= r - 2P, except what a recovery replays (``_checkpoint_rounds``) and what verifying the newest
-        rounds needs (``_window``)."""
+        """After committing r: snapshot records, rosters and claims of rounds <= r, leases abandoned long
+        ago, and the payloads no reader needs: snapshot payloads of rounds <= r and round payloads of
+        rounds <= r - 2P, except what a recovery replays (``_checkpoint_rounds``) and what verifying the
+        newest rounds needs (``_window``)."""
         store, s = self.store, self.state
         P = s.run.P
         ck = self._checkpoint_rounds()
@@ -36,6 +36,13 @@ class GarbageCollector:
                 and b.round < contributions_from
             ):
                 doomed.append(k)
+        if s.run.cfg.max_contributions is not None:
+            # A capped round's roster goes with its snapshot records (what checking its draw reads
+            # besides the record), and so do the rosters of closes given up (no record names them).
+            for k in store.keys(keys.ROSTERS):
+                b = keys.parse_blob_key(k)
+                if b is None or (b.round is not None and b.round <= r and b.round < records_from):
+                    doomed.append(k)
         for k in store.keys(keys.CLAIMS):
             parsed = keys.parse_claim_key(k)
             if parsed is None or parsed[0] <= r:
@@ -60,8 +67,8 @@ class GarbageCollector:
 
     def _window(self, r: int) -> tuple[int, int, int]:
         """What verifying each of the newest ``W = verify_window`` rounds (``r - W + 1`` to ``r``)
-        needs, as the first round of each kind kept: ``(snapshot records, snapshot payloads, round
-        payloads)`` (``docs/protocol.md`` section 11, "The window"). ``W = 0``: nothing more than
+        needs, as the first round of each kind kept: ``(snapshot records and rosters, snapshot
+        payloads, round payloads)`` (``docs/protocol.md`` section 11, "The window"). ``W = 0``: nothing more than
         the run needs (every bound past ``r``)."""
         cfg = self.state.run.cfg
         w = cfg.verify_window

@@ -6,6 +6,7 @@ and ``unverifiable`` mean) are in ``docs/protocol.md`` section 11 and ``docs/sec
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -16,9 +17,9 @@ from ..errors import MailboxUnavailable, PayloadCorrupt, ProtocolError, RecordIn
 from ..protocol import identity as ids
 from ..protocol import keys
 from ..protocol.members import signature_ok
-from ..protocol.records import PayloadRef, RoundRecord, Snapshot, decode, ref_digest
+from ..protocol.records import PayloadRef, Roster, RoundRecord, Snapshot, decode, ref_digest
 from ..protocol.run import RunInfo
-from ..protocol.schedule import round_of, slot, version_before
+from ..protocol.schedule import draw_order, draw_problem, round_of, slot, version_before
 from ..protocol.store import RunStore
 from ..protocol.tape import schedule_problem
 from .commit import FragmentState
@@ -95,6 +96,7 @@ class RoundVerifier:
         down = self.store.bytes_down
         theta_out = None
         try:
+            self._draw(rec)  # (before the merge: a round merged from the wrong learners is named as such)
             refs = self._inputs(rec)
             state = self._state_before(rec, theta)
             commit = recompute(self.merger, self.store, self.run, state, rec, refs)
@@ -149,6 +151,47 @@ class RoundVerifier:
                 )
             out.append(listed if listed is not None else snap.payload)  # type: ignore[union-attr]
         return out
+
+    def _draw(self, rec: RoundRecord) -> None:
+        """Under ``max_contributions``: the participants and the rejected are the learners the round's
+        draw over its roster takes (``schedule.draw_problem``). The roster is read by the key its
+        record names and must hash to the sha256 it names; a record without one, or a roster that
+        hashes right but is not one for this round, is the closer's (its record binds those bytes)."""
+        cap = self.run.cfg.max_contributions
+        if cap is None:
+            return
+        ref, r = rec.roster, rec.round
+        if ref is None:
+            raise _Found(MISMATCH, f"round {r} merges at most max_contributions={cap} but its record names no roster")
+        b = keys.parse_blob_key(ref.key)
+        if b is None or (b.kind, b.round, b.sha) != ("roster", r, ref.sha256):
+            raise _Found(MISMATCH, f"its record names {ref.key} as its roster, which is not round {r}'s roster key")
+        data = self.store.mailbox.get(ref.key)
+        if data is None:
+            raise _Found(UNVERIFIABLE, f"its roster {ref.key} is gone")
+        self.store.bytes_down += len(data)
+        if hashlib.sha256(data).hexdigest() != ref.sha256:
+            raise _Found(
+                UNVERIFIABLE,
+                f"its roster {ref.key} holds {len(data)} bytes that do not hash to the sha256 its record names "
+                "(damaged or replaced in the store)",
+            )
+        if len(data) != ref.size:
+            raise _Found(MISMATCH, f"its record says its roster {ref.key} is {ref.size} bytes; it is {len(data)}")
+        try:
+            roster = decode(data, Roster, key=ref.key)
+        except RecordInvalid as e:
+            raise _Found(MISMATCH, f"its roster does not decode: {e}") from None
+        if roster.round != r or roster.learners != sorted(set(roster.learners)):
+            raise _Found(
+                MISMATCH, f"its roster {ref.key} is not round {r}'s, or its ids are not ascending and distinct"
+            )
+        counted = {p.learner for p in rec.participants} | {x.learner for x in rec.rejected if x.reason == "outlier"}
+        refused = {x.learner for x in rec.rejected if x.reason != "outlier"}
+        order = draw_order(self.run.manifest.run_id, r, roster.learners)
+        problem = draw_problem(order, cap, counted, refused)
+        if problem is not None:
+            raise _Found(MISMATCH, f"not the round's draw: {problem}")
 
     def _snapshot(self, r: int, learner: str) -> Snapshot | None:
         """``learner``'s snapshot record of round ``r``, authenticated as its learner wrote it (a
