@@ -12,6 +12,7 @@ import itertools
 import logging
 import os
 import secrets
+import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,33 @@ os.environ.update(_AWS_ENV)
 if os.environ.get("PYTEST_XDIST_WORKER"):
     for _name in ("COLUMNS", "LINES"):
         os.environ.pop(_name, None)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    """Every process a test started and left running is killed when the test ends, passed or failed:
+    a failed assertion in a multi-process test otherwise leaves its learners waiting for a closer
+    forever, loading the machine under every test after it. (Only the call: a module's fixture may
+    start a cluster its tests share.)"""
+    started: list[subprocess.Popen[Any]] = []
+    init = subprocess.Popen.__init__
+
+    def tracked(self: subprocess.Popen[Any], *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        started.append(self)
+
+    subprocess.Popen.__init__ = tracked  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        subprocess.Popen.__init__ = init  # type: ignore[method-assign]
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
 
 
 @pytest.fixture(scope="session")
