@@ -27,9 +27,10 @@ def _check() -> dict[str, str]:
     for layer in model:
         fully_shard(layer)
     fully_shard(model)
-    ok = dict(sync_every=4, fragments=2, chunk_elements=64)
+    ok = dict(sync_every=4, fragments=2, chunk_elements=64, alignment=gm.Overwrite())
     cases = {
         "role_both": (dict(ok), {"role": "both"}),  # accepted: a sharded node closes rounds too
+        "default_alignment": (dict(sync_every=4, fragments=2, chunk_elements=64), {}),
         "whole_fragments": ({**ok, "chunk_elements": None}, {}),
         "checkpoint_every": ({**ok, "commit_dtype": "F4", "checkpoint_every": 4}, {}),
         "carry": ({**ok, "alignment": gm.Carry()}, {}),
@@ -83,7 +84,9 @@ def test_a_sharded_node_refuses_what_it_does_not_do_yet_and_says_what_to_do():
     assert got["role_both"] == "accepted"
     assert "chunk_elements=None" in got["whole_fragments"]
     assert "checkpoint_every=4" in got["checkpoint_every"] and "checkpoint_every=1" in got["checkpoint_every"]
-    assert "gm.Overwrite()" in got["carry"]
+    assert "gm.Overwrite()" in got["carry"] and "(the default)" not in got["carry"]
+    assert "Adaptive(" in got["default_alignment"] and "(the default)" in got["default_alignment"]
+    assert "alignment=gm.Overwrite()" in got["default_alignment"]
     assert "error_feedback=True" in got["error_feedback"]
     assert "gap_projection=True" in got["gap_projection"] and "without it" in got["gap_projection"]
     assert "stores whole fragments" in got["old_run"] and "chunk size" in got["old_run"]
