@@ -15,7 +15,7 @@ from ..adapters.handles import Contribution, Incoming
 from ..adapters.torch_sharded import ShardedParams, ShardingUnsupported
 from ..codec.payload import PayloadStream
 from ..codec.quant import QTensor
-from ..config import DEFAULT_ALIGNMENT, Adaptive, Carry, DiLoCo
+from ..config import Adaptive, Carry, DiLoCo
 from ..errors import SessionFailed
 from ..protocol.records import PayloadRef, join_refs
 from .rank_io import Captured, RankIO
@@ -51,10 +51,11 @@ def check_config(cfg: DiLoCo) -> None:
             "checkpoint_every=1 (the default)"
         )
     if isinstance(cfg.alignment, Carry | Adaptive):
-        default = " (the default)" if cfg.alignment == DEFAULT_ALIGNMENT else ""
         raise ShardingUnsupported(
-            f"alignment={cfg.alignment!r}{default} is not supported by sharded nodes yet (each rank would keep "
-            "the snapshot of the chunks it owns): pass alignment=gm.Overwrite() or gm.Blend(mixing)"
+            f"alignment={cfg.alignment!r} is not supported by sharded nodes yet (each rank would keep the "
+            "snapshot of the chunks it owns): a sharded node creates its run with gm.Overwrite() when the rule "
+            "is left at its default, and joins runs of gm.Overwrite() or gm.Blend(mixing); pass one of those "
+            "(to the node that creates the run, too)"
         )
     if cfg.gap_projection:
         raise ShardingUnsupported(
