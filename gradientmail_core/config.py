@@ -224,7 +224,10 @@ class DiLoCo:
         if not isinstance(self.mixing, int | float) or not 0.0 <= self.mixing < 1.0:
             raise bad(f"mixing={self.mixing!r}: expected a number in [0, 1)")
         if self.alignment is None:
-            object.__setattr__(self, "alignment", Blend(mixing=self.mixing) if self.mixing else DEFAULT_ALIGNMENT)
+            # Under a cap most contributions are in no commit: carrying their late steps cost loss
+            # there (bench/README.md, section 6), so a capped run left at the default overwrites.
+            rule = Overwrite() if self.max_contributions is not None else DEFAULT_ALIGNMENT
+            object.__setattr__(self, "alignment", Blend(mixing=self.mixing) if self.mixing else rule)
         if not isinstance(self.alignment, Overwrite | Blend | Carry | Adaptive):
             raise bad(
                 f"alignment={self.alignment!r}: expected gm.Overwrite(), gm.Blend(m), gm.Carry() or gm.Adaptive()"

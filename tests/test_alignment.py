@@ -72,6 +72,16 @@ def test_the_default_rule_is_adaptive_and_a_new_manifest_names_it():
         gm.DiLoCo(sync_every=8, fragments=2, alignment=gm.Overwrite()).check_matches(manifest)
 
 
+def test_a_capped_run_left_at_the_default_overwrites():
+    # Under max_contributions most steps are in no commit; carrying them cost loss (bench/README.md,
+    # section 6), so the default there is Overwrite, and its manifest reads back as what it is.
+    cfg = gm.DiLoCo(sync_every=8, fragments=2, max_contributions=2)
+    assert cfg.alignment == gm.Overwrite() and "alignment" not in cfg.to_dict()
+    assert gm.DiLoCo.from_dict(cfg.to_dict()) == cfg
+    named = gm.DiLoCo(sync_every=8, fragments=2, max_contributions=2, alignment=gm.Adaptive())
+    assert named.alignment == gm.Adaptive()  # a rule named is kept
+
+
 def test_mixing_without_a_rule_is_still_blend():
     cfg = gm.DiLoCo(sync_every=8, fragments=2, mixing=0.5)
     assert cfg.alignment == gm.Blend(mixing=0.5) and "alignment" not in cfg.to_dict()
