@@ -19,8 +19,8 @@ Arms:
   straggler's),
 - two sets of quantized arms, each against its own F32 arm, same lrs (``--arms 'textbook-*'``):
   ``textbook-*``: textbook DiLoCo as a new user would try it (``fragments=1, in_flight=1,
-  overlap_steps=0``, no mixing, ``WeightedMean``, quorum 4, ``sync_every=20``, 4 learners in
-  lockstep); ``streaming-*``: Streaming DiLoCo (5 fragments, H=50, overlap 5 steps, mixing 0.5).
+  overlap_steps=0``, no mixing, ``gm.Overwrite()``, ``WeightedMean``, quorum 4, ``sync_every=20``,
+  4 learners in lockstep); ``streaming-*``: Streaming DiLoCo (5 fragments, H=50, overlap 5 steps, mixing 0.5).
   Each set has ``-F32``, ``-F4``, ``-F4-EF``, ``-I2``, ``-I2-EF`` (deltas in that dtype, ``-EF``
   with error feedback), ``-frontier``: ``gm.DiLoCo.frontier`` (I2 deltas and commits, error
   feedback, ``checkpoint_every=10``, ``gap_projection``: the bytes of ``traffic.py --goal``),
@@ -90,7 +90,17 @@ RULES = {"overwrite": gm.Overwrite(), "blend": gm.Blend(mixing=0.5), "carry": gm
 def arm_configs(args: argparse.Namespace) -> list[tuple[str, gm.DiLoCo, list[int]]]:
     """Every arm but data parallel: (name, config, time units per step of each learner)."""
     outer = dict(outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
-    standard = dict(fragments=1, in_flight=1, overlap_steps=0, merge=gm.WeightedMean(), quorum_size=LEARNERS, **outer)
+    # Overwrite: what these arms' figures were measured with (in lockstep behind a barrier, Carry's
+    # bits too); ``-cap2`` is the arm whose undrawn learners drop their steps.
+    standard = dict(
+        fragments=1,
+        in_flight=1,
+        overlap_steps=0,
+        merge=gm.WeightedMean(),
+        quorum_size=LEARNERS,
+        alignment=gm.Overwrite(),
+        **outer,
+    )
     sets = {
         "textbook": gm.DiLoCo(sync_every=20, **standard),
         "streaming": gm.DiLoCo(
@@ -124,12 +134,12 @@ def arm_configs(args: argparse.Namespace) -> list[tuple[str, gm.DiLoCo, list[int
             (f"{s}-cap2-carry", replace(base, max_contributions=2, mixing=0.0, alignment=gm.Carry()), lockstep),
         ]
     # The alignment rules, F32 deltas, in each set and in the config a user gets by default
-    # (``gm.DiLoCo(sync_every=50, fragments=5)``: overlap unbounded, quorum 1, RDA, Overwrite).
+    # (``gm.DiLoCo(sync_every=50, fragments=5)``: overlap unbounded, quorum 1, RDA; each rule named).
     groups = {**sets, "default": gm.DiLoCo(sync_every=50, fragments=5, **outer)}
     for s, base in groups.items():
         for rule, alignment in RULES.items():
             arms.append((f"{s}-rule-{rule}", replace(base, mixing=0.0, alignment=alignment), lockstep))
-    hetero = gm.DiLoCo(sync_every=20, fragments=4, quorum_size=3, **outer)
+    hetero = gm.DiLoCo(sync_every=20, fragments=4, quorum_size=3, alignment=gm.Overwrite(), **outer)
     arms += [
         ("decoupled-hetero", hetero, straggler),
         ("align-blend", replace(hetero, alignment=gm.Blend(mixing=0.5)), straggler),

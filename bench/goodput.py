@@ -69,7 +69,7 @@ class Options:
     step_ms: float = 200.0
     sync_every: int = 32
     fragments: int = 2
-    alignment: str = "overwrite"
+    alignment: str = "default"  # the library's (gm.Adaptive()), what a user who names none gets
     overlap: int | None = None
     lease_timeout: float = 4.0
     poll_interval: float = 0.1
@@ -856,7 +856,7 @@ def analyse(chaos: RunData, twin: RunData | None, opts: Options) -> dict[str, An
         "seed": opts.seed,
         "step_ms": opts.step_ms,
         "algorithm": f"gm.DiLoCo(sync_every={opts.sync_every}, fragments={opts.fragments}"
-        + (f", alignment={opts.alignment}" if opts.alignment != "overwrite" else "")
+        + (f", alignment={opts.alignment}" if opts.alignment != "default" else "")
         + (f", overlap_steps={opts.overlap}" if opts.overlap is not None else "")
         + ")",
         "lease_timeout": opts.lease_timeout,
@@ -1059,7 +1059,7 @@ def main() -> None:
     p.add_argument("--step-ms", type=float, default=d.step_ms)
     p.add_argument("--sync-every", type=int, default=d.sync_every)
     p.add_argument("--fragments", type=int, default=d.fragments)
-    p.add_argument("--alignment", default=d.alignment, choices=("overwrite", "carry", "adaptive"))
+    p.add_argument("--alignment", default=d.alignment, choices=("default", "overwrite", "carry", "adaptive"))
     p.add_argument("--overlap", type=int, default=None)
     p.add_argument("--lease-timeout", type=float, default=d.lease_timeout)
     p.add_argument("--poll-interval", type=float, default=d.poll_interval)

@@ -16,8 +16,8 @@ its parameters (``{id}.npz``) and a summary (``{id}.json``) under ``--out``.
 
 The algorithm is what ``README.md`` and ``docs/options.md`` tell a user to write:
 ``gm.DiLoCo(sync_every=H, fragments=P)`` with every other option at its default (RDA, quorum 1,
-``in_flight=min(2, P)``, no ``overlap_steps``, ``gm.Overwrite()`` alignment). ``--alignment`` and
-``--overlap`` exist to compare, and the harness reports which ran.
+``in_flight=min(2, P)``, no ``overlap_steps``, the default alignment, ``gm.Adaptive()``).
+``--alignment`` and ``--overlap`` exist to compare, and the harness reports which ran.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ BATCH = 16
 LR = 3e-3
 
 
-def algorithm(sync_every: int, fragments: int, alignment: str = "overwrite", overlap: int | None = None) -> gm.DiLoCo:
-    rules = {"overwrite": gm.Overwrite(), "carry": gm.Carry(), "adaptive": gm.Adaptive()}
+def algorithm(sync_every: int, fragments: int, alignment: str = "default", overlap: int | None = None) -> gm.DiLoCo:
+    rules = {"default": None, "overwrite": gm.Overwrite(), "carry": gm.Carry(), "adaptive": gm.Adaptive()}
     return gm.DiLoCo(sync_every=sync_every, fragments=fragments, alignment=rules[alignment], overlap_steps=overlap)
 
 
@@ -98,7 +98,7 @@ def main() -> None:
     p.add_argument("--step-ms", type=float, default=200.0)
     p.add_argument("--sync-every", type=int, default=32)
     p.add_argument("--fragments", type=int, default=2)
-    p.add_argument("--alignment", default="overwrite", choices=("overwrite", "carry", "adaptive"))
+    p.add_argument("--alignment", default="default", choices=("default", "overwrite", "carry", "adaptive"))
     p.add_argument("--overlap", type=int, default=None)
     p.add_argument("--lease-timeout", type=float, default=4.0)
     p.add_argument("--poll-interval", type=float, default=0.1)

@@ -507,7 +507,10 @@ def _batch(seed: int, rank: int, step: int, device: str) -> tuple[Any, Any]:
 def _algorithm() -> Any:
     import gradientmail_core as gm
 
-    return gm.DiLoCo(sync_every=4, fragments=2, overlap_steps=0, quorum_size=2, chunk_elements=CHUNK)
+    # Overwrite: a sharded node does not carry local steps across commits yet (gm.Adaptive(), the default)
+    return gm.DiLoCo(
+        sync_every=4, fragments=2, overlap_steps=0, quorum_size=2, chunk_elements=CHUNK, alignment=gm.Overwrite()
+    )
 
 
 def _options(w: argparse.Namespace, role: str) -> dict[str, Any]:

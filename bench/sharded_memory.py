@@ -128,6 +128,7 @@ def worker(args: argparse.Namespace) -> None:
             chunk_elements=args.chunk,
             delta_dtype=args.delta_dtype,
             quorum_size=1,
+            alignment=gm.Overwrite(),  # a sharded node does not carry local steps yet
         )
         session = gm.Session(
             net,
@@ -230,7 +231,7 @@ torch.manual_seed(0)
 layers = max(1, round({args.params} / ({WIDTH} * {WIDTH} + {WIDTH})))
 net = torch.nn.Sequential(*[torch.nn.Linear({WIDTH}, {WIDTH}) for _ in range(layers)])
 cfg = gm.DiLoCo(sync_every={args.sync_every}, fragments={args.fragments}, chunk_elements={args.chunk},
-                delta_dtype={args.delta_dtype!r}, quorum_size=1)
+                delta_dtype={args.delta_dtype!r}, quorum_size=1, alignment=gm.Overwrite())
 with gm.Session(net, algorithm=cfg, mailbox=gm.FileMailbox({mailbox!r}), learner_id="creator", role="learner",
                 callbacks=[]):
     pass

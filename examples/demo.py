@@ -15,7 +15,8 @@ What happens:
    its delta in 2-bit I2 with error feedback, the closer publishes each commit as an F4 change
    with the full parameters every 10th version, and every payload is zstd-compressed
    (``compression="zstd"``). A commit keeps half of each learner's own parameters
-   (``mixing=0.5``, Streaming DiLoCo's; ``--mixing 0`` overwrites them). ``--f32`` trains with
+   (``mixing=0.5``, Streaming DiLoCo's; ``--mixing 0`` leaves it to the default rule,
+   ``gm.Adaptive()``). ``--f32`` trains with
    plain F32 deltas and full commits instead.
 2. A live view shows the rounds committed, the fragment versions, who contributed to each
    round, each learner's loss, speed and traffic, and what happens.
@@ -415,7 +416,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--mixing",
         type=float,
-        help="share of its own parameters a learner keeps at a commit (default 0.5; 0: overwrite)",
+        help="share of its own parameters a learner keeps at a commit (default 0.5; 0: gm.Adaptive())",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", help="where the mailbox, logs and plot go (default: a new temporary directory)")

@@ -76,8 +76,9 @@ class Strided:
 
 @dataclass(frozen=True, kw_only=True)
 class Overwrite:
-    """Alignment default: a commit replaces the fragment, dropping the local steps taken since
-    this learner's contribution (they were not in the merge)."""
+    """A commit replaces the fragment, dropping the local steps taken since this learner's
+    contribution (they were not in the merge). The default before ``Adaptive``: what a manifest
+    without an ``alignment`` (and without ``mixing``) means."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": "overwrite"}
@@ -114,7 +115,7 @@ class Adaptive:
     """Carry while the learners agree, Overwrite while they do not, per fragment: a commit whose
     mean pairwise cosine is at least ``carry_above`` switches the fragment to Carry, one at most
     ``overwrite_below`` back to Overwrite; in between (and with one contributor, no cosine) the
-    fragment keeps its rule. It starts on Overwrite."""
+    fragment keeps its rule. It starts on Overwrite. The default (``DEFAULT_ALIGNMENT``)."""
 
     carry_above: float = 0.3
     overwrite_below: float = 0.1
@@ -138,6 +139,11 @@ class Adaptive:
 Merge = WeightedMean | RDA
 Partition = Balanced | Strided
 Alignment = Overwrite | Blend | Carry | Adaptive
+# The rule of a config given neither ``alignment`` nor ``mixing``: with Carry, the most computed
+# steps reaching a commit, and the only rule no worse than Overwrite on any seed of the rule arms
+# (bench/README.md, section 6, "Alignment rules"). A manifest names it; one without an
+# ``alignment`` is from before it was the default, a run of Overwrite.
+DEFAULT_ALIGNMENT: Alignment = Adaptive()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,7 +166,9 @@ class DiLoCo:
     flush_on_close: bool = False
     outlier_factor: float | None = None  # reject deltas whose norm exceeds this x the others' median
     clip_norm: float | None = None  # scale each delta down to at most this whole-fragment L2 norm
-    alignment: Alignment = field(default_factory=Overwrite)  # how a commit meets the local steps
+    # How a commit meets the local steps. None: gm.Blend(mixing) if mixing is set, else
+    # DEFAULT_ALIGNMENT (left out, so that mixing with an explicit rule other than Blend can refuse).
+    alignment: Alignment | None = None
     # each learner gives a merged delta's quantization error back to its parameters when the
     # commit arrives (adapters/feedback.py), so the next delta carries it where the loss is flat
     error_feedback: bool = False
@@ -215,6 +223,11 @@ class DiLoCo:
             raise bad(f"overlap_steps={self.overlap_steps!r}: expected None or an integer >= 0")
         if not isinstance(self.mixing, int | float) or not 0.0 <= self.mixing < 1.0:
             raise bad(f"mixing={self.mixing!r}: expected a number in [0, 1)")
+        if self.alignment is None:
+            # Under a cap most contributions are in no commit: carrying their late steps cost loss
+            # there (bench/README.md, section 6), so a capped run left at the default overwrites.
+            rule = Overwrite() if self.max_contributions is not None else DEFAULT_ALIGNMENT
+            object.__setattr__(self, "alignment", Blend(mixing=self.mixing) if self.mixing else rule)
         if not isinstance(self.alignment, Overwrite | Blend | Carry | Adaptive):
             raise bad(
                 f"alignment={self.alignment!r}: expected gm.Overwrite(), gm.Blend(m), gm.Carry() or gm.Adaptive()"
@@ -226,7 +239,10 @@ class DiLoCo:
             object.__setattr__(self, "mixing", self.alignment.mixing)
         elif self.mixing:
             if not isinstance(self.alignment, Overwrite):
-                raise bad(f"mixing={self.mixing!r} with alignment={self.alignment!r}: mixing is gm.Blend(mixing)")
+                raise bad(
+                    f"mixing={self.mixing!r} with alignment={self.alignment!r}: mixing is gm.Blend(mixing), "
+                    f"pass alignment=gm.Blend(mixing={self.mixing!r}) or mixing alone"
+                )
             object.__setattr__(self, "alignment", Blend(mixing=self.mixing))
         if not isinstance(self.outer_lr, int | float) or not self.outer_lr > 0:
             raise bad(f"outer_lr={self.outer_lr!r}: expected a number > 0")
@@ -287,7 +303,9 @@ class DiLoCo:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if f.name == "alignment" and isinstance(v, Overwrite | Blend):
-                continue  # Overwrite is the default and Blend is ``mixing``: manifests from before agree
+                # What a manifest without the key means: Overwrite (the default before Adaptive), or Blend
+                # with ``mixing``. Manifests of these rules keep the bytes they had.
+                continue
             if f.name in ("error_feedback", "gap_projection") and not v:
                 continue  # off, the default: manifests from before agree
             if f.name == "checkpoint_every" and v == 1:
@@ -322,6 +340,8 @@ class DiLoCo:
         d["partition"] = _partition_from(d.get("partition", {}))
         if "alignment" in d:
             d["alignment"] = _alignment_from(d["alignment"])
+        elif not d.get("mixing"):
+            d["alignment"] = Overwrite()  # written before Adaptive was the default, or of Overwrite
         # A manifest from before chunks stores whole fragments, forever (not the new default).
         d.setdefault("chunk_elements", None)
         known = {f.name for f in dataclasses.fields(cls)}
@@ -348,6 +368,11 @@ class DiLoCo:
             # A run from before chunks (whole fragments), joined by a node that left the option at
             # its default: the run's layout is the run's, every node reads it from the manifest.
             del mine["chunk_elements"]
+        if "alignment" not in run_config and not run_config.get("mixing") and self.alignment == DEFAULT_ALIGNMENT:
+            # A run of Overwrite (created before Adaptive was the default, or with Overwrite), joined by
+            # a node that left the rule at its default (or named it: the two are one config), as
+            # for chunks: the rule is the run's, every node reads it from the manifest.
+            del mine["alignment"]
         diffs = {
             k: (run_config.get(k), mine.get(k))
             for k in sorted(set(mine) | set(run_config))

@@ -68,7 +68,8 @@ from gradientmail_core.syncer.options import NodeOptions
 from .faults import FaultyMailbox, InjectedCrash
 
 YEAR = 365 * 24 * 3600.0
-ALIGNMENTS = {"overwrite": Overwrite(), "carry": Carry()}  # the engine's default, and one that drops nothing
+# the engine's default until gm.Adaptive() (what the recorded tables use), and one that drops nothing
+ALIGNMENTS = {"overwrite": Overwrite(), "carry": Carry()}
 # Table 1 of the paper at 1.2M chips, per-chip MTBF one year: learners -> goodput, and data parallel.
 PAPER_LEARNERS = {8: 0.88, 16: 0.93}
 PAPER_DP, PAPER_ELASTIC = 0.27, 0.58

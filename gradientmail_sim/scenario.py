@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from gradientmail_core.config import RDA, DiLoCo, WeightedMean
+from gradientmail_core.config import RDA, DiLoCo, Overwrite, WeightedMean
 from gradientmail_core.protocol import keys
 from gradientmail_core.syncer.options import NodeOptions
 
@@ -186,6 +186,8 @@ def draw_scenario(r: random.Random, nodes: int | None, fleet: bool = False) -> _
         # GC's verify window (none, a short one, the default), derived like the chunks: every other
         # seed keeps its draws.
         verify_window=(0, 3, 8)[(n + P + in_flight) % 3],
+        # The rule every seed ran with before gm.Adaptive() was the default: every seed keeps its run.
+        alignment=Overwrite(),
     )
     opts = NodeOptions(poll_interval=0.5, lease_timeout=3.0, round_timeout=2.0, compression="")
     faults = [r.uniform(0.0, 0.04), r.uniform(0.0, 0.03), r.uniform(0.0, 0.05), r.uniform(0.0, 0.1)]

@@ -38,8 +38,10 @@ BATCH = 8
 
 def algorithm(args: argparse.Namespace) -> gm.DiLoCo:
     # Standard DiLoCo's barrier (overlap_steps=0) with a quorum of every node: every round waits
-    # for every contribution. Small chunks: many straddle the two ranks' shards.
+    # for every contribution. Small chunks: many straddle the two ranks' shards. Overwrite: a
+    # sharded node does not carry local steps across commits yet (the default, gm.Adaptive(), does).
     return gm.DiLoCo(
+        alignment=gm.Overwrite(),
         sync_every=args.sync_every,
         fragments=2,
         in_flight=1,

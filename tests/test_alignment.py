@@ -59,6 +59,60 @@ def test_a_manifest_from_before_the_rules_matches_the_default():
         gm.DiLoCo(sync_every=8, fragments=2, alignment=gm.Carry()).check_matches(old)
 
 
+def test_the_default_rule_is_adaptive_and_a_new_manifest_names_it():
+    cfg = gm.DiLoCo(sync_every=8, fragments=2)
+    assert cfg.alignment == gm.Adaptive(carry_above=0.3, overwrite_below=0.1)
+    manifest = cfg.to_dict()
+    assert manifest["alignment"] == {"kind": "adaptive", "carry_above": 0.3, "overwrite_below": 0.1}
+    # Two nodes built with the same options write and accept the same manifest.
+    assert gm.DiLoCo(sync_every=8, fragments=2).to_dict() == manifest
+    assert gm.DiLoCo.from_dict(manifest) == cfg
+    cfg.check_matches(manifest)
+    with pytest.raises(gm.RunConfigMismatch, match="alignment"):
+        gm.DiLoCo(sync_every=8, fragments=2, alignment=gm.Overwrite()).check_matches(manifest)
+
+
+def test_a_capped_run_left_at_the_default_overwrites():
+    # Under max_contributions most steps are in no commit; carrying them cost loss (bench/README.md,
+    # section 6), so the default there is Overwrite, and its manifest reads back as what it is.
+    cfg = gm.DiLoCo(sync_every=8, fragments=2, max_contributions=2)
+    assert cfg.alignment == gm.Overwrite() and "alignment" not in cfg.to_dict()
+    assert gm.DiLoCo.from_dict(cfg.to_dict()) == cfg
+    named = gm.DiLoCo(sync_every=8, fragments=2, max_contributions=2, alignment=gm.Adaptive())
+    assert named.alignment == gm.Adaptive()  # a rule named is kept
+
+
+def test_mixing_without_a_rule_is_still_blend():
+    cfg = gm.DiLoCo(sync_every=8, fragments=2, mixing=0.5)
+    assert cfg.alignment == gm.Blend(mixing=0.5) and "alignment" not in cfg.to_dict()
+    assert gm.DiLoCo.from_dict(cfg.to_dict()).alignment == gm.Blend(mixing=0.5)
+    # An explicit Overwrite with mixing is Blend, as it always was; the default named with mixing is refused.
+    assert gm.DiLoCo(sync_every=8, fragments=2, mixing=0.5, alignment=gm.Overwrite()) == cfg
+    with pytest.raises(ValueError, match="mixing is gm.Blend"):
+        gm.DiLoCo(sync_every=8, fragments=2, mixing=0.5, alignment=gm.Adaptive())
+
+
+def test_a_manifest_without_an_alignment_reads_as_overwrite():
+    # What every run created before Adaptive was the default wrote (Overwrite is still not written).
+    old = gm.DiLoCo(sync_every=8, fragments=2, alignment=gm.Overwrite()).to_dict()
+    assert "alignment" not in old
+    assert gm.DiLoCo.from_dict(old).alignment == gm.Overwrite()
+    # A node that left the rule at its default joins such a run, and follows the run's rule.
+    gm.DiLoCo(sync_every=8, fragments=2).check_matches(old)
+    with pytest.raises(gm.RunConfigMismatch, match="alignment"):
+        gm.DiLoCo(sync_every=8, fragments=2, alignment=gm.Carry()).check_matches(old)
+
+
+def test_a_node_left_at_the_default_follows_a_run_of_overwrite():
+    c = Cluster(gm.DiLoCo(sync_every=4, fragments=1, alignment=gm.Overwrite()))
+    c.join("a")
+    c.cfg = gm.DiLoCo(sync_every=4, fragments=1)  # a node built after the default became Adaptive
+    b = c.join("b")
+    c.run(16)
+    assert b.node.state.stats.committed + c.members["a"].node.state.stats.committed > 0
+    assert b.learner.cfg.alignment == gm.Overwrite()  # the rule Learner.apply reads: the run's
+
+
 # ---- what a commit does to the model --------------------------------------------------------
 
 

@@ -55,6 +55,21 @@ def test_every_golden_file_is_a_case() -> None:
     assert sorted(p.stem for p in RUNS.glob("*.json")) == sorted(NAMES)
 
 
+def test_the_recorded_manifests_read_as_the_rules_they_ran() -> None:
+    # Recorded when Overwrite was the default and was not written: a manifest without an
+    # ``alignment`` still reads as Overwrite (Blend with ``mixing``), whatever the default is now.
+    for name in NAMES:
+        config = json.loads(golden_path(name).read_text())["manifest"]["config"]
+        cfg = gm.DiLoCo.from_dict(config)
+        if "alignment" in config:
+            assert cfg.alignment != gm.Overwrite(), name
+        elif config["mixing"]:
+            assert cfg.alignment == gm.Blend(mixing=config["mixing"]), name
+        else:
+            assert cfg.alignment == gm.Overwrite(), name
+        assert cfg.to_dict() == config, name  # and writes the same manifest again
+
+
 def test_differences_name_the_first_field_that_differs() -> None:
     expected = json.loads(golden_path(NAMES[0]).read_text())
     got = copy.deepcopy(expected)

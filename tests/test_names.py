@@ -30,6 +30,7 @@ from gradientmail_core.adapters.naming import canonical_parameters, select  # no
 HERE = Path(__file__).resolve().parent
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 ALGO = gm.DiLoCo(sync_every=4, fragments=2)
+OVERWRITE = gm.Overwrite()  # sharded nodes do not carry local steps yet (gm.Adaptive(), the default, does)
 QUIET = {"poll_interval": 0.05, "lease_timeout": 5.0, "callbacks": ()}
 
 
@@ -258,7 +259,7 @@ def test_sharded_fsdp2_and_fsdp1_nodes_whose_names_differ_raise_schema_mismatch_
     tmp_path: Path,
 ) -> None:
     mb = tmp_path / "mb"
-    with gm.Session(net(), algorithm=gm.DiLoCo(sync_every=4, fragments=2, chunk_elements=64),
+    with gm.Session(net(), algorithm=gm.DiLoCo(sync_every=4, fragments=2, chunk_elements=64, alignment=OVERWRITE),
                     mailbox=gm.FileMailbox(mb), learner_id="run", **QUIET):  # fmt: skip
         pass
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
@@ -288,7 +289,7 @@ def _sharded_mismatch(mailbox: str, out: str) -> None:
             fully_shard(layer)
     fully_shard(fsdp2)
     fsdp1 = FullyShardedDataParallel(Holder(), use_orig_params=True, device_id=torch.device("cpu"))
-    algo = gm.DiLoCo(sync_every=4, fragments=2, chunk_elements=64)
+    algo = gm.DiLoCo(sync_every=4, fragments=2, chunk_elements=64, alignment=OVERWRITE)
     for kind, model in (("fsdp2", fsdp2), ("fsdp1", fsdp1)):
         got: dict[str, object] = {}
         try:

@@ -1,9 +1,11 @@
 """Memory a node holds between polls, counted in the distinct buffers (numpy arrays, payload
 bytes) reachable from its node and learner, the model's own parameters and the store excluded.
 
-A follower holds one copy of the model: the learner's anchors, the node keeping none of the
-parameters it hands over, and the fragment in flight computed in place of its anchor (which the
-next commit of the fragment replaces); a node that stops closing rounds releases the outer state
+A follower of ``gm.Overwrite()`` holds one copy of the model: the learner's anchors, the node
+keeping none of the parameters it hands over, and the fragment in flight computed in place of its
+anchor (which the next commit of the fragment replaces); with ``gm.Carry()`` or ``gm.Adaptive()``
+(the default), which read the anchor again when the commit comes, the fragment in flight is held
+beside it; a node that stops closing rounds releases the outer state
 it held. ``bench/memory.py`` measures the same in processes (peak RSS)."""
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def test_the_count_sees_arrays_held_where_no_attribute_names_them():
     # The count must see a model copy however it is held: in a closure, a partial, a bound
     # method's object, a generator's frame, a default argument, a queue (the four 64 KiB tensors
     # of a fragment, held once each way).
-    c = Cluster(gm.DiLoCo(sync_every=8, fragments=4, quorum_size=2), shapes=dict(SHAPES))
+    c = Cluster(gm.DiLoCo(sync_every=8, fragments=4, quorum_size=2, alignment=gm.Overwrite()), shapes=dict(SHAPES))
     (b,) = c.join_all("b")
     base = held_bytes(b)
 
@@ -142,7 +144,7 @@ def run_measured(c: Cluster, steps: int) -> dict[tuple[str, str], int]:
 
 
 def test_follower_holds_one_copy_of_the_model_with_the_fragment_in_flight():
-    c = Cluster(gm.DiLoCo(sync_every=8, fragments=4, quorum_size=2), shapes=dict(SHAPES))
+    c = Cluster(gm.DiLoCo(sync_every=8, fragments=4, quorum_size=2, alignment=gm.Overwrite()), shapes=dict(SHAPES))
     a, b = c.join_all("ab")
     c.run(16)  # every fragment committed at least once
     most = run_measured(c, 32)
@@ -175,7 +177,7 @@ def test_a_learner_that_keeps_its_anchors_holds_the_fragment_in_flight_beside_th
 
 
 def test_a_consumed_anchor_is_read_back_when_the_learner_leaves_before_its_commit():
-    c = Cluster(gm.DiLoCo(sync_every=8, fragments=4, quorum_size=2), shapes=dict(SHAPES))
+    c = Cluster(gm.DiLoCo(sync_every=8, fragments=4, quorum_size=2, alignment=gm.Overwrite()), shapes=dict(SHAPES))
     a, b = c.join_all("ab")
     c.run(16)
     for _ in range(8):  # b trains alone until it has captured a fragment no commit has answered
@@ -190,7 +192,7 @@ def test_a_consumed_anchor_is_read_back_when_the_learner_leaves_before_its_commi
 
 
 def test_closer_holds_its_outer_state_and_one_fragment_merge():
-    c = Cluster(gm.DiLoCo(sync_every=8, fragments=4, quorum_size=2), shapes=dict(SHAPES))
+    c = Cluster(gm.DiLoCo(sync_every=8, fragments=4, quorum_size=2, alignment=gm.Overwrite()), shapes=dict(SHAPES))
     a, b = c.join_all("ab")
     c.run(16)
     most = max(run_measured(c, 32)["a", when] for when in ("step", "poll"))

@@ -27,12 +27,14 @@ def _check() -> dict[str, str]:
     for layer in model:
         fully_shard(layer)
     fully_shard(model)
-    ok = dict(sync_every=4, fragments=2, chunk_elements=64)
+    ok = dict(sync_every=4, fragments=2, chunk_elements=64, alignment=gm.Overwrite())
     cases = {
         "role_both": (dict(ok), {"role": "both"}),  # accepted: a sharded node closes rounds too
+        "default_alignment": (dict(sync_every=4, fragments=2, chunk_elements=64), {}),
         "whole_fragments": ({**ok, "chunk_elements": None}, {}),
         "checkpoint_every": ({**ok, "commit_dtype": "F4", "checkpoint_every": 4}, {}),
         "carry": ({**ok, "alignment": gm.Carry()}, {}),
+        "adaptive": ({**ok, "alignment": gm.Adaptive()}, {}),  # named, not the default: refused
         "error_feedback": ({**ok, "delta_dtype": "F4", "error_feedback": True}, {}),
         "gap_projection": ({**ok, "commit_dtype": "I2", "gap_projection": True}, {}),
     }
@@ -54,6 +56,21 @@ def _check() -> dict[str, str]:
         out["old_run"] = "accepted"
     except ShardingUnsupported as e:
         out["old_run"] = str(e)
+    # Left at the default, the rule of the run a sharded node creates is Overwrite...
+    mailbox = gm.MemoryMailbox()
+    with gm.Session(model, algorithm=gm.DiLoCo(sync_every=4, fragments=2, chunk_elements=64), mailbox=mailbox):
+        pass
+    out["created_rule"] = json.loads(mailbox.get("manifest.json"))["config"].get("alignment", "omitted")
+    # ...and a run a plain node created with the default (Adaptive) is refused at open, saying why.
+    mailbox = gm.MemoryMailbox()
+    with gm.Session(plain, algorithm=gm.DiLoCo(sync_every=4, fragments=2, chunk_elements=64), mailbox=mailbox):
+        pass
+    session = gm.Session(model, algorithm=gm.DiLoCo(sync_every=4, fragments=2, chunk_elements=64), mailbox=mailbox)
+    try:
+        session.open()
+        out["adaptive_run"] = "accepted"
+    except ShardingUnsupported as e:
+        out["adaptive_run"] = str(e)
     # A session used before it is opened says so.
     try:
         gm.Session(model, algorithm=gm.DiLoCo(**ok), mailbox=gm.MemoryMailbox()).step()
@@ -83,7 +100,12 @@ def test_a_sharded_node_refuses_what_it_does_not_do_yet_and_says_what_to_do():
     assert got["role_both"] == "accepted"
     assert "chunk_elements=None" in got["whole_fragments"]
     assert "checkpoint_every=4" in got["checkpoint_every"] and "checkpoint_every=1" in got["checkpoint_every"]
-    assert "gm.Overwrite()" in got["carry"]
+    assert "gm.Overwrite()" in got["carry"] and "Carry(" in got["carry"]
+    # the default rule (Adaptive) is not a sharded node's: left at it, the node creates a run of
+    # Overwrite; named, or the rule of the run it joins, it is refused with what to pass instead
+    assert got["default_alignment"] == "accepted" and got["created_rule"] == "omitted", got
+    assert "Adaptive(" in got["adaptive"] and "gm.Overwrite()" in got["adaptive"]
+    assert "Adaptive(" in got["adaptive_run"] and "the node that creates the run" in got["adaptive_run"]
     assert "error_feedback=True" in got["error_feedback"]
     assert "gap_projection=True" in got["gap_projection"] and "without it" in got["gap_projection"]
     assert "stores whole fragments" in got["old_run"] and "chunk size" in got["old_run"]

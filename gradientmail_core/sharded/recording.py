@@ -52,8 +52,10 @@ def check_config(cfg: DiLoCo) -> None:
         )
     if isinstance(cfg.alignment, Carry | Adaptive):
         raise ShardingUnsupported(
-            f"alignment={cfg.alignment!r} is not supported by sharded nodes yet: use gm.Overwrite() (the default) "
-            "or gm.Blend(mixing)"
+            f"alignment={cfg.alignment!r} is not supported by sharded nodes yet (each rank would keep the "
+            "snapshot of the chunks it owns): a sharded node creates its run with gm.Overwrite() when the rule "
+            "is left at its default, and joins runs of gm.Overwrite() or gm.Blend(mixing); pass one of those "
+            "(to the node that creates the run, too)"
         )
     if cfg.gap_projection:
         raise ShardingUnsupported(

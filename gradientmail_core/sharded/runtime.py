@@ -28,7 +28,11 @@ a flag in the next exchange. ``close`` is collective.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+
 from ..adapters.torch_sharded import ShardedParams
+from ..config import DEFAULT_ALIGNMENT, Overwrite
 from ..syncer.host import HostSetup
 from .anchors import check_place
 from .lead_rank import LeadRank
@@ -41,6 +45,16 @@ def sharded_host(setup: HostSetup, learner_id: str, sharded: ShardedParams, *, a
     """This rank's host: rank 0 leads, the others are its peers. Refuses (``ShardingUnsupported``, or
     ``ValueError`` for ``anchors``) what a sharded node does not do, before any I/O, on every rank."""
     rank, world = mesh_matches(sharded)
+    if setup.algorithm.alignment is DEFAULT_ALIGNMENT:
+        # Left at the default (the very object DiLoCo fills in: a rule the user names is another
+        # one): a sharded node keeps no snapshot of its chunks, so the run it creates aligns by
+        # Overwrite, the rule it supports; a run it joins keeps the run's rule (checked there).
+        setup = dataclasses.replace(setup, algorithm=dataclasses.replace(setup.algorithm, alignment=Overwrite()))
+        if rank == 0:
+            logging.getLogger(__name__).info(
+                "a sharded node aligns by gm.Overwrite() (the default gm.Adaptive() keeps a snapshot per rank "
+                "that sharded nodes do not keep yet)"
+            )
     check_config(setup.algorithm)
     check_place(anchors)
     role = LeadRank if rank == 0 else PeerRank
