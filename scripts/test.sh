@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up .venv (torch CPU first, then the project with every extra) and runs
-# ruff (lint + format check), mypy over gradientmail_core, the whole test suite, and the quick
+# ruff (lint + format check), mypy over gradientmail_core, the whole test suite (on two workers, the
+# 25 slowest tests listed at the end), and the quick
 # subset of scripts/mutants.py (deliberate breaks of the code the tests must catch; about a minute).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,5 +15,7 @@ command -v "$PY" >/dev/null || PY=python3
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy gradientmail_core
-.venv/bin/python -m pytest -q --durations=25 "$@"
+# Spread over two workers (pytest-xdist; most multi-process tests wait on their processes more
+# than they compute); GM_TEST_WORKERS=0 runs it in this one process. docs/testing.md says what runs.
+.venv/bin/python -m pytest -q --durations=25 -n "${GM_TEST_WORKERS:-2}" --dist loadscope "$@"
 .venv/bin/python scripts/mutants.py --quick -j 2

@@ -40,6 +40,28 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ.pop(_name, None)
 
 
+# The files that take longest (about a minute or more each on two cores: scripts/test.sh prints the
+# slowest tests), run first: with the suite spread over workers (pytest-xdist, ``--dist loadscope``,
+# scripts/test.sh) a long file that starts last would leave the other worker idle at the end.
+# Order is only a schedule: no test depends on another having run.
+_LONG_FIRST = (
+    "test_goodput_chaos.py",
+    "test_sim.py",
+    "test_engine_processes.py",
+    "test_sim_mutants.py",
+    "test_sharded_closer.py",
+    "test_sharded_lightning.py",
+    "test_sharded_session.py",
+    "test_chaos.py",
+    "test_examples.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(_LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     """Every process a test started and left running is killed when the test ends, passed or failed:
