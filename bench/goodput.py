@@ -575,7 +575,9 @@ def ledger(run: RunData, P: int) -> dict[str, Any]:
     participant ``steps``); the rest were lost to a kill (computed by a process that died before
     contributing them), dropped by an alignment (``Aligned.dropped``), rejected, never merged
     (published, in no record), skipped (handed to a contribution whose round had committed) or
-    unpublished when the run ended."""
+    unpublished when the run ended. Under Carry (and Adaptive while it carries) a contribution that
+    missed its round is not lost: its steps ride on in the local delta (``Aligned.carried``) and
+    count as merged when the fragment's next contribution from the same process lands."""
     by_round = {r["round"]: r for r in run.records}
     merged_store = sum(p["steps"] for r in run.records for p in r["participants"])
     out = dict.fromkeys(("computed", "merged", "lost_to_kill", "dropped", "rejected", "never_merged"), 0)
@@ -585,24 +587,46 @@ def ledger(run: RunData, P: int) -> dict[str, Any]:
         for inc in incs:
             steps = max((e["n"] for e in inc if e["ev"] in ("step", "stopped", "closing", "closed")), default=0)
             computed = steps * P
-            published = dropped = 0
+            published = dropped = recovered = 0
+            # Per fragment: contributions handed over that no commit merged (never merged, rejected,
+            # or skipped unsent), which Carry keeps in the local delta (``Aligned.carried``): the
+            # fragment's next contribution that lands merges them, and they count as merged there.
+            pending: dict[int, list[tuple[str, int]]] = {}
+            carried: dict[int, int] = {}
             for e in inc:
                 if e["ev"] == "Aligned":
                     dropped += e.get("dropped", 0)
+                    f, c = e["fragment"], e.get("carried", 0)
+                    carried[f] = c
+                    if not c:
+                        pending.pop(f, None)
                 elif e["ev"] == "Published":
                     published += e["steps"]
+                    f = e["fragment"]
                     rec = by_round.get(e["round"])
                     if rec is not None and any(
                         p["learner"] == n and p["steps"] == e["steps"] for p in rec["participants"]
                     ):
                         out["merged"] += e["steps"]
-                    elif rec is not None and any(x["learner"] == n for x in rec.get("rejected", [])):
-                        out["rejected"] += e["steps"]
+                        extra = carried.pop(f, 0)
+                        for bucket, s in pending.pop(f, []):
+                            take = min(s, extra)
+                            out[bucket] -= take
+                            out["merged"] += take
+                            extra -= take
+                        out["merged"] += extra  # steps of skipped contributions, counted in ``rest``
+                        recovered += extra
                     else:
-                        out["never_merged"] += e["steps"]
+                        bucket = (
+                            "rejected"
+                            if rec is not None and any(x["learner"] == n for x in rec.get("rejected", []))
+                            else "never_merged"
+                        )
+                        out[bucket] += e["steps"]
+                        pending.setdefault(f, []).append((bucket, e["steps"]))
             out["computed"] += computed
             out["dropped"] += dropped
-            rest = computed - published - dropped
+            rest = computed - published - dropped - recovered
             closing = [e for e in inc if e["ev"] in ("closing", "closed") and e.get("unpublished") is not None]
             killed = not any(e["ev"] == "closed" for e in inc)
             if killed:

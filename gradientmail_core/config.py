@@ -115,7 +115,9 @@ class Adaptive:
     """Carry while the learners agree, Overwrite while they do not, per fragment: a commit whose
     mean pairwise cosine is at least ``carry_above`` switches the fragment to Carry, one at most
     ``overwrite_below`` back to Overwrite; in between (and with one contributor, no cosine) the
-    fragment keeps its rule. It starts on Overwrite. The default (``DEFAULT_ALIGNMENT``)."""
+    fragment keeps its rule. A run starts on Overwrite; a learner joining it later starts each
+    fragment on Carry unless its newest commit's cosine is at most ``overwrite_below``. The default
+    (``DEFAULT_ALIGNMENT``)."""
 
     carry_above: float = 0.3
     overwrite_below: float = 0.1

@@ -116,6 +116,10 @@ class Aligned(Event):
     participants: tuple[str, ...] = ()  # of the round aligned with, for loggers on every node
     cosine: float | None = None
     dropped: int = 0  # local steps on this fragment the alignment discarded (none with Carry)
+    # Steps this learner handed over in contributions of the fragment that did not reach a commit
+    # (late, skipped, or cut off) and that Carry keeps in the local delta: its next contribution
+    # carries them, though its ``steps`` (since the last contribution, SPEC 3.3) does not count them.
+    carried: int = 0
 
 
 @dataclass(frozen=True)

@@ -159,7 +159,9 @@ class Cluster:
         learner = Learner(adapter, run, bridge, self.clock, learner=name, emit=events.append)
         learner.reload = lambda f: fetch_theta(store, run, f, node.state.newest.get(f))
         thetas = node.join(created=created)
-        learner.start(node.state.head, thetas, {f: v for f, (v, _) in node.state.thetas.items()}, lent=node.state.lent)
+        s = node.state
+        cosines = {f: rec.cosine for f, rec in s.newest.items()}
+        learner.start(s.head, thetas, {f: v for f, (v, _) in s.thetas.items()}, lent=s.lent, cosines=cosines)
         target = make_params(7, self.shapes)
         m = Member(name, params, node, learner, events, np.random.default_rng(seed), target)
         self.members[name] = m

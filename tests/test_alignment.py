@@ -5,6 +5,8 @@ and device pipeline), MLX and numpy nodes write the same bits."""
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 from harness import Cluster, Member
@@ -12,7 +14,9 @@ from harness import Cluster, Member
 import gradientmail_core as gm
 from gradientmail_core.adapters.base import NumpyAdapter
 from gradientmail_core.adapters.handles import FragmentIO
+from gradientmail_core.protocol.store import RunStore
 from gradientmail_core.syncer.bridge import CommitNotice, Publish
+from gradientmail_core.syncer.host import join_run
 
 F32 = np.float32
 
@@ -177,6 +181,30 @@ def test_aligned_says_how_many_local_steps_the_alignment_discarded(rule, dropped
     assert aligned.dropped == dropped and m.learner.steps_since[0] == 3 - dropped  # Blend keeps round(1.5) = 2
 
 
+@pytest.mark.parametrize("rule", [gm.Carry(), gm.Overwrite()])
+def test_aligned_says_how_many_handed_over_steps_carry_keeps_when_the_contribution_missed_its_round(rule):
+    # Contributions late for their round (or skipped, or cut off) are not merged; Carry keeps their
+    # steps in the local delta, and the next contribution that lands merges them: goodput counts
+    # them there (bench/goodput.py). Overwrite discards them with the rest.
+    carry = isinstance(rule, gm.Carry)
+    c = Cluster(gm.DiLoCo(sync_every=4, fragments=1, alignment=rule))
+    m = c.join("a")
+    theta = lambda: {n: p.copy() for n, p in m.params.items()}  # noqa: E731
+    published = []
+    for r, merged in ((0, False), (1, False), (2, True), (3, False)):
+        while not any(p.round == r for p in m.learner.bridge.outbox):
+            m.train()
+        published.append(m.learner.bridge.outbox[-1].steps)
+        m.train()
+        m.learner.apply(CommitNotice(r, 0, r + 1, theta(), participants=("a",) if merged else ("b",)))
+    aligned = [e.carried for e in m.events if isinstance(e, gm.events.Aligned)]
+    if carry:
+        # round 0 missed: its steps ride on; round 1 missed too: both; round 2 landed: nothing; 3 missed
+        assert aligned == [published[0], published[0] + published[1], 0, published[3]]
+    else:
+        assert aligned == [0, 0, 0, 0]
+
+
 def test_adaptive_switches_per_fragment_with_hysteresis():
     rule = gm.Adaptive(carry_above=0.5, overwrite_below=0.1)
     c = Cluster(gm.DiLoCo(sync_every=4, fragments=1, alignment=rule))
@@ -186,6 +214,43 @@ def test_adaptive_switches_per_fragment_with_hysteresis():
         decisions.append(m.learner._carries(CommitNotice(0, 0, 1, {}, cosine=cosine)))
     # starts on Overwrite; 0.6 switches to Carry; 0.3 and None keep it; 0.05 switches back; 0.9 again
     assert decisions == [False, True, True, True, False, False, True]
+
+
+@pytest.mark.parametrize(
+    "rule, carries",
+    [
+        (gm.Adaptive(carry_above=0.999, overwrite_below=-0.999), True),  # between the thresholds: Carry
+        (gm.Adaptive(carry_above=0.9999, overwrite_below=0.999), False),  # at or below overwrite_below
+    ],
+)
+def test_adaptive_starts_a_learner_joining_a_run_under_way_on_the_rule_its_newest_commit_implies(rule, carries):
+    # The learners that ran through the run's early, agreeing rounds carry once the cosines fall
+    # between the thresholds; one restarted there must not start on Overwrite (and keep dropping
+    # its in-flight steps for the rest of the run, bench/README.md section 16).
+    c = Cluster(gm.DiLoCo(sync_every=4, fragments=2, alignment=rule))
+    c.join_all(["a", "b"])
+    c.run(40)
+    newest = c.members["a"].node.state.newest
+    assert set(newest) == {0, 1} and all(rec.cosine is not None for rec in newest.values())
+    cosines = {f: rec.cosine for f, rec in newest.items()}
+    assert all(rule.overwrite_below < x < rule.carry_above for x in cosines.values()) == carries, cosines
+    # join_run, as a process joining (or restarting into) the run does
+    adapter = NumpyAdapter({n: p.copy() for n, p in c.members["a"].params.items()})
+    events: list = []
+    _, learner = join_run(
+        RunStore(c.mailbox),
+        adapter,
+        c.cfg,
+        c.clock,
+        learner="late",
+        nonce="0000abcd",
+        emit=events.append,
+        options=c.options,
+        rng=random.Random(5),
+    )
+    assert learner._carrying == {0: carries, 1: carries}
+    m = c.join("later")  # the tests' harness joins the same way
+    assert m.learner._carrying == {0: carries, 1: carries}
 
 
 def _watch_alignment(m: Member) -> tuple[list[bool], list[Publish]]:

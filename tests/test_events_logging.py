@@ -70,6 +70,7 @@ def test_defaults_and_none_are_kept_and_the_fields_serialize(caplog: pytest.LogC
         "participants": (),
         "cosine": None,
         "dropped": 0,
+        "carried": 0,
     }
     assert json.loads(json.dumps(record.gm))["bytes"] == 1024  # what a JSON formatter would write
 

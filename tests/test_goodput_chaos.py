@@ -88,6 +88,30 @@ def test_cut_blackholes_new_connections_until_heal_and_drops_open_ones():
         srv.close()
 
 
+@pytest.mark.parametrize("carry", [True, False])
+def test_the_ledger_counts_steps_carry_kept_from_a_missed_round_as_merged_when_the_next_lands(carry):
+    # One learner, one fragment: round 0's contribution (4 steps) is in no record, round 1's was
+    # skipped unsent (its round had committed), round 2's lands. Under Carry the learner kept the
+    # first two in its delta (Aligned.carried 4, then 8), so round 2's commit merged all twelve.
+    c1, c2 = (4, 8) if carry else (0, 0)
+    log = [
+        {"ev": "start", "t": 0.0},
+        {"ev": "Published", "t": 1.0, "round": 0, "fragment": 0, "steps": 4},
+        {"ev": "Aligned", "t": 2.0, "round": 0, "fragment": 0, "dropped": 0, "carried": c1},
+        {"ev": "Skipped", "t": 3.0, "round": 1, "reason": "round already committed"},
+        {"ev": "Aligned", "t": 4.0, "round": 1, "fragment": 0, "dropped": 0, "carried": c2},
+        {"ev": "Published", "t": 5.0, "round": 2, "fragment": 0, "steps": 4},
+        {"ev": "closed", "t": 6.0, "n": 14, "unpublished": 2},
+    ]
+    records = [{"round": r, "participants": [{"learner": "x" if r < 2 else "a", "steps": 4}]} for r in (0, 1, 2)]
+    run = goodput.RunData("t", False, 0.0, 6.0, 6.0, ["a"], {"a": log}, records, {}, [], [], True, True, {})
+    book = goodput.ledger(run, 1)
+    parts = ("merged", "lost_to_kill", "dropped", "rejected", "never_merged", "skipped", "unpublished_at_end")
+    assert sum(book[k] for k in parts) == book["computed"] == 14
+    expect = dict(merged=12, never_merged=0, skipped=0) if carry else dict(merged=4, never_merged=4, skipped=4)
+    assert {k: book[k] for k in expect} == expect and book["unpublished_at_end"] == 2
+
+
 def test_goodput_bench_under_every_fault_kind_recovers_and_accounts_for_every_step(tmp_path):
     seed = int(os.environ.get("GM_GOODPUT_SEED", "0"))
     opts = goodput.Options(

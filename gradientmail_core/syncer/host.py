@@ -209,7 +209,8 @@ def join_run(
         marker.hold(nonce)
     s = node.state
     incoming = node.placement.joining(s.newest, list(thetas))
-    trainer.start(s.head, thetas, {f: v for f, (v, _) in s.thetas.items()}, incoming, lent=s.lent)
+    cosines = {f: rec.cosine for f, rec in s.newest.items()}
+    trainer.start(s.head, thetas, {f: v for f, (v, _) in s.thetas.items()}, incoming, lent=s.lent, cosines=cosines)
     return node, trainer
 
 

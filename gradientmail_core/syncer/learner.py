@@ -63,6 +63,8 @@ class Learner:
         # the fragment arrives: the snapshot Carry keeps the local steps since.
         self._sent: dict[int, tuple[int, Contribution]] = {}
         self._carrying: dict[int, bool] = {}  # Adaptive: each fragment's current rule
+        # Steps of each fragment handed over since its anchor that no commit has merged yet.
+        self._unlanded = [0] * run.P
         self._keeps_snapshots = isinstance(self.cfg.alignment, Carry | Adaptive)
         self._last_step_at: float | None = None
         self._nominal0 = 0
@@ -88,16 +90,27 @@ class Learner:
         incoming: Mapping[int, Incoming] | None = None,
         *,
         lent: bool = False,
+        cosines: Mapping[int, float | None] | None = None,
     ) -> None:
         """Load the newest committed parameters into the model before the first step.
         ``incoming``: each fragment's parameters already on their way (``Placement.joining``);
-        ``lent``: ``thetas`` are this learner's alone (``CommitNotice.lent``)."""
+        ``lent``: ``thetas`` are this learner's alone (``CommitNotice.lent``); ``cosines``: each
+        fragment's newest commit's cosine, where Adaptive starts a joining learner (``_carries``)."""
         for f, theta in thetas.items():
             (incoming[f] if incoming is not None else self.io.stage(theta)).write()
             self.anchors[f] = theta
             self.versions[f] = versions[f]
             if lent:
                 self._lent.add(f)
+        rule = self.cfg.alignment
+        if isinstance(rule, Adaptive):
+            # A learner joining a run under way starts each fragment on the rule its newest commit
+            # implies: Carry unless the learners disagreed (at most ``overwrite_below``), as the
+            # ones that ran through the run's agreeing rounds have. Started on Overwrite, a learner
+            # restarted late in a run (when the cosines have fallen between the two thresholds)
+            # would drop its in-flight steps until the end of the run.
+            for f, cosine in (cosines or {}).items():
+                self._carrying[f] = cosine is not None and cosine > rule.overwrite_below
         self.aligned = head
         self.next_round = head + 1
         # The schedule is anchored where this learner joined: round r is due once it has
@@ -125,9 +138,13 @@ class Learner:
             since = sent[1] if sent is not None and sent[0] == c.round and self.me in c.participants else None
             incoming.carry(since, self.anchors[f])
             keep = 1.0
+            # Carried from the anchor: what this learner handed over and no commit merged rides on.
+            carried = self._unlanded[f] if since is None else 0
         else:
             incoming.write(self.cfg.mixing)
             keep = self.cfg.mixing
+            carried = 0
+        self._unlanded[f] = carried
         if f in self._sent and self._sent[f][0] <= c.round:
             del self._sent[f]
         self.io.settle(f, c.round, merged=self.me in c.participants)
@@ -147,7 +164,9 @@ class Learner:
         self.aligned = max(self.aligned, c.round)
         while self.published and self.published[0].round <= self.aligned:
             self.published.popleft()
-        self.emit(ev.Aligned(self.me, c.round, c.fragment, c.version, c.nbytes, c.participants, c.cosine, dropped))
+        self.emit(
+            ev.Aligned(self.me, c.round, c.fragment, c.version, c.nbytes, c.participants, c.cosine, dropped, carried)
+        )
 
     def _carries(self, c: CommitNotice) -> bool:
         """Whether the alignment rule keeps the local steps for this commit (Carry, or Adaptive
@@ -241,6 +260,7 @@ class Learner:
                 delta = self.io.capture(names, self.anchors[f], keep=self._keeps_snapshots, slot=(f, r))
             if self._keeps_snapshots:
                 self._sent[f] = (r, delta)
+            self._unlanded[f] += steps
             self.bridge.publish(
                 Publish(
                     round=r,
