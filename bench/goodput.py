@@ -581,7 +581,7 @@ def ledger(run: RunData, P: int) -> dict[str, Any]:
     by_round = {r["round"]: r for r in run.records}
     merged_store = sum(p["steps"] for r in run.records for p in r["participants"])
     out = dict.fromkeys(("computed", "merged", "lost_to_kill", "dropped", "rejected", "never_merged"), 0)
-    out.update(skipped=0, unpublished_at_end=0)
+    out.update(skipped=0, unpublished_at_end=0, carried_merged=0)
     for n in run.nodes:
         incs = incarnations(run.logs[n])
         for inc in incs:
@@ -609,6 +609,7 @@ def ledger(run: RunData, P: int) -> dict[str, Any]:
                     ):
                         out["merged"] += e["steps"]
                         extra = carried.pop(f, 0)
+                        out["carried_merged"] += extra
                         for bucket, s in pending.pop(f, []):
                             take = min(s, extra)
                             out[bucket] -= take
@@ -635,7 +636,9 @@ def ledger(run: RunData, P: int) -> dict[str, Any]:
                 unpub = closing[-1]["unpublished"] if closing else rest
                 out["unpublished_at_end"] += unpub
                 out["skipped"] += rest - unpub
-    out["merged_in_records"] = merged_store  # from the store: equals "merged" unless a log lost a line
+    # From the store: equals "merged" less "carried_merged" (the records count a contribution's steps
+    # since its last contribution, SPEC 3.3), unless a kill took a log's last lines.
+    out["merged_in_records"] = merged_store
     c = max(out["computed"], 1)
     out["goodput"] = out["merged"] / c
     out["shares"] = {

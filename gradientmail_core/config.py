@@ -102,8 +102,9 @@ class Blend:
 @dataclass(frozen=True, kw_only=True)
 class Carry:
     """Keep the local steps taken since the contribution: ``theta + (local - snapshot)``, where the
-    snapshot is the fragment as this learner contributed it to the committed round (its anchor,
-    if it did not contribute). The delay-corrected alignment of LOSCAR-SGD: a straggler's steps
+    snapshot is the fragment as this learner contributed it to the committed round, or to an
+    earlier round of the fragment whose commit merged it and that this node skipped while catching
+    up (its anchor, if neither merged its contribution). The delay-corrected alignment of LOSCAR-SGD: a straggler's steps
     since its snapshot are not thrown away."""
 
     def to_dict(self) -> dict[str, Any]:

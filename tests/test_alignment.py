@@ -14,6 +14,7 @@ from harness import Cluster, Member
 import gradientmail_core as gm
 from gradientmail_core.adapters.base import NumpyAdapter
 from gradientmail_core.adapters.handles import FragmentIO
+from gradientmail_core.protocol.records import RoundRecord
 from gradientmail_core.protocol.store import RunStore
 from gradientmail_core.syncer.bridge import CommitNotice, Publish
 from gradientmail_core.syncer.host import join_run
@@ -203,6 +204,54 @@ def test_aligned_says_how_many_handed_over_steps_carry_keeps_when_the_contributi
         assert aligned == [published[0], published[0] + published[1], 0, published[3]]
     else:
         assert aligned == [0, 0, 0, 0]
+
+
+def test_carry_keeps_only_the_steps_since_a_contribution_that_landed_in_a_round_the_node_skipped():
+    # b contributes to a round, then freezes (a SIGSTOP, a cut) while a commits many rounds with its
+    # contribution in the first. Caught up, b's node skips to each fragment's newest record; the
+    # commit descends from the one that merged b's delta, so Carry must keep only the steps since
+    # that contribution: keeping all since b's anchor would merge that delta a second time.
+    c = Cluster(gm.DiLoCo(sync_every=4, fragments=2, alignment=gm.Carry(), quorum_size=1))
+    a, b = c.join_all(["a", "b"])
+    c.run(24)
+    snapshots: dict[int, dict[str, np.ndarray]] = {}
+    publish = b.learner.publish
+
+    def on_publish(r: int, *, final: bool = False) -> None:
+        snapshots[r] = {n: b.params[n].copy() for n in b.learner.run.fragments[r % b.learner.run.P]}
+        publish(r, final=final)
+
+    b.learner.publish = on_publish  # type: ignore[method-assign]
+    while not snapshots:
+        c.run(1)
+    (r,) = snapshots
+    b.node.tick()  # its contribution uploaded, b freezes
+    b.alive = False
+    for _ in range(60):
+        a.train()
+        c.tick_all()
+        c.clock.advance(0.05)
+    head = c.head()
+    assert head >= r + 4 * c.cfg.fragments  # far enough behind that b's node skips records
+    assert "b" in [p.learner for p in RunStore(c.mailbox).try_record(f"rounds/{r:010d}.json", RoundRecord).participants]
+    f = r % c.cfg.fragments
+    names = b.learner.run.fragments[f]
+    local = {n: b.params[n].copy() for n in names}
+    aligned: list[CommitNotice] = []
+    apply = b.learner.apply
+
+    def on_apply(notice: CommitNotice) -> None:
+        aligned.append(notice)
+        apply(notice)
+
+    b.learner.apply = on_apply  # type: ignore[method-assign]
+    b.alive = True
+    c.tick_all()
+    (notice,) = [x for x in aligned if x.fragment == f]
+    assert notice.round > r + 1 and "b" not in notice.participants and notice.landed == r
+    for n in names:
+        want = np.add(notice.theta[n], np.subtract(local[n], snapshots[r][n], dtype=F32), dtype=F32)
+        assert np.array_equal(b.params[n], want), n
 
 
 def test_adaptive_switches_per_fragment_with_hysteresis():

@@ -49,6 +49,10 @@ class CommitNotice:
     # ``theta``'s arrays are the training thread's alone: the node kept no reference to them
     # (``Bridge.lend``), so the learner may turn them into its next delta in place.
     lent: bool = False
+    # The newest round of this fragment, up to this one, whose commit merged this learner's
+    # contribution (read too where the node skipped records to catch up): a commit descends from it,
+    # so Carry keeps only the steps since that contribution (``Learner.apply``).
+    landed: int | None = None
     # The node does not apply this commit (``Session(verify=)`` found its closer's commits forged):
     # no ``theta``; the round is over, the fragment keeps its parameters.
     refused: bool = False

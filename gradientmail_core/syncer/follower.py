@@ -114,6 +114,11 @@ class Follower:
             # than 2P behind, every record is followed: skipping fewer would leave the first kept
             # one within P of the head, which _check_record refuses as out of order, for good.)
             skipped, rounds = rounds[: -s.run.P], rounds[-s.run.P :]
+            # Whether this node's newest contribution of each fragment was merged, where its round is
+            # skipped (at most one read per fragment): the learner carries only what came after it.
+            for r in s.uploaded.values():
+                if r in skipped and (rec := self.store.try_record(keys.round_key(r), RoundRecord)) is not None:
+                    self._note_landed(rec)
             c = s.collector
             if c is not None and c.round in skipped:
                 # We were closing a round that someone else committed while we stalled.
@@ -217,6 +222,7 @@ class Follower:
             self._closed_by(rec.round, rec.closer)
         s.newest[f] = rec
         s.head = rec.round
+        self._note_landed(rec)
         # Another node committed this fragment: the outer state held for it is stale (twice the
         # fragment in fp32). Elected again, the node reloads it from the newest record.
         self.merger.forget(f, unless=rec.version)
@@ -228,6 +234,11 @@ class Follower:
         # A round this node was closing is abandoned then: the contribution chunks spooled for it
         # are no longer needed.
         self.merger.spool.drop_through(rec.round)
+
+    def _note_landed(self, rec: RoundRecord) -> None:
+        s = self.state
+        if rec.round > s.landed.get(rec.fragment, -1) and any(p.learner == s.me for p in rec.participants):
+            s.landed[rec.fragment] = rec.round
 
     def _hand_over(self, rec: RoundRecord, theta: Theta, lent: bool) -> None:
         s, f = self.state, rec.fragment
@@ -244,6 +255,7 @@ class Follower:
                 tuple(p.learner for p in rec.participants),
                 rec.cosine,
                 incoming=self.placement.incoming(f, rec, theta),
+                landed=s.landed.get(f),
                 lent=lent,
             )
         )

@@ -63,8 +63,8 @@ class Learner:
         # the fragment arrives: the snapshot Carry keeps the local steps since.
         self._sent: dict[int, tuple[int, Contribution]] = {}
         self._carrying: dict[int, bool] = {}  # Adaptive: each fragment's current rule
-        # Steps of each fragment handed over since its anchor that no commit has merged yet.
-        self._unlanded = [0] * run.P
+        # Per fragment, (round, steps) of each contribution handed over that no commit has merged yet.
+        self._unlanded: list[list[tuple[int, int]]] = [[] for _ in range(run.P)]
         self._keeps_snapshots = isinstance(self.cfg.alignment, Carry | Adaptive)
         self._last_step_at: float | None = None
         self._nominal0 = 0
@@ -131,22 +131,29 @@ class Learner:
             return
         f = c.fragment
         incoming = c.incoming or self.io.stage(c.theta)
+        # The newest round of the fragment, up to this one, that merged this learner's contribution:
+        # this one, or one the node read while it skipped records to catch up (``c.landed``).
+        landed = c.round if self.me in c.participants else c.landed
+        # Handed over, of rounds up to this one, and in no commit: Carry keeps it in the local delta.
+        self._unlanded[f] = [(r, n) for r, n in self._unlanded[f] if landed is None or r > landed]
+        carried = 0
         if self._carries(c):
             sent = self._sent.get(f)
-            # The snapshot is what this learner sent to the committed round; without a part in
-            # it, everything since the anchor is still local only, and is kept.
-            since = sent[1] if sent is not None and sent[0] == c.round and self.me in c.participants else None
+            # The snapshot is what this learner sent to the committed round, or to an earlier round
+            # of the fragment that merged it (the commit descends from it); without a part in either,
+            # everything since the anchor is still local only, and is kept.
+            since = sent[1] if sent is not None and sent[0] == landed else None
             incoming.carry(since, self.anchors[f])
             keep = 1.0
-            # Carried from the anchor: what this learner handed over and no commit merged rides on.
-            carried = self._unlanded[f] if since is None else 0
+            carried = sum(n for r, n in self._unlanded[f] if r <= c.round)
         else:
             incoming.write(self.cfg.mixing)
             keep = self.cfg.mixing
-            carried = 0
-        self._unlanded[f] = carried
+            self._unlanded[f] = [(r, n) for r, n in self._unlanded[f] if r > c.round]
         if f in self._sent and self._sent[f][0] <= c.round:
             del self._sent[f]
+        if landed is not None and landed < c.round:  # (its round skipped: the delta it owes is due)
+            self.io.settle(f, landed, merged=True)
         self.io.settle(f, c.round, merged=self.me in c.participants)
         self.anchors[f] = c.theta
         if c.lent:  # (only ever set where this learner consumes: ``Bridge.lend``)
@@ -260,7 +267,7 @@ class Learner:
                 delta = self.io.capture(names, self.anchors[f], keep=self._keeps_snapshots, slot=(f, r))
             if self._keeps_snapshots:
                 self._sent[f] = (r, delta)
-            self._unlanded[f] += steps
+            self._unlanded[f].append((r, steps))
             self.bridge.publish(
                 Publish(
                     round=r,

@@ -72,4 +72,5 @@ class Publisher:
             s.own_snapshots[pub.round] = snap
         s.snapshot_keys.setdefault(pub.round, set()).add(me)
         s.contributed = max(s.contributed, pub.round)
+        s.uploaded[pub.fragment] = max(s.uploaded.get(pub.fragment, -1), pub.round)
         self.emit(ev.Published(me, pub.round, pub.fragment, pub.steps, pub.tokens, ref_size(ref), pub.final))

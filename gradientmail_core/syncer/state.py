@@ -57,6 +57,9 @@ class NodeState:
     # round, instead of being read back from the store.
     own_snapshots: dict[int, Snapshot] = field(default_factory=dict)
     contributed: int = -1  # the newest round this node wrote a snapshot for (the publisher)
+    uploaded: dict[int, int] = field(default_factory=dict)  # fragment -> the newest such round of it
+    # fragment -> the newest round of it whose commit merged this node's contribution (the follower)
+    landed: dict[int, int] = field(default_factory=dict)
     # Who this node has seen (``View.sightings``): learner -> number of the newest listing.
     listing: int = 0
     sightings: dict[str, int] = field(default_factory=dict)
