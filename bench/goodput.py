@@ -222,12 +222,29 @@ class Evaluator:
         self.batches = charlm.heldout_batches(charlm.encode(text["heldout"]), batches=16, batch=32, block=block)
         self.mailbox = gm.S3Mailbox(bucket, prefix, endpoint_url=endpoint)
 
-    def params(self) -> tuple[int, dict[str, np.ndarray]]:
+    def params(self, upto: int | None = None) -> tuple[int, dict[str, np.ndarray]]:
+        """The newest committed round and parameters; ``upto``: as of that round (what a node that
+        left there holds)."""
+        from gradientmail_core.protocol import keys
+        from gradientmail_core.protocol.run import RunInfo, read_manifest
         from gradientmail_core.protocol.store import RunStore
-        from gradientmail_core.protocol.tape import load_newest
+        from gradientmail_core.protocol.tape import fetch_theta, load_newest, newest_records, round_keys
 
-        _, head, newest = load_newest(RunStore(self.mailbox), self.schema)
-        return head, {n: v for theta in newest.values() for n, v in theta.items()}
+        store = RunStore(self.mailbox)
+        if upto is None:
+            _, head, newest = load_newest(store, self.schema)
+            return head, {n: v for theta in newest.values() for n, v in theta.items()}
+        manifest = read_manifest(store)
+        assert manifest is not None
+        run = RunInfo.from_manifest(manifest)
+        listed = [k for k in round_keys(store) if (r := keys.parse_round_key(k)) is not None and r <= upto]
+        recs = newest_records(store, run, listed)
+        out: dict[str, np.ndarray] = {}
+        for f in range(run.P):
+            theta = fetch_theta(store, run, f, recs.get(f))
+            assert theta is not None, f"the parameters of fragment {f} as of round {upto} are gone"
+            out.update(theta)
+        return max((r.round for r in recs.values()), default=-1), out
 
     def newest(self) -> tuple[int, float]:
         head, params = self.params()
@@ -320,8 +337,8 @@ def run_once(opts: Options, endpoint: str, name: str, faults: bool, say) -> RunD
         for node in nodes.values():
             node.proxy.close()
     records, contiguous = _tape(client, bucket, prefix, opts.fragments)
-    identical = _identical(watcher._evaluator, tmp / "out", names)
     logs = {n: [json.loads(line) for line in _lines(tmp / f"{n}.jsonl")] for n in names}
+    identical = _identical(watcher._evaluator, tmp / "out", logs)
     return RunData(
         name=name,
         faults=faults,
@@ -544,12 +561,24 @@ def _tape(client: Any, bucket: str, prefix: str, P: int) -> tuple[list[dict[str,
     return recs, contiguous
 
 
-def _identical(evaluator: Evaluator, out: Path, names: list[str]) -> bool:
-    _, committed = evaluator.params()
-    for n in names:
+def _identical(evaluator: Evaluator, out: Path, logs: dict[str, list[dict[str, Any]]]) -> bool:
+    """Every survivor left bit-identical with the commit of the round it left at (its last
+    ``Left``), and those that left last with the newest commit. (Learners leave when they have no
+    round in flight: one whose schedule had a round due that the others' had not contributes to it,
+    closes it alone after they left, and leaves one commit later.)"""
+    head, newest = evaluator.params()
+    at: dict[int, dict[str, np.ndarray]] = {head: newest}
+    lefts = {n: next((e["round"] for e in reversed(log) if e["ev"] == "Left"), None) for n, log in logs.items()}
+    if not lefts or any(r is None for r in lefts.values()) or max(r for r in lefts.values() if r is not None) != head:
+        return False
+    for n, r in lefts.items():
+        assert r is not None
         path = out / f"{n}.npz"
         if not path.exists():
             return False
+        if r not in at:
+            at[r] = evaluator.params(upto=r)[1]
+        committed = at[r]
         with np.load(path, allow_pickle=False) as z:
             if set(z.files) != set(committed) or not all(np.array_equal(z[k], committed[k]) for k in z.files):
                 return False
