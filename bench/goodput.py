@@ -532,20 +532,27 @@ def _settle(opts: Options, nodes: dict[str, Node], fault_log, watcher: Watcher, 
             if node.proc is not None and node.proc.poll() is not None:
                 node.start()
                 node.busy = False
-        pending = [v for v in victims if not _contributed_since_restart(tmp / f"{v}.jsonl", watcher)]
+        pending = [v for v in victims if not _contributed_since_restart(nodes[v])]
         if not pending:
             return
         time.sleep(0.5)
     say(f"  settle: {opts.settle_s:g} s passed before every victim contributed again")
 
 
-def _contributed_since_restart(log: Path, watcher: Watcher) -> bool:
-    lines = [json.loads(s) for s in _lines(log)]
-    starts = [i for i, e in enumerate(lines) if e["ev"] == "start"]
-    if not starts:
+def _contributed_since_restart(node: Node) -> bool:
+    """Whether the node's current process has had a contribution merged: a round it published
+    that it then aligned with as a participant. (Its process, not the one before: a restarted
+    process writes its first line a second or two after it starts, so "the newest start line in the
+    log" would be the killed process's for that while.)"""
+    lines = [json.loads(s) for s in _lines(node.log)]
+    start = next(
+        (i for i, e in enumerate(lines) if e["ev"] == "start" and e.get("incarnation") == node.incarnation), None
+    )
+    if start is None:
         return False
-    mine = [e["round"] for e in lines[starts[-1] :] if e["ev"] == "Published"]
-    return any(r in watcher.seen for r in mine)
+    inc = lines[start:]
+    mine = {e["round"] for e in inc if e["ev"] == "Published"}
+    return any(e["ev"] == "Aligned" and e["round"] in mine and node.name in e.get("participants", ()) for e in inc)
 
 
 def _tape(client: Any, bucket: str, prefix: str, P: int) -> tuple[list[dict[str, Any]], bool]:

@@ -1,15 +1,15 @@
 """The goodput bench (``bench/goodput.py``) at CI size: 8 learner processes over moto's S3 server,
 each through its own fault proxy (``bench/_faults.py``), one fault of every kind (a kill and
 restart, a freeze past the lease, a partition, a straggler, the closer killed in the middle of its
-commit) in a 30 s window, then the same config fault-free (the twin).
+commit) in a 30 s window. (No fault-free twin: the 10-minute run by hand has it, for the ratios.)
 
 Asserted: every fault kind happened (the closer kill landed between the round's payloads and its
 record); every killed node came back and contributed to a commit again; the survivors end
-bit-identical with the newest commit and the tape is contiguous, in both runs; every learner exited
-cleanly; the goodput ledger is whole (each computed fragment-step in exactly one category, none
-negative, the merged steps the logs count equal to what the round records list, up to what a kill
-can take from a log); and the figures are in range, with ours ahead of synchronous data parallel
-under the same fault log. No wall-clock threshold: a busy machine slows both runs alike.
+bit-identical with the commit of the round each left at and the tape is contiguous; every learner
+exited cleanly; the goodput ledger is whole (each computed fragment-step in exactly one category,
+none negative, the merged steps the logs count equal to what the round records list, up to what a
+kill can take from a log, once what Carry kept is set apart); and the figures are in range, with
+ours ahead of synchronous data parallel under the same fault log. No wall-clock threshold.
 ``GM_GOODPUT_SEED`` picks the schedule.
 """
 
@@ -126,38 +126,39 @@ def test_goodput_bench_under_every_fault_kind_recovers_and_accounts_for_every_st
         straggle_s=(8.0, 12.0),
         eval_every=15.0,
         settle_s=120.0,
+        # No fault-free twin here (the 10-minute run has one, for the ratios): it doubled the test's
+        # time, and fault-free runs ending identical on a contiguous tape are checked elsewhere.
+        twin=False,
         workdir=tmp_path,
         plot=tmp_path / "timeline.png",
     )
     lines: list[str] = []
     t = time.monotonic()
     res, chaos, twin = goodput.bench(opts, say=lines.append)
+    assert twin is None
     log = "\n".join(lines) + f"\nGM_GOODPUT_SEED={seed}, {time.monotonic() - t:.0f} s"
 
     assert all(res["faults"][k] >= 1 for k in goodput.KINDS), (res["faults"], log)
     assert res["closer_kills_mid_commit"] >= 1, (res["kill_detail"], log)
     assert res["kills"] >= 2 and res["kills_recovered"] == res["kills"], (res["kill_detail"], log)
-    assert not res["exits_nonzero"] and all(c == 0 for c in twin.exits.values()), log
+    assert not res["exits_nonzero"], log
     assert res["identical"] and res["contiguous"], log
-    assert res["twin_identical"] and res["twin_contiguous"], log
 
     P, H = opts.fragments, opts.sync_every
-    for run in (chaos, twin):
-        book = goodput.ledger(run, P)
-        parts = ("merged", "lost_to_kill", "dropped", "rejected", "never_merged", "skipped", "unpublished_at_end")
-        assert all(book[k] >= 0 for k in parts), (book, log)
-        assert sum(book[k] for k in parts) == book["computed"] > 0, (book, log)
-        kills = sum(e["kind"] in ("kill", "closer_kill") for e in run.fault_log)
-        # a SIGKILL between a snapshot's write and its log line hides at most in_flight contributions
-        assert 0 <= book["merged_in_records"] - (book["merged"] - book["carried_merged"]) <= kills * 2 * H, (book, log)
-    assert goodput.ledger(twin, P)["lost_to_kill"] == 0
+    book = goodput.ledger(chaos, P)
+    parts = ("merged", "lost_to_kill", "dropped", "rejected", "never_merged", "skipped", "unpublished_at_end")
+    assert all(book[k] >= 0 for k in parts), (book, log)
+    assert sum(book[k] for k in parts) == book["computed"] > 0, (book, log)
+    kills = sum(e["kind"] in ("kill", "closer_kill") for e in chaos.fault_log)
+    # a SIGKILL between a snapshot's write and its log line hides at most in_flight contributions
+    assert 0 <= book["merged_in_records"] - (book["merged"] - book["carried_merged"]) <= kills * 2 * H, (book, log)
 
-    assert 0.0 < res["goodput"] <= 1.0 and 0.0 < res["twin_goodput"] <= 1.0, res
-    assert 0.0 < res["step_efficiency"] and 0.0 < res["capacity"], res
+    assert 0.0 < res["goodput"] <= 1.0 and res["rounds_per_min"] > 0, res
     for k in ("dp_step_efficiency", "elastic_dp_step_efficiency", "dp_goodput", "elastic_dp_goodput"):
         assert 0.0 <= res[k] <= 1.0, (k, res[k])
-    # the same fault log stalls synchronous data parallel for every kill, freeze and cut
-    assert res["step_efficiency"] > res["dp_step_efficiency"], (res, log)
+    # the same fault log stalls synchronous data parallel for every kill, freeze and cut: of the
+    # compute the available nodes could do, ours merges more than DP's model of it keeps
+    assert res["goodput_of_available"] > res["dp_goodput"], (res, log)
     assert res["median_kill_to_commit_s"] is not None and res["loss"] is not None, res
     assert (tmp_path / "timeline.png").stat().st_size > 0
     print(log)

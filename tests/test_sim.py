@@ -1,7 +1,7 @@
 """The deterministic simulation (gradientmail_sim): many seeds of many nodes under faults
 hold every invariant, every fault kind and critical path is reached, and a seed replays exactly.
 
-``GM_SIM_SEEDS`` (default 200, the fewest the coverage test accepts) and ``GM_SIM_ROUNDS`` (default 35: at 40 the rarest required path was still reached 33 times) size the sweep;
+``GM_SIM_SEEDS`` (default 200, the fewest the coverage test accepts) and ``GM_SIM_ROUNDS`` (default 30: at 40 the rarest required path was still reached 33 times) size the sweep;
 ``GM_SIM_SOAK=N`` adds a soak of N seeds from a random start (see docs/reliability.md);
 ``GM_SIM_FLEET_SEEDS`` (default 6) and ``GM_SIM_FLEET_ROUNDS`` (default 12) size the sweep of fleets of
 64..96 learners (``--fleet``), most of them with ``max_contributions``.
@@ -22,7 +22,7 @@ from gradientmail_sim import SimResult, run_many, run_seed
 ROOT = Path(__file__).resolve().parent.parent
 
 SEEDS = int(os.environ.get("GM_SIM_SEEDS", "200"))
-ROUNDS = int(os.environ.get("GM_SIM_ROUNDS", "35"))
+ROUNDS = int(os.environ.get("GM_SIM_ROUNDS", "30"))
 FLEET_SEEDS = int(os.environ.get("GM_SIM_FLEET_SEEDS", "6"))
 FLEET_ROUNDS = int(os.environ.get("GM_SIM_FLEET_ROUNDS", "12"))
 
