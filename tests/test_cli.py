@@ -57,6 +57,9 @@ def train(
         learner_id=f"learner-{learner}",
         poll_interval=0.02,
         lease_timeout=2.0,
+        # A learner that finishes after the others closes its last rounds below the quorum: by the
+        # round timeout (30 s at its default floor; it made this module's fixture take 62 s once).
+        round_timeout=2.0,
         seed=learner,
         callbacks=(),
     ) as session:
