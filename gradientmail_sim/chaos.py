@@ -130,7 +130,12 @@ class Chaos(NodeActions):
         elif what == "arm":
             ops, prefix = self.rng.choice(CRASH_TARGETS)
             phase: Phase = self.rng.choice(["before", "landed", "replied"])
-            sn.faulty.arm_crash(after_calls=self.rng.randint(0, 20), phase=phase, ops=ops, prefix=prefix)
+            # A node writes a round record (and its payloads) only when it closes a round, a few
+            # times a run: armed on those, the crash comes within the next few such writes, or the
+            # commit point itself is almost never hit.
+            rare = ops == ("put",) and prefix in (keys.ROUNDS, keys.ROUND_BLOBS)
+            skip = self.rng.randint(0, 2 if rare else 20)
+            sn.faulty.arm_crash(after_calls=skip, phase=phase, ops=ops, prefix=prefix)
             self.stats["chaos/arm"] += 1
         elif what == "stall":
             sn.stalled_until = self.T + self.rng.uniform(0.2, 3 * lease)

@@ -1,7 +1,9 @@
 """The deterministic simulation (gradientmail_sim): many seeds of many nodes under faults
 hold every invariant, every fault kind and critical path is reached, and a seed replays exactly.
 
-``GM_SIM_SEEDS`` (default 200, the fewest the coverage test accepts) and ``GM_SIM_ROUNDS`` (default 30: at 40 the rarest required path was still reached 33 times) size the sweep;
+``GM_SIM_SEEDS`` (default 140, the fewest the coverage test accepts: the rarest required paths, a
+crash just before and just after the commit point, are each reached in 5 to 8 of them) and
+``GM_SIM_ROUNDS`` (default 30) size the sweep;
 ``GM_SIM_SOAK=N`` adds a soak of N seeds from a random start (see docs/reliability.md);
 ``GM_SIM_FLEET_SEEDS`` (default 6) and ``GM_SIM_FLEET_ROUNDS`` (default 12) size the sweep of fleets of
 64..96 learners (``--fleet``), most of them with ``max_contributions``.
@@ -21,7 +23,7 @@ from gradientmail_sim import SimResult, run_many, run_seed
 
 ROOT = Path(__file__).resolve().parent.parent
 
-SEEDS = int(os.environ.get("GM_SIM_SEEDS", "200"))
+SEEDS = int(os.environ.get("GM_SIM_SEEDS", "140"))
 ROUNDS = int(os.environ.get("GM_SIM_ROUNDS", "30"))
 FLEET_SEEDS = int(os.environ.get("GM_SIM_FLEET_SEEDS", "6"))
 FLEET_ROUNDS = int(os.environ.get("GM_SIM_FLEET_ROUNDS", "12"))
@@ -100,8 +102,8 @@ def test_every_fault_kind_and_critical_path_is_reached(sweep):
     print("stats:", dict(sorted(stats.items())))
     print("faults:", dict(sorted((k, v) for k, v in faults.items() if k.count("/") <= 1)))
     print("resolved:", dict(sorted(resolved.items())))
-    if SEEDS < 200:
-        pytest.skip("coverage is asserted over at least 200 seeds")
+    if SEEDS < 140:
+        pytest.skip("coverage is asserted over at least 140 seeds")
     assert not [k for k in MUST_REACH if not stats[k]], "never reached"
     assert not [k for k in MUST_FAULT if not faults[k]], "never injected"
     assert not [k for k in MUST_RESOLVE if not resolved[k]], "never resolved"
